@@ -1,0 +1,930 @@
+"""Utilities for distribution strategy with the PyTorch backend.
+
+Keras' `DeviceMesh` maps onto a `torch.distributed.device_mesh.DeviceMesh`
+with one device per process (the torchrun model: one rank per GPU, or per CPU
+process on gloo), and a `TensorLayout` maps onto DTensor placements, so that
+variables, layer outputs and data inputs are sharded the way the JAX backend
+shards them. A plain (non-DTensor) tensor stands for a global value, as a
+plain array does in JAX.
+"""
+
+import collections
+import contextlib
+import datetime
+import functools
+import logging
+import os
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from packaging.version import parse
+
+from keras.src import tree
+from keras.src.backend.common import global_state
+
+try:
+    from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import distribute_tensor as _dtensor_put
+    from torch.distributed.tensor.experimental import implicit_replication
+except ImportError:  # torch < 2.5, or a build without torch.distributed.
+    DTensor = None
+
+MIN_TORCH_VERSION = "2.5"
+# Environment variables, all off by default.
+DEBUG_ENV = "KERAS_DISTRIBUTION_DEBUG"
+CHECK_REPLICATION_ENV = "KERAS_DISTRIBUTION_CHECK_REPLICATION"
+# torchrun's description of the job.
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+logger = logging.getLogger("keras.distribution")
+
+TorchLayout = collections.namedtuple(
+    "TorchLayout", ["device_mesh", "placements", "ndim"]
+)
+TorchLayout.__doc__ = """The torch counterpart of a Keras `TensorLayout`.
+
+Attributes:
+    device_mesh: the `torch.distributed.device_mesh.DeviceMesh`.
+    placements: one DTensor placement per mesh dimension.
+    ndim: the rank of the tensors this layout applies to.
+"""
+
+# The distribution last passed to `set_distribution`. Keras keeps its global
+# state per thread, but hooks also run on threads that never set it (CUDA
+# autograd runs the backward pass on device threads).
+_process_distribution = None
+# torch device meshes by (device type, ranks, axis names): a 2-D mesh creates
+# process groups, which must not be created again for every Keras mesh.
+_torch_meshes = {}
+
+
+def list_devices(device_type=None):
+    """Return all the available devices based on the device type.
+
+    In a multi-process job (torchrun, or an initialized process group) these
+    are the global devices, one per process: `"gpu:i"` or `"cpu:i"` where `i`
+    is the global rank. In a single process, the local devices.
+
+    Args:
+        device_type: string of `"cpu"` or `"gpu"`. Defaults to `"gpu"` if
+            CUDA is available, otherwise `"cpu"`.
+
+    Returns:
+        List of device names that are available for distributed computation.
+    """
+    device_type = _standardize_device_type(device_type)
+    if device_type == "gpu" and not torch.cuda.is_available():
+        return []
+    if _job_world_size() > 1:
+        return [f"{device_type}:{i}" for i in range(_job_world_size())]
+    if device_type == "gpu":
+        return [f"gpu:{i}" for i in range(torch.cuda.device_count())]
+    return ["cpu:0"]
+
+
+def get_device_count(device_type=None):
+    """Returns the number of devices `list_devices(device_type)` returns.
+
+    Args:
+        device_type: string of `"cpu"` or `"gpu"`. Defaults to `"gpu"` if
+            CUDA is available, otherwise `"cpu"`.
+
+    Returns:
+        int: the number of devices of that type in the job.
+    """
+    return len(list_devices(device_type))
+
+
+def initialize(job_addresses=None, num_processes=None, process_id=None):
+    """Initializes the default process group of a multi-process job.
+
+    Arguments left as `None` are read from torchrun's environment (`RANK`,
+    `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`). Uses NCCL (with gloo for CPU
+    tensors) when CUDA is available, with `LOCAL_RANK` as the device, and
+    gloo otherwise. Calling it again, or after the process group was created
+    elsewhere, only checks that the arguments agree with the group.
+
+    Also agrees on one global random seed across processes when none was set
+    with `keras.utils.set_random_seed()`.
+
+    Args:
+        job_addresses: string, comma separated `host:port` of all processes
+            or of the coordinator alone; the first one is the coordinator.
+        num_processes: int, the number of processes in the job.
+        process_id: int, the rank of this process, in `[0, num_processes)`.
+    """
+    _check_torch_version()
+    coordinator, num_processes, process_id = _resolve_job(
+        job_addresses, num_processes, process_id
+    )
+    if dist.is_initialized():
+        _check_job_matches_group(num_processes, process_id)
+    else:
+        _init_process_group(coordinator, num_processes, process_id)
+    initialize_rng()
+
+
+def num_processes():
+    """Return the number of processes for the current distribution setting."""
+    return _job_world_size()
+
+
+def process_id():
+    """Return the current process ID for the distribution setting."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", 0))
+
+
+def initialize_rng():
+    """Makes every process use the same global random seed.
+
+    Without an explicit `keras.utils.set_random_seed()`, each process draws
+    its own seed; process 0's is broadcast and set everywhere, so that
+    unseeded random ops (initializers, dropout) agree across processes.
+    """
+    from keras.src.utils import rng_utils
+
+    if rng_utils.get_random_seed() is not None or _job_world_size() == 1:
+        return
+    from keras.src.random import seed_generator
+
+    seed = torch.tensor([seed_generator.make_default_seed()], dtype=torch.int64)
+    dist.broadcast(seed, src=0)
+    rng_utils.set_random_seed(int(seed.item()))
+
+
+def set_global_distribution(distribution):
+    """Validates and records the distribution passed to `set_distribution`.
+
+    The torch mesh is built here, so that a mesh that does not match the job
+    fails at once, before any variable or collective uses it.
+
+    Args:
+        distribution: a `keras.distribution.Distribution`, or `None`.
+    """
+    global _process_distribution
+    if distribution is not None:
+        _check_torch_version()
+        distribution.device_mesh.backend_mesh
+    _process_distribution = distribution
+
+
+def distribute_variable(value, layout):
+    """Creates the sharded value of a variable from its full value.
+
+    Process 0's value is scattered (or broadcast), so all processes hold the
+    same variable even if their random initializers were seeded differently.
+
+    Args:
+        value: the full (global) value, a `torch.Tensor`.
+        layout: `TensorLayout` (or `TorchLayout`) of the variable.
+
+    Returns:
+        A `DTensor` holding this process' shard.
+    """
+    layout = _to_torch_layout(layout)
+    _check_rank(value, layout, "variable")
+    value = value.detach()
+    if isinstance(value, DTensor):
+        return value.redistribute(layout.device_mesh, layout.placements)
+    return _dtensor_put(value, layout.device_mesh, layout.placements)
+
+
+def distribute_tensor(tensor, layout):
+    """Lays out a tensor, or every tensor in a nested structure.
+
+    Differentiable: a tensor with autograd history keeps it. A plain tensor
+    is taken as the global value, identical on every process (as a plain
+    array is in JAX), and cut locally without communication. Symbolic (meta)
+    tensors and non-tensors pass through.
+
+    Args:
+        tensor: a tensor, `DTensor` or nested structure of them.
+        layout: `TensorLayout` (or `TorchLayout`) to apply to each tensor.
+
+    Returns:
+        The same structure with every tensor laid out as `layout` says.
+    """
+    layout = _to_torch_layout(layout)
+    return tree.map_structure(
+        functools.partial(_distribute_leaf, layout=layout), tensor
+    )
+
+
+def distribute_data_input(
+    per_process_batch, layout, batch_dim_name, global_batch_size=None
+):
+    """Assembles the global batch from each process' part of it.
+
+    The processes along the batch axis hold consecutive parts of the global
+    batch, sized like `torch.chunk` splits it (a last, smaller part when the
+    batch does not divide evenly; processes along other mesh axes hold the
+    same part).
+
+    Args:
+        per_process_batch: this process' part of the batch: a tensor, numpy
+            array, or nested structure of them.
+        layout: `TensorLayout` (or `TorchLayout`) of the global batch.
+        batch_dim_name: name of the mesh axis the batch is sharded on.
+        global_batch_size: the size of the global batch if the caller knows
+            it; otherwise the processes exchange their part sizes.
+
+    Returns:
+        A `DTensor` (or structure of them) holding the global batch.
+    """
+    layout = _to_torch_layout(layout)
+    leaves = tree.flatten(per_process_batch)
+    if not leaves:
+        return per_process_batch
+    if global_batch_size is None:
+        local_size = int(_leading_dim(leaves[0]))
+        sizes = _gather_part_sizes(local_size, layout, batch_dim_name)
+        global_batch_size = sum(sizes)
+        _check_part_sizes(sizes, global_batch_size)
+
+    def put(x):
+        x = _as_local_tensor(x)
+        _check_rank(x, layout, "data input")
+        shape = (global_batch_size,) + tuple(x.shape[1:])
+        _log_debug(
+            "data input: local %s -> global %s %s",
+            tuple(x.shape),
+            shape,
+            layout.placements,
+        )
+        return DTensor.from_local(
+            x,
+            layout.device_mesh,
+            layout.placements,
+            run_check=False,
+            shape=torch.Size(shape),
+            stride=_contiguous_strides(shape),
+        )
+
+    return tree.map_structure(put, per_process_batch)
+
+
+def all_gather_variable(variable):
+    """Returns the full value of a (possibly sharded) variable.
+
+    Every process must call it: gathering shards is a collective.
+
+    Args:
+        variable: a Keras `Variable` or a tensor.
+
+    Returns:
+        A plain `torch.Tensor` with the global value.
+    """
+    value = getattr(variable, "value", variable)
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    return value
+
+
+def all_reduce(x, op="sum", axis_name="model"):
+    """Reduces `x` over the processes along one mesh axis.
+
+    Like `jax.lax.psum` over a named axis: `x` is this process' own value
+    (the local shard of a `DTensor`), and every process of the axis gets the
+    reduction of all their values.
+
+    Args:
+        x: a tensor (a `DTensor` contributes its local shard).
+        op: `"sum"`, `"mean"`, `"max"` or `"min"`.
+        axis_name: name of the mesh axis of the current distribution.
+
+    Returns:
+        A plain `torch.Tensor`.
+    """
+    reduce_ops = {
+        "sum": dist.ReduceOp.SUM,
+        "mean": dist.ReduceOp.SUM,
+        "max": dist.ReduceOp.MAX,
+        "min": dist.ReduceOp.MIN,
+    }
+    if op not in reduce_ops:
+        raise ValueError(
+            f"`op` must be one of {sorted(reduce_ops)}. Received: op={op}"
+        )
+    group = _axis_group(axis_name)
+    result = _as_local_tensor(x).clone()
+    dist.all_reduce(result, op=reduce_ops[op], group=group)
+    if op == "mean":
+        result = result / dist.get_world_size(group)
+    return result
+
+
+def all_gather(x, axis=0, axis_name="model"):
+    """Concatenates `x` from the processes along one mesh axis.
+
+    Like `jax.lax.all_gather(..., tiled=True)`: parts may differ in size
+    along `axis` (they are padded for the exchange and cut back).
+
+    Args:
+        x: a tensor (a `DTensor` contributes its local shard).
+        axis: the tensor dimension to concatenate on.
+        axis_name: name of the mesh axis of the current distribution.
+
+    Returns:
+        A plain `torch.Tensor`, the parts in mesh order.
+    """
+    group = _axis_group(axis_name)
+    x = _as_local_tensor(x)
+    axis = axis % x.ndim
+    sizes = _all_gather_ints(x.shape[axis], group)
+    pad = [0, 0] * (x.ndim - axis - 1) + [0, max(sizes) - x.shape[axis]]
+    padded = torch.nn.functional.pad(x, pad).contiguous()
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([p.narrow(axis, 0, n) for p, n in zip(parts, sizes)], axis)
+
+
+def layer_call_scope(args, kwargs):
+    """Context of a Keras layer call under a distribution.
+
+    Plain tensors inside the call (the inputs, constants made by ops) are
+    global values: DTensor ops treat them as replicated. With
+    `KERAS_DISTRIBUTION_CHECK_REPLICATION=1`, plain float inputs of the
+    outermost layer call are first checked to be identical on all processes.
+
+    Args:
+        args: the positional arguments of the call.
+        kwargs: the keyword arguments of the call.
+
+    Returns:
+        A context manager.
+    """
+    if DTensor is None or current_distribution() is None:
+        return contextlib.nullcontext()
+    if os.environ.get(CHECK_REPLICATION_ENV) == "1":
+        check_replicated((args, kwargs), "layer call input")
+    return implicit_replication()
+
+
+def check_replicated(values, name):
+    """Raises if plain tensors in `values` differ between processes.
+
+    A collective: all processes must call it with the same structure.
+
+    Args:
+        values: a tensor or nested structure of them; `DTensor`s and
+            non-tensors are skipped.
+        name: what the values are, for the error message.
+    """
+    leaves = [
+        (path, x)
+        for path, x in _flatten_with_path(values)
+        if isinstance(x, torch.Tensor)
+        and not isinstance(x, DTensor)
+        and not x.is_meta
+    ]
+    if _job_world_size() == 1 or not leaves:
+        return
+    digests = torch.stack([_digest(x) for _, x in leaves])
+    gathered = [torch.empty_like(digests) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, digests)
+    for (path, x), *per_rank in zip(leaves, *gathered):
+        differing = [
+            r for r, d in enumerate(per_rank) if not torch.equal(d, per_rank[0])
+        ]
+        if differing:
+            raise ValueError(
+                f"The {name} at {path} (shape {tuple(x.shape)}) is a plain "
+                "tensor, which Keras treats as one global value replicated "
+                "on every process, but it differs on processes "
+                f"{differing} from process 0. Pass the same value on every "
+                "process, or distribute it explicitly with "
+                "`keras.distribution.distribute_tensor`."
+            )
+
+
+def current_distribution():
+    """Returns the distribution in effect, also on threads that never set it.
+
+    Returns:
+        A `keras.distribution.Distribution`, or `None`.
+    """
+    distribution = global_state.get_global_attribute("distribution")
+    return distribution if distribution is not None else _process_distribution
+
+
+def initialize_variable(variable):
+    """Distributes a newly created variable as the distribution lays it out.
+
+    Called at the end of `Variable._initialize`; variables created outside a
+    distribution (or on the meta device) keep their plain value.
+
+    Args:
+        variable: the Keras `Variable`, whose `_value` is its full value.
+
+    Returns:
+        The torch parameter the variable should hold.
+    """
+    value = variable._value
+    distribution = current_distribution()
+    if distribution is None or value.is_meta or isinstance(value, DTensor):
+        return value
+    if variable._shape is None:
+        variable._shape = variable._validate_shape(value.shape)
+    layout = distribution.get_variable_layout(variable)
+    if layout is None:
+        return value
+    variable._layout = layout
+    torch_layout = _to_torch_layout(layout)
+    _check_rank(value, torch_layout, f"variable '{variable.path}'")
+    sharded = distribute_variable(value, torch_layout)
+    _log_debug(
+        "variable %s: axes %s -> %s, global %s, local %s",
+        variable.path,
+        getattr(layout, "axes", None),
+        torch_layout.placements,
+        tuple(sharded.shape),
+        tuple(sharded.to_local().shape),
+    )
+    return torch.nn.Parameter(
+        sharded, requires_grad=value.requires_grad and variable.trainable
+    )
+
+
+def match_layout(value, reference):
+    """Lays out `value` like the variable value `reference`, for assignment.
+
+    Args:
+        value: the new value, a plain tensor (a global value) or a `DTensor`.
+        reference: the variable's current value.
+
+    Returns:
+        `value` with the placements of `reference`.
+    """
+    if DTensor is None or not isinstance(reference, DTensor):
+        return to_global_value(value)
+    mesh, placements = reference.device_mesh, reference.placements
+    if isinstance(value, DTensor):
+        return value.redistribute(mesh, placements)
+    value = torch.as_tensor(value, device=reference.device)
+    return _dtensor_put(value, mesh, placements, src_data_rank=None)
+
+
+def to_global_value(x):
+    """Returns the global value of `x` as a plain tensor (a collective).
+
+    Args:
+        x: a tensor or `DTensor`.
+
+    Returns:
+        A plain `torch.Tensor`.
+    """
+    if DTensor is not None and isinstance(x, DTensor):
+        if all(p.is_replicate() for p in x.placements):
+            return x.to_local()
+        return x.full_tensor()
+    return x
+
+
+def rebind_module_parameter(module, name, parameter):
+    """Makes `module.<name>` (a dotted torch name) refer to `parameter`.
+
+    A wrapped torch module must compute with the distributed parameter its
+    Keras variable holds, not with the full one it was built with.
+
+    Args:
+        module: a `torch.nn.Module`.
+        name: the parameter's name in `module.named_parameters()`.
+        parameter: the new `torch.nn.Parameter`.
+    """
+    owner_name, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_name)
+    if owner._parameters.get(leaf) is not parameter:
+        owner.register_parameter(leaf, parameter)
+
+
+def _to_backend_device(device_name):
+    """Returns the global rank that owns a Keras device name.
+
+    Args:
+        device_name: `"gpu:i"` or `"cpu:i"` (`i` is the global rank).
+
+    Returns:
+        A pair `(device_type, rank)`.
+    """
+    device_type, _, index = str(device_name).lower().partition(":")
+    device_type = "gpu" if device_type == "cuda" else device_type
+    if device_type not in ("cpu", "gpu") or not index.isdigit():
+        raise ValueError(
+            "Devices must be named 'cpu:<rank>' or 'gpu:<rank>', as "
+            f"`keras.distribution.list_devices()` names them. Received: "
+            f"device='{device_name}'"
+        )
+    return device_type, int(index)
+
+
+def _to_backend_mesh(device_mesh):
+    """Convert the Keras `DeviceMesh` to a torch `DeviceMesh`.
+
+    Dimension names are the Keras axis names, and ranks follow the Keras
+    device list (the device `"gpu:i"` is rank `i`).
+
+    Args:
+        device_mesh: `keras.distribution.DeviceMesh` instance to convert.
+
+    Returns:
+        A `torch.distributed.device_mesh.DeviceMesh` instance.
+    """
+    _check_torch_version()
+    devices = [_to_backend_device(d) for d in device_mesh.devices.flatten()]
+    device_types = sorted({device_type for device_type, _ in devices})
+    ranks = [rank for _, rank in devices]
+    world_size = _job_world_size()
+    if len(device_types) > 1:
+        raise ValueError(
+            "A device mesh cannot mix device types. Received devices "
+            f"{device_mesh.devices.flatten().tolist()}"
+        )
+    if sorted(ranks) != list(range(world_size)):
+        raise ValueError(
+            f"The device mesh must hold every process of the job exactly "
+            f"once, one device per process. The mesh has {len(ranks)} "
+            f"devices {device_mesh.devices.flatten().tolist()} (shape "
+            f"{tuple(device_mesh.shape)}), but the job has {world_size} "
+            f"process(es), i.e. devices {list_devices(device_types[0])}. "
+            f"Use `keras.distribution.list_devices()` for the mesh, or "
+            f"launch {len(ranks)} processes (e.g. `torchrun "
+            f"--nproc_per_node={len(ranks)} ...`)."
+        )
+    if len(set(device_mesh.axis_names)) != len(device_mesh.axis_names):
+        raise ValueError(
+            f"Mesh axis names must be unique. Received: "
+            f"axis_names={device_mesh.axis_names}"
+        )
+    if not dist.is_initialized():
+        initialize()
+    torch_device_type = "cuda" if device_types[0] == "gpu" else "cpu"
+    key = (
+        torch_device_type,
+        tuple(ranks),
+        tuple(device_mesh.shape),
+        tuple(device_mesh.axis_names),
+        id(dist.group.WORLD),
+    )
+    if key not in _torch_meshes:
+        _torch_meshes[key] = TorchDeviceMesh(
+            torch_device_type,
+            torch.tensor(ranks).reshape(tuple(device_mesh.shape)),
+            mesh_dim_names=tuple(device_mesh.axis_names),
+        )
+        _log_debug(
+            "mesh: shape %s, axes %s, ranks %s",
+            tuple(device_mesh.shape),
+            tuple(device_mesh.axis_names),
+            ranks,
+        )
+    return _torch_meshes[key]
+
+
+def _to_backend_layout(tensor_layout):
+    """Convert the `TensorLayout` to DTensor placements on a torch mesh.
+
+    Each tensor dimension is sharded over the mesh axes named for it; a
+    dimension may name several axes (`("batch", "model")`), which shards it
+    over their product in the order `jax.sharding.PartitionSpec` uses (the
+    first axis outermost).
+
+    Args:
+        tensor_layout: `TensorLayout` instance to convert.
+
+    Returns:
+        A `TorchLayout`.
+    """
+    if tensor_layout.device_mesh is None:
+        raise ValueError(
+            "Cannot create sharding when device mesh is not set "
+            "for TensorLayout."
+        )
+    axis_names = list(tensor_layout.device_mesh.axis_names)
+    placements = [Replicate()] * len(axis_names)
+    for tensor_dim, axes in enumerate(tensor_layout.axes):
+        axes = axes if isinstance(axes, (tuple, list)) else (axes,)
+        axes = [axis for axis in axes if axis is not None]
+        mesh_dims = [_mesh_dim(a, axis_names, tensor_layout) for a in axes]
+        if mesh_dims != sorted(mesh_dims):
+            raise ValueError(
+                f"A tensor dimension sharded over several mesh axes must "
+                f"name them in mesh order {tuple(axis_names)}. Received: "
+                f"{tuple(axes)} for dimension {tensor_dim} of "
+                f"{tensor_layout}"
+            )
+        for mesh_dim in mesh_dims:
+            if placements[mesh_dim].is_shard():
+                raise ValueError(
+                    f"Mesh axis '{axis_names[mesh_dim]}' is used more than "
+                    f"once in the layout axes {tensor_layout.axes}. Each "
+                    "mesh axis can shard at most one tensor dimension."
+                )
+            placements[mesh_dim] = Shard(tensor_dim)
+    return TorchLayout(
+        tensor_layout.device_mesh.backend_mesh,
+        tuple(placements),
+        len(tensor_layout.axes),
+    )
+
+
+def _to_torch_layout(layout):
+    """Accepts a Keras `TensorLayout` or a `TorchLayout`."""
+    if isinstance(layout, TorchLayout):
+        return layout
+    if hasattr(layout, "backend_layout"):
+        return layout.backend_layout
+    raise ValueError(
+        "Expected a `keras.distribution.TensorLayout`. Received: "
+        f"layout={layout} (of type {type(layout)})"
+    )
+
+
+def _mesh_dim(axis_name, axis_names, tensor_layout):
+    if axis_name not in axis_names:
+        raise ValueError(
+            f"Unknown mesh axis '{axis_name}' in the layout axes "
+            f"{tensor_layout.axes}. The device mesh has axes "
+            f"{tuple(axis_names)}."
+        )
+    return axis_names.index(axis_name)
+
+
+def _distribute_leaf(x, layout):
+    if not isinstance(x, torch.Tensor) or x.is_meta:
+        return x
+    _check_rank(x, layout, "tensor")
+    if isinstance(x, DTensor):
+        if x.placements == layout.placements and (
+            x.device_mesh == layout.device_mesh
+        ):
+            return x
+        return x.redistribute(layout.device_mesh, layout.placements)
+    # `from_local` + `redistribute` (unlike `distribute_tensor`) keeps the
+    # autograd history; going from replicated to sharded is a local cut.
+    replicated = DTensor.from_local(
+        x,
+        layout.device_mesh,
+        [Replicate()] * layout.device_mesh.ndim,
+        run_check=False,
+    )
+    return replicated.redistribute(layout.device_mesh, layout.placements)
+
+
+def _check_rank(x, layout, what):
+    if x.ndim != layout.ndim:
+        raise ValueError(
+            f"The layout of the {what} has {layout.ndim} axes, but the "
+            f"{what} has rank {x.ndim} (shape {tuple(x.shape)}). Give the "
+            "layout one entry per tensor dimension."
+        )
+
+
+def _as_local_tensor(x):
+    """This process' own data of `x`, on the Keras device, as a tensor."""
+    if DTensor is not None and isinstance(x, DTensor):
+        return x.to_local()
+    from keras.src.backend.torch.core import get_device
+
+    return torch.as_tensor(x, device=get_device())
+
+
+def _leading_dim(x):
+    return x.shape[0] if hasattr(x, "shape") else len(x)
+
+
+def _gather_part_sizes(local_size, layout, batch_dim_name):
+    """Sizes of the batch parts of the processes along `batch_dim_name`."""
+    mesh = layout.device_mesh
+    if batch_dim_name not in (mesh.mesh_dim_names or ()):
+        raise ValueError(
+            f"The batch axis '{batch_dim_name}' is not an axis of the device "
+            f"mesh {mesh.mesh_dim_names}."
+        )
+    if mesh.size(mesh.mesh_dim_names.index(batch_dim_name)) == 1:
+        return [local_size]
+    return _all_gather_ints(local_size, mesh.get_group(batch_dim_name))
+
+
+def _check_part_sizes(sizes, global_batch_size):
+    expected = [
+        len(c) for c in torch.arange(global_batch_size).chunk(len(sizes))
+    ]
+    expected += [0] * (len(sizes) - len(expected))
+    if sizes != expected:
+        raise ValueError(
+            f"The per-process batch sizes {sizes} cannot form a global "
+            f"batch of {global_batch_size}: processes along the batch axis "
+            f"must hold parts sized like `torch.chunk` splits it "
+            f"({expected}), i.e. equal parts except a smaller last one. "
+            "Give every process the same batch size."
+        )
+
+
+def _all_gather_ints(value, group):
+    local = torch.tensor([int(value)], dtype=torch.int64, device=_comm_device())
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local, group=group)
+    return [int(p.item()) for p in parts]
+
+
+def _axis_group(axis_name):
+    distribution = current_distribution()
+    if distribution is None:
+        raise ValueError(
+            "Collectives over a mesh axis need a distribution. Call "
+            "`keras.distribution.set_distribution(...)` first."
+        )
+    mesh = distribution.device_mesh
+    if axis_name not in mesh.axis_names:
+        raise ValueError(
+            f"Unknown mesh axis '{axis_name}'. The device mesh has axes "
+            f"{tuple(mesh.axis_names)}."
+        )
+    return mesh.backend_mesh.get_group(axis_name)
+
+
+def _contiguous_strides(shape):
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _digest(x):
+    """A few numbers that differ when two tensors differ."""
+    x = x.detach().to(_comm_device()).reshape(-1).to(torch.float64)
+    weights = torch.arange(1, x.numel() + 1, dtype=torch.float64, device=x.device)
+    return torch.stack([x.sum(), (x * weights).sum(), (x * x).sum()])
+
+
+def _flatten_with_path(values):
+    return tree.flatten_with_path(values)
+
+
+def _comm_device():
+    """The device of tensors handed to collectives on the default group."""
+    if dist.get_backend() == "nccl" or "cuda:nccl" in str(dist.get_backend()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _job_world_size():
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def _standardize_device_type(device_type):
+    if device_type is None:
+        return "gpu" if torch.cuda.is_available() else "cpu"
+    device_type = device_type.lower()
+    if device_type == "cuda":
+        return "gpu"
+    if device_type not in ("cpu", "gpu"):
+        raise ValueError(
+            "The torch backend supports device types 'cpu' and 'gpu'. "
+            f"Received: device_type={device_type}"
+        )
+    return device_type
+
+
+def _check_torch_version():
+    if DTensor is None or parse(torch.__version__).release < (2, 5):
+        raise RuntimeError(
+            "Keras distribution with the torch backend needs "
+            f"torch>={MIN_TORCH_VERSION} (with `torch.distributed.tensor`). "
+            f"Found torch=={torch.__version__}. Upgrade torch, or run "
+            "without a distribution."
+        )
+
+
+def _resolve_job(job_addresses, num_processes, process_id):
+    """Reconciles the arguments of `initialize` with torchrun's environment.
+
+    Returns:
+        `(coordinator, num_processes, process_id)`; the coordinator is
+        `"host:port"`, or `None` to use torchrun's `MASTER_ADDR`/`PORT`.
+    """
+    env_world = os.environ.get("WORLD_SIZE")
+    env_rank = os.environ.get("RANK")
+    for name, given, env in (
+        ("num_processes", num_processes, env_world),
+        ("process_id", process_id, env_rank),
+    ):
+        if given is not None and env is not None and int(given) != int(env):
+            raise ValueError(
+                f"`{name}`={given} contradicts the launcher's environment "
+                f"(WORLD_SIZE={env_world}, RANK={env_rank}). Leave it unset "
+                "under torchrun, or pass the same value."
+            )
+    coordinator = None
+    if job_addresses:
+        addresses = [a.strip() for a in job_addresses.split(",") if a.strip()]
+        if num_processes is not None and len(addresses) > 1:
+            if len(addresses) != int(num_processes):
+                raise ValueError(
+                    f"The provided job_addresses {addresses} has "
+                    f"{len(addresses)} jobs, but num_processes is "
+                    f"{num_processes}"
+                )
+        coordinator = addresses[0]
+        if ":" not in coordinator:
+            raise ValueError(
+                "job_addresses must be given as 'host:port'. Received: "
+                f"job_addresses='{job_addresses}'"
+            )
+    if num_processes is None:
+        num_processes = int(env_world) if env_world is not None else 1
+    if process_id is None:
+        process_id = int(env_rank) if env_rank is not None else 0
+    num_processes, process_id = int(num_processes), int(process_id)
+    if num_processes < 1 or not 0 <= process_id < num_processes:
+        raise ValueError(
+            "process_id must be in [0, num_processes). Received: "
+            f"num_processes={num_processes}, process_id={process_id}"
+        )
+    if num_processes > 1 and coordinator is None:
+        missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+        if missing:
+            raise ValueError(
+                f"A job of {num_processes} processes needs the coordinator's "
+                "address: pass job_addresses='host:port' (or set "
+                "KERAS_DISTRIBUTION_JOB_ADDRESSES), or launch with torchrun. "
+                f"Missing environment variables: {missing}"
+            )
+    return coordinator, num_processes, process_id
+
+
+def _check_job_matches_group(num_processes, process_id):
+    if (num_processes, process_id) != (dist.get_world_size(), dist.get_rank()):
+        raise ValueError(
+            f"The process group is already initialized with world size "
+            f"{dist.get_world_size()} and rank {dist.get_rank()}, which "
+            f"contradicts num_processes={num_processes}, "
+            f"process_id={process_id}."
+        )
+
+
+def _init_process_group(coordinator, num_processes, process_id):
+    timeout = datetime.timedelta(
+        seconds=int(os.environ.get("KERAS_DISTRIBUTION_TIMEOUT", 600))
+    )
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", process_id))
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        # gloo alongside NCCL serves collectives on CPU tensors.
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        backend = "gloo"
+    kwargs = dict(
+        backend=backend,
+        world_size=num_processes,
+        rank=process_id,
+        timeout=timeout,
+    )
+    if num_processes == 1 and coordinator is None:
+        # A single process needs no rendezvous.
+        kwargs["store"] = dist.HashStore()
+    elif coordinator is not None:
+        kwargs["init_method"] = f"tcp://{coordinator}"
+    else:
+        kwargs["init_method"] = "env://"
+    dist.init_process_group(**kwargs)
+    _log_debug(
+        "process group: backend %s, world size %d", backend, num_processes
+    )
+
+
+def _log_debug(message, *args):
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug(message, *args)
+
+
+class _RankFilter(logging.Filter):
+    """Adds the process rank (never by a collective) to log records."""
+
+    def filter(self, record):
+        record.rank = process_id()
+        return True
+
+
+def _configure_logger():
+    if os.environ.get(DEBUG_ENV, "0") in ("", "0", "false", "False"):
+        return
+    handler = logging.StreamHandler()
+    handler.addFilter(_RankFilter())
+    handler.setFormatter(
+        logging.Formatter("[rank %(rank)s] %(name)s: %(message)s")
+    )
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    logger.propagate = False
+
+_configure_logger()

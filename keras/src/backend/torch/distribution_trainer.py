@@ -1,0 +1,179 @@
+"""Training steps of the torch trainer under a `keras.distribution`.
+
+Each step receives the global batch (the data adapters yield global batches),
+keeps this process' part of it and assembles the global batch as a DTensor
+sharded on the batch axis. Gradients are reduced once per step, in buckets,
+before the optimizer sees them, so the optimizer issues no collectives.
+"""
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from keras.src import tree
+from keras.src.backend.torch import distribution_lib
+
+# Gradients are all-reduced in buckets of about this many bytes, as DDP does.
+BUCKET_BYTES = 25 * 1024 * 1024
+
+
+def wrap_step_function(step_function):
+    """Runs a train/test/predict step function under the distribution.
+
+    Args:
+        step_function: a function of `data`, a list holding one global batch.
+
+    Returns:
+        A function of the same signature that distributes the batch, and runs
+        the step with plain tensors taken as replicated global values.
+    """
+
+    @functools.wraps(step_function)
+    def distributed_step(data):
+        distribution = distribution_lib.current_distribution()
+        if distribution is None:
+            return step_function(data)
+        data = distribute_batch(data, distribution)
+        with distribution_lib.implicit_replication():
+            return step_function(data)
+
+    return distributed_step
+
+
+def distribute_batch(data, distribution):
+    """Turns a global batch into a DTensor batch sharded on the batch axis.
+
+    Args:
+        data: nested structure of arrays or tensors; every array has the
+            global batch as its leading dimension.
+        distribution: the `keras.distribution.Distribution` in effect.
+
+    Returns:
+        The same structure, each array replaced by a `DTensor`.
+    """
+    leaves = [x for x in tree.flatten(data) if _is_batch_array(x)]
+    if not leaves:
+        return data
+    batch_size = int(leaves[0].shape[0])
+    if distribution.auto_shard_dataset:
+        global_batch_size = batch_size
+        start, stop = _batch_part(global_batch_size, distribution)
+    else:
+        # Each process was given its own part of the global batch.
+        global_batch_size, start, stop = None, 0, batch_size
+
+    def put(x):
+        if not _is_batch_array(x):
+            return x
+        if int(x.shape[0]) != batch_size:
+            raise ValueError(
+                "All inputs of a batch must have the same batch size. "
+                f"Received sizes {batch_size} and {int(x.shape[0])}."
+            )
+        layout = distribution.get_data_layout(tuple(x.shape))
+        return distribution_lib.distribute_data_input(
+            x[start:stop],
+            layout,
+            distribution.batch_dim_name,
+            global_batch_size=global_batch_size,
+        )
+
+    return tree.map_structure(put, data)
+
+
+def reduce_gradients(gradients):
+    """Turns partial-sum gradients into the replicated or sharded ones.
+
+    Gradients of replicated weights computed on a sharded batch come out of
+    autograd as `Partial` DTensors; left so, every optimizer op that reads
+    them would all-reduce them again. Here they are all-reduced once, packed
+    into buckets of `BUCKET_BYTES`.
+
+    Args:
+        gradients: list of gradients (`DTensor`, tensor or `None`).
+
+    Returns:
+        The list with every `Partial` placement reduced.
+    """
+    gradients = list(gradients)
+    groups = {}
+    for i, g in enumerate(gradients):
+        if isinstance(g, distribution_lib.DTensor) and any(
+            p.is_partial() for p in g.placements
+        ):
+            key = (id(g.device_mesh), g.placements, g.dtype)
+            groups.setdefault(key, []).append(i)
+    for indices in groups.values():
+        for bucket in _buckets(indices, gradients):
+            reduced = _all_reduce_bucket([gradients[i] for i in bucket])
+            for i, g in zip(bucket, reduced):
+                gradients[i] = g
+    return gradients
+
+
+def _all_reduce_bucket(gradients):
+    """All-reduces gradients of one mesh, placement and dtype at once."""
+    first = gradients[0]
+    mesh, placements = first.device_mesh, first.placements
+    flat = torch.cat([g.to_local().reshape(-1) for g in gradients])
+    for mesh_dim, placement in enumerate(placements):
+        if placement.is_partial():
+            dist.all_reduce(flat, group=mesh.get_group(mesh_dim))
+            if placement.reduce_op == "avg":
+                flat /= mesh.size(mesh_dim)
+    reduced_placements = [
+        distribution_lib.Replicate() if p.is_partial() else p for p in placements
+    ]
+    reduced, offset = [], 0
+    for g in gradients:
+        local = g.to_local()
+        part = flat[offset : offset + local.numel()].view(local.shape)
+        offset += local.numel()
+        reduced.append(
+            distribution_lib.DTensor.from_local(
+                part,
+                mesh,
+                reduced_placements,
+                run_check=False,
+                shape=g.shape,
+                stride=g.stride(),
+            )
+        )
+    return reduced
+
+
+def _buckets(indices, gradients):
+    bucket, size = [], 0
+    for i in indices:
+        local = gradients[i].to_local()
+        bucket.append(i)
+        size += local.numel() * local.element_size()
+        if size >= BUCKET_BYTES:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+def _batch_part(global_batch_size, distribution):
+    """Rows `[start, stop)` of the global batch this process holds.
+
+    The batch is split over the batch axis of the mesh like `torch.chunk`
+    splits it, which is how `DTensor` shards an uneven dimension.
+    """
+    mesh = distribution.device_mesh.backend_mesh
+    batch_dim = mesh.mesh_dim_names.index(distribution.batch_dim_name)
+    num_parts = mesh.size(batch_dim)
+    part = mesh.get_coordinate()[batch_dim]
+    part_size = -(-global_batch_size // num_parts)
+    start = min(part * part_size, global_batch_size)
+    return start, min(start + part_size, global_batch_size)
+
+
+def _is_batch_array(x):
+    return (
+        hasattr(x, "shape")
+        and len(x.shape) > 0
+        and not isinstance(x, distribution_lib.DTensor)
+    )
