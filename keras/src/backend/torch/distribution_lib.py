@@ -22,6 +22,8 @@ from packaging.version import parse
 
 from keras.src import tree
 from keras.src.backend.common import global_state
+from keras.src.backend.torch.distribution_summary import mesh_info  # noqa: F401
+from keras.src.backend.torch.distribution_summary import sharding_summary  # noqa: F401,E501
 
 try:
     from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
@@ -60,6 +62,8 @@ _process_distribution = None
 # torch device meshes by (device type, ranks, axis names): a 2-D mesh creates
 # process groups, which must not be created again for every Keras mesh.
 _torch_meshes = {}
+# How many layer calls are running, to check only the outermost one's inputs.
+_layer_call_depth = 0
 
 
 def list_devices(device_type=None):
@@ -349,7 +353,7 @@ def layer_call_scope(args, kwargs):
 
     Plain tensors inside the call (the inputs, constants made by ops) are
     global values: DTensor ops treat them as replicated. With
-    `KERAS_DISTRIBUTION_CHECK_REPLICATION=1`, plain float inputs of the
+    `KERAS_DISTRIBUTION_CHECK_REPLICATION=1`, the plain inputs of the
     outermost layer call are first checked to be identical on all processes.
 
     Args:
@@ -361,9 +365,20 @@ def layer_call_scope(args, kwargs):
     """
     if DTensor is None or current_distribution() is None:
         return contextlib.nullcontext()
-    if os.environ.get(CHECK_REPLICATION_ENV) == "1":
+    return _replicated_plain_tensors(args, kwargs)
+
+
+@contextlib.contextmanager
+def _replicated_plain_tensors(args, kwargs):
+    global _layer_call_depth
+    if _layer_call_depth == 0 and os.environ.get(CHECK_REPLICATION_ENV) == "1":
         check_replicated((args, kwargs), "layer call input")
-    return implicit_replication()
+    _layer_call_depth += 1
+    try:
+        with implicit_replication():
+            yield
+    finally:
+        _layer_call_depth -= 1
 
 
 def check_replicated(values, name):
