@@ -363,7 +363,13 @@ def layer_call_scope(args, kwargs):
     Returns:
         A context manager.
     """
-    if DTensor is None or current_distribution() is None:
+    # Inside `torch.compile` the step function has set implicit replication
+    # already: dynamo cannot trace the context manager itself.
+    if (
+        DTensor is None
+        or torch.compiler.is_compiling()
+        or current_distribution() is None
+    ):
         return contextlib.nullcontext()
     return _replicated_plain_tensors(args, kwargs)
 

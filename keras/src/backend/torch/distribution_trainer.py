@@ -7,6 +7,7 @@ before the optimizer sees them, so the optimizer issues no collectives.
 """
 
 import functools
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -18,27 +19,77 @@ from keras.src.backend.torch import distribution_lib
 BUCKET_BYTES = 25 * 1024 * 1024
 
 
-def wrap_step_function(step_function):
+def wrap_step_function(step_function, eager_step_function, model):
     """Runs a train/test/predict step function under the distribution.
 
     Args:
-        step_function: a function of `data`, a list holding one global batch.
+        step_function: a function of `data`, a list holding one global batch;
+            possibly compiled with `torch.compile`.
+        eager_step_function: the same function, not compiled.
+        model: the model the step belongs to.
 
     Returns:
         A function of the same signature that distributes the batch, and runs
-        the step with plain tensors taken as replicated global values.
+        the step with plain tensors taken as replicated global values. If the
+        compiled step fails on its first call, it warns once, restores the
+        state the attempt may have changed, and runs eagerly from then on.
     """
+    # The function in use; a compiled one is checked on its first call.
+    current = {"function": step_function}
+    unchecked = [step_function is not eager_step_function]
 
-    @functools.wraps(step_function)
+    @functools.wraps(eager_step_function)
     def distributed_step(data):
         distribution = distribution_lib.current_distribution()
         if distribution is None:
             return step_function(data)
         data = distribute_batch(data, distribution)
         with distribution_lib.implicit_replication():
-            return step_function(data)
+            if not unchecked[0]:
+                return current["function"](data)
+            unchecked[0] = False
+            try:
+                return _first_compiled_step(step_function, model, data)
+            except _CompileFailed:
+                current["function"] = eager_step_function
+                return eager_step_function(data)
 
     return distributed_step
+
+
+class _CompileFailed(Exception):
+    pass
+
+
+def _first_compiled_step(compiled_step_function, model, data):
+    """Runs the compiled step; undoes what it changed if it fails."""
+    state = _step_state(model)
+    saved = [v.value.detach().clone() for v in state]
+    try:
+        return compiled_step_function(data)
+    except Exception as e:  # torch.compile raises errors of many types.
+        reason = " ".join(str(e).split())[:240]
+        warnings.warn(
+            "`jit_compile=True`: torch.compile could not compile a step of "
+            f"this distributed model ({type(e).__name__}: {reason}). "
+            "Running the step eagerly instead.",
+            stacklevel=3,
+        )
+        with torch.no_grad():
+            for variable, value in zip(state, saved):
+                variable.assign(value)
+        model.zero_grad()
+        raise _CompileFailed() from e
+
+
+def _step_state(model):
+    """Variables a step may change before it fails: all but the weights."""
+    state = list(model.non_trainable_variables) + list(model.metrics_variables)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and getattr(optimizer, "built", False):
+        state += list(optimizer.variables)
+    unique = {id(v): v for v in state}
+    return list(unique.values())
 
 
 def distribute_batch(data, distribution):
