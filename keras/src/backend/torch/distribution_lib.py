@@ -8,12 +8,15 @@ shards them. A plain (non-DTensor) tensor stands for a global value, as a
 plain array does in JAX.
 """
 
+import atexit
 import collections
 import contextlib
 import datetime
 import functools
 import logging
 import os
+import shutil
+import tempfile
 
 import numpy as np
 import torch
@@ -39,6 +42,7 @@ MIN_TORCH_VERSION = "2.5"
 # Environment variables, all off by default.
 DEBUG_ENV = "KERAS_DISTRIBUTION_DEBUG"
 CHECK_REPLICATION_ENV = "KERAS_DISTRIBUTION_CHECK_REPLICATION"
+LOG_ALL_PROCESSES_ENV = "KERAS_DISTRIBUTION_LOG_ALL_PROCESSES"
 # torchrun's description of the job.
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -524,6 +528,62 @@ def rebind_module_parameter(module, name, parameter):
         owner.register_parameter(leaf, parameter)
 
 
+def is_logging_process():
+    """Whether this process prints progress bars and callback messages.
+
+    Only process 0 does in a multi-process job, unless
+    `KERAS_DISTRIBUTION_LOG_ALL_PROCESSES=1`.
+
+    Returns:
+        bool.
+    """
+    if os.environ.get(LOG_ALL_PROCESSES_ENV) == "1":
+        return True
+    return process_id() == 0
+
+
+def save_from_one_process(save_function, model, filepath, *args, **kwargs):
+    """Saves `model` to one file, written by process 0.
+
+    Every process runs `save_function`, since gathering sharded variables
+    is collective, but only process 0's output is kept: written to a
+    temporary file next to `filepath` and renamed over it, so that readers
+    never see a partial file. Returns once the file is in place everywhere.
+
+    Args:
+        save_function: `save_function(model, filepath, *args, **kwargs)`
+            writes the file.
+        model: the model to save.
+        filepath: where the file goes.
+        *args: more arguments of `save_function`.
+        **kwargs: keyword arguments of `save_function`.
+    """
+    if _job_world_size() == 1 or not _is_local_file(filepath):
+        return save_function(model, filepath, *args, **kwargs)
+    filepath = os.fspath(filepath)
+    directory, name = os.path.split(os.path.abspath(filepath))
+    if process_id() == 0:
+        scratch = tempfile.mkdtemp(prefix=f".{name}.", dir=directory)
+    else:
+        scratch = tempfile.mkdtemp(prefix="keras-save-")
+    try:
+        temporary = os.path.join(scratch, name)
+        save_function(model, temporary, *args, **kwargs)
+        if process_id() == 0:
+            os.replace(temporary, filepath)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    dist.barrier()
+
+
+def _is_local_file(filepath):
+    try:
+        path = os.fspath(filepath)
+    except TypeError:  # A file object.
+        return False
+    return "://" not in str(path)
+
+
 def _to_backend_device(device_name):
     """Returns the global rank that owns a Keras device name.
 
@@ -918,9 +978,16 @@ def _init_process_group(coordinator, num_processes, process_id):
     else:
         kwargs["init_method"] = "env://"
     dist.init_process_group(**kwargs)
+    # Tearing gloo down during interpreter shutdown can abort the process.
+    atexit.register(_destroy_process_group)
     _log_debug(
         "process group: backend %s, world size %d", backend, num_processes
     )
+
+
+def _destroy_process_group():
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _log_debug(message, *args):
