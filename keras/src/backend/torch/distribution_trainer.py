@@ -169,7 +169,7 @@ def _all_reduce_bucket(gradients):
     mesh, placements = first.device_mesh, first.placements
     flat = torch.cat([g.to_local().reshape(-1) for g in gradients])
     for mesh_dim, placement in enumerate(placements):
-        if placement.is_partial():
+        if placement.is_partial() and mesh.size(mesh_dim) > 1:
             dist.all_reduce(flat, group=mesh.get_group(mesh_dim))
             if placement.reduce_op == "avg":
                 flat /= mesh.size(mesh_dim)
