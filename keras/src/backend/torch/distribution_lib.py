@@ -176,7 +176,7 @@ def set_global_distribution(distribution):
         distribution: a `keras.distribution.Distribution`, or `None`.
     """
     global _process_distribution
-    if distribution is not None:
+    if hasattr(distribution, "device_mesh"):
         _check_torch_version()
         distribution.device_mesh.backend_mesh
     _process_distribution = distribution

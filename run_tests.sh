@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Runs the test suite: sets up .venv (torch, this package installed as a
+# regular wheel, the test tools of the `test` extra), then
+# `python -m pytest tests integration_tests ARGS...`; pytest's exit code is
+# the script's.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/scripts/bootstrap.sh"
+bootstrap_venv
+cd "$REPO_ROOT"
+
+# The test tools are those of the `test` extra; pip skips them when present.
+mapfile -t test_deps < <("$PY" -c 'import tomllib
+print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["test"]))')
+"$PY" -m pip install -q "${test_deps[@]}" >&2
+
+export KERAS_BACKEND=torch
+exec "$PY" -m pytest tests integration_tests "$@"
