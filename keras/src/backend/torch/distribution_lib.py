@@ -35,6 +35,8 @@ try:
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor import distribute_tensor as _dtensor_put
     from torch.distributed.tensor.experimental import implicit_replication
+    from torch.nn.attention import SDPBackend
+    from torch.nn.attention import sdpa_kernel
 except ImportError:  # torch < 2.5, or a build without torch.distributed.
     DTensor = None
 
@@ -66,8 +68,8 @@ _process_distribution = None
 # torch device meshes by (device type, ranks, axis names): a 2-D mesh creates
 # process groups, which must not be created again for every Keras mesh.
 _torch_meshes = {}
-# How many layer calls are running, to check only the outermost one's inputs.
-_layer_call_depth = 0
+# How many `replicated_plain_tensors` contexts are open (they nest).
+_replication_depth = 0
 
 
 def list_devices(device_type=None):
@@ -355,8 +357,7 @@ def all_gather(x, axis=0, axis_name="model"):
 def layer_call_scope(args, kwargs):
     """Context of a Keras layer call under a distribution.
 
-    Plain tensors inside the call (the inputs, constants made by ops) are
-    global values: DTensor ops treat them as replicated. With
+    See `replicated_plain_tensors`. With
     `KERAS_DISTRIBUTION_CHECK_REPLICATION=1`, the plain inputs of the
     outermost layer call are first checked to be identical on all processes.
 
@@ -367,7 +368,7 @@ def layer_call_scope(args, kwargs):
     Returns:
         A context manager.
     """
-    # Inside `torch.compile` the step function has set implicit replication
+    # Inside `torch.compile` the step function has entered the context
     # already: dynamo cannot trace the context manager itself.
     if (
         DTensor is None
@@ -375,20 +376,39 @@ def layer_call_scope(args, kwargs):
         or current_distribution() is None
     ):
         return contextlib.nullcontext()
-    return _replicated_plain_tensors(args, kwargs)
+    if _replication_depth == 0 and os.environ.get(CHECK_REPLICATION_ENV) == "1":
+        check_replicated((args, kwargs), "layer call input")
+    return replicated_plain_tensors()
 
 
 @contextlib.contextmanager
-def _replicated_plain_tensors(args, kwargs):
-    global _layer_call_depth
-    if _layer_call_depth == 0 and os.environ.get(CHECK_REPLICATION_ENV) == "1":
-        check_replicated((args, kwargs), "layer call input")
-    _layer_call_depth += 1
+def replicated_plain_tensors():
+    """Treats plain tensors as replicated global values (JAX semantics).
+
+    Entered around layer calls and training steps: the inputs and the
+    constants that ops create inside them are plain tensors, which DTensor
+    ops then take as replicated. Only the outermost entry acts, as torch's
+    `implicit_replication` does not nest. On CPU meshes, attention also runs
+    the math kernel of `scaled_dot_product_attention`, as DTensor has no
+    sharding rule for the CPU flash kernel.
+
+    Yields:
+        None.
+    """
+    global _replication_depth
+    _replication_depth += 1
     try:
-        with implicit_replication():
+        if _replication_depth > 1:
+            yield
+            return
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(implicit_replication())
+            distribution = current_distribution()
+            if distribution.device_mesh.backend_mesh.device_type == "cpu":
+                stack.enter_context(sdpa_kernel(SDPBackend.MATH))
             yield
     finally:
-        _layer_call_depth -= 1
+        _replication_depth -= 1
 
 
 def check_replicated(values, name):

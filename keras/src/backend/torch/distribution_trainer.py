@@ -44,7 +44,7 @@ def wrap_step_function(step_function, eager_step_function, model):
         if distribution is None:
             return step_function(data)
         data = distribute_batch(data, distribution)
-        with distribution_lib.implicit_replication():
+        with distribution_lib.replicated_plain_tensors():
             if not unchecked[0]:
                 return current["function"](data)
             unchecked[0] = False
