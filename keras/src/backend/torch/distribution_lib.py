@@ -65,8 +65,8 @@ Attributes:
 # state per thread, but hooks also run on threads that never set it (CUDA
 # autograd runs the backward pass on device threads).
 _process_distribution = None
-# torch device meshes by (device type, ranks, axis names): a 2-D mesh creates
-# process groups, which must not be created again for every Keras mesh.
+# (world group, torch device mesh) by (device type, ranks, shape, axis names):
+# a 2-D mesh creates process groups, not to be created for every Keras mesh.
 _torch_meshes = {}
 # How many `replicated_plain_tensors` contexts are open (they nest).
 _replication_depth = 0
@@ -346,7 +346,14 @@ def all_gather(x, axis=0, axis_name="model"):
     group = _axis_group(axis_name)
     x = _as_local_tensor(x)
     axis = axis % x.ndim
-    sizes = _all_gather_ints(x.shape[axis], group)
+    shapes = _all_gather_shapes(x, group)
+    others = {s[:axis] + s[axis + 1 :] for s in shapes}
+    if len(others) > 1:
+        raise ValueError(
+            f"`all_gather` along axis {axis} needs the same size in every "
+            f"other dimension on all processes. Received shapes {shapes}."
+        )
+    sizes = [s[axis] for s in shapes]
     pad = [0, 0] * (x.ndim - axis - 1) + [0, max(sizes) - x.shape[axis]]
     padded = torch.nn.functional.pad(x, pad).contiguous()
     parts = [torch.empty_like(padded) for _ in sizes]
@@ -357,16 +364,20 @@ def all_gather(x, axis=0, axis_name="model"):
 def layer_call_scope(args, kwargs):
     """Context of a Keras layer call under a distribution.
 
-    See `replicated_plain_tensors`. With
-    `KERAS_DISTRIBUTION_CHECK_REPLICATION=1`, the plain inputs of the
-    outermost layer call are first checked to be identical on all processes.
+    Plain tensor inputs are global values: they enter the call as replicated
+    DTensors (so that autograd saves DTensors, and a backward pass run later
+    outside the call still works); inside the call, see
+    `replicated_plain_tensors`. With `KERAS_DISTRIBUTION_CHECK_REPLICATION=1`
+    the plain inputs of the outermost layer call are first checked to be
+    identical on all processes.
 
     Args:
         args: the positional arguments of the call.
         kwargs: the keyword arguments of the call.
 
     Returns:
-        A context manager.
+        A context manager whose value is the pair `(args, kwargs)` to call
+        the layer with.
     """
     # Inside `torch.compile` the step function has entered the context
     # already: dynamo cannot trace the context manager itself.
@@ -375,10 +386,28 @@ def layer_call_scope(args, kwargs):
         or torch.compiler.is_compiling()
         or current_distribution() is None
     ):
-        return contextlib.nullcontext()
+        return contextlib.nullcontext((args, kwargs))
     if _replication_depth == 0 and os.environ.get(CHECK_REPLICATION_ENV) == "1":
         check_replicated((args, kwargs), "layer call input")
-    return replicated_plain_tensors()
+    mesh = current_distribution().device_mesh.backend_mesh
+    inputs = tree.map_structure(
+        functools.partial(_replicate_plain_tensor, mesh=mesh), (args, kwargs)
+    )
+    return _entered(replicated_plain_tensors(), inputs)
+
+
+@contextlib.contextmanager
+def _entered(context, value):
+    with context:
+        yield value
+
+
+def _replicate_plain_tensor(x, mesh):
+    if not isinstance(x, torch.Tensor) or isinstance(x, DTensor) or x.is_meta:
+        return x
+    return DTensor.from_local(
+        x, mesh, [Replicate()] * mesh.ndim, run_check=False
+    )
 
 
 @contextlib.contextmanager
@@ -513,6 +542,94 @@ def match_layout(value, reference):
         return value.redistribute(mesh, placements)
     value = torch.as_tensor(value, device=reference.device)
     return _dtensor_put(value, mesh, placements, src_data_rank=None)
+
+
+def operand_like(value, reference):
+    """Makes `value` fit for arithmetic with the variable value `reference`.
+
+    A plain `value` of the variable's shape is laid out like it (a local
+    cut, no communication); of another shape, replicated.
+
+    Args:
+        value: a number, array or tensor.
+        reference: the variable's value.
+
+    Returns:
+        `value`, as a `DTensor` when `reference` is one.
+    """
+    if DTensor is None or not isinstance(reference, DTensor):
+        return value
+    if isinstance(value, DTensor) or not hasattr(value, "shape"):
+        return value
+    value = torch.as_tensor(value, device=reference.device)
+    if value.ndim == 0:
+        return value
+    if tuple(value.shape) == tuple(reference.shape):
+        return match_layout(value, reference)
+    return _replicate_plain_tensor(value, reference.device_mesh)
+
+
+def conv_operands(inputs, kernel):
+    """Lays out convolution operands the way DTensor can convolve them.
+
+    DTensor convolves correctly only inputs sharded on the batch dimension
+    with a replicated kernel (a sharded kernel gives wrong results), so a
+    sharded kernel is gathered, and so are inputs sharded on other
+    dimensions. Gathering is differentiable: kernel gradients come back
+    sharded like the kernel.
+
+    Args:
+        inputs: the convolution input.
+        kernel: the convolution kernel.
+
+    Returns:
+        The pair `(inputs, kernel)`.
+    """
+    if DTensor is None:
+        return inputs, kernel
+    if isinstance(kernel, DTensor):
+        kernel = _redistribute_if_needed(
+            kernel, [Replicate()] * kernel.device_mesh.ndim
+        )
+    if isinstance(inputs, DTensor):
+        inputs = _redistribute_if_needed(
+            inputs,
+            [
+                p if p.is_shard() and p.dim == 0 else Replicate()
+                for p in inputs.placements
+            ],
+        )
+    return inputs, kernel
+
+
+def dropout(inputs, rate):
+    """`torch.nn.functional.dropout`, global for a `DTensor`.
+
+    DTensor's own random ops draw per shard (and, on CPU meshes, from each
+    process' generator). Here the noise of the whole tensor is drawn the way
+    torch's dropout draws it, on every process, so the result equals that of
+    one process with the same torch seed (which `initialize` and
+    `keras.utils.set_random_seed` make equal on all processes).
+
+    Args:
+        inputs: a tensor.
+        rate: the probability of dropping an element.
+
+    Returns:
+        The tensor with dropout applied.
+    """
+    if DTensor is None or not isinstance(inputs, DTensor):
+        return torch.nn.functional.dropout(inputs, p=rate, training=True)
+    noise = torch.empty(inputs.shape, dtype=inputs.dtype, device=inputs.device)
+    noise.bernoulli_(1 - rate)
+    noise.div_(1 - rate)
+    return inputs * _replicate_plain_tensor(noise, inputs.device_mesh)
+
+
+def _redistribute_if_needed(x, placements):
+    if tuple(x.placements) == tuple(placements):
+        return x
+    return x.redistribute(x.device_mesh, placements)
 
 
 def to_global_value(x):
@@ -670,21 +787,23 @@ def _to_backend_mesh(device_mesh):
         tuple(ranks),
         tuple(device_mesh.shape),
         tuple(device_mesh.axis_names),
-        id(dist.group.WORLD),
     )
-    if key not in _torch_meshes:
-        _torch_meshes[key] = TorchDeviceMesh(
+    world, torch_mesh = _torch_meshes.get(key, (None, None))
+    # A mesh belongs to the process group it was made in.
+    if world is not dist.group.WORLD:
+        torch_mesh = TorchDeviceMesh(
             torch_device_type,
             torch.tensor(ranks).reshape(tuple(device_mesh.shape)),
             mesh_dim_names=tuple(device_mesh.axis_names),
         )
+        _torch_meshes[key] = (dist.group.WORLD, torch_mesh)
         _log_debug(
             "mesh: shape %s, axes %s, ranks %s",
             tuple(device_mesh.shape),
             tuple(device_mesh.axis_names),
             ranks,
         )
-    return _torch_meshes[key]
+    return torch_mesh
 
 
 def _to_backend_layout(tensor_layout):
@@ -832,6 +951,20 @@ def _all_gather_ints(value, group):
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, local, group=group)
     return [int(p.item()) for p in parts]
+
+
+def _all_gather_shapes(x, group):
+    """The shapes of `x` on the processes of `group` (ranks may differ)."""
+    ndims = _all_gather_ints(x.ndim, group)
+    if len(set(ndims)) > 1:
+        raise ValueError(
+            f"`all_gather` needs tensors of the same rank on all processes. "
+            f"Received ranks {ndims}."
+        )
+    local = torch.tensor(x.shape, dtype=torch.int64, device=_comm_device())
+    parts = [torch.empty_like(local) for _ in ndims]
+    dist.all_gather(parts, local, group=group)
+    return [tuple(int(n) for n in p.tolist()) for p in parts]
 
 
 def _axis_group(axis_name):

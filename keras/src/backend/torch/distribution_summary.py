@@ -50,7 +50,8 @@ def sharding_summary(model, print_fn=None):
 
     Returns:
         A list of dicts, one per variable: `path`, `dtype`, `global_shape`,
-        `placements` (strings; `"Replicate()"` for plain tensors),
+        `placements` (one string per mesh axis, `"R"` or `"S(d)"`; one `"R"`
+        for a plain tensor),
         `local_shape` and `local_bytes` (what this process stores).
     """
     rows = [_variable_row(v) for v in model.variables]
@@ -65,7 +66,7 @@ def _variable_row(variable):
         placements = tuple(str(p) for p in value.placements)
         local = value.to_local()
     else:
-        placements = ("Replicate()",)
+        placements = ("R",)
         local = value
     return {
         "path": variable.path,

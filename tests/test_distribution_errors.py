@@ -1,0 +1,160 @@
+"""Invalid distribution configurations raise clear errors, without hanging.
+
+Each case runs in its own multi-rank body: the body makes the mistake,
+catches the `ValueError` and returns its message, then joins a barrier --
+which only returns if every rank got past the mistake (no rank is stuck in
+a collective the others never entered). The tests check that the message
+names what was received.
+"""
+
+import numpy as np
+import pytest
+
+from tests.harness import run_on_ranks
+
+# Short enough to catch a hang quickly; generous for a loaded machine.
+MULTIRANK_TIMEOUT = 120
+
+
+def _mesh(shape, devices, axis_names=("batch", "model")):
+    from keras import distribution as kd
+
+    return kd.DeviceMesh(shape, list(axis_names)[: len(shape)], devices)
+
+
+def _set_data_parallel_on(devices):
+    from keras import distribution as kd
+
+    mesh = _mesh((len(devices),), devices)
+    kd.set_distribution(kd.DataParallel(device_mesh=mesh))
+
+
+def _two_axis_mesh(world_size):
+    from keras import distribution as kd
+
+    return _mesh((1, world_size), kd.list_devices())
+
+
+def _layout(axes, world_size):
+    """A TensorLayout on the (1, world_size) ("batch", "model") mesh."""
+    from keras import distribution as kd
+
+    return kd.TensorLayout(axes, _two_axis_mesh(world_size))
+
+
+def _build_dense_under(layout_map_items, world_size):
+    """Sets a ModelParallel distribution and builds Dense(4) on 3 features."""
+    import keras
+    from keras import distribution as kd
+
+    layout_map = kd.LayoutMap(_two_axis_mesh(world_size))
+    for key, axes in layout_map_items.items():
+        layout_map[key] = axes
+    kd.set_distribution(
+        kd.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    )
+    layer = keras.layers.Dense(4, name="dense")
+    layer.build((None, 3))
+
+
+def _initialize(**kwargs):
+    from keras import distribution as kd
+
+    kd.initialize(**kwargs)
+
+
+def _all_reduce(**kwargs):
+    import torch
+    from keras import distribution as kd
+    from keras.src.backend.torch import distribution_lib
+
+    kd.set_distribution(kd.DataParallel())
+    distribution_lib.all_reduce(torch.ones(2), **kwargs)
+
+
+def _make_mistake(case, rank, world_size):
+    """Makes the mistake named `case`; returns normally if none was raised."""
+    if case == "mesh_with_3_devices":
+        _set_data_parallel_on(["cpu:0", "cpu:1", "cpu:2"])
+    elif case == "unknown_device_type":
+        _set_data_parallel_on(["tpu:0", "cpu:1"])
+    elif case == "unknown_device_index":
+        _set_data_parallel_on(["cpu:0", "cpu:9"])
+    elif case == "unknown_axis_in_layout":
+        _layout(("batch", "nope"), world_size)
+    elif case == "unknown_axis_in_layout_map":
+        _build_dense_under({"dense/kernel": (None, "nope")}, world_size)
+    elif case == "axis_used_twice":
+        _layout(("model", "model"), world_size).backend_layout
+    elif case == "axis_used_twice_in_layout_map":
+        _build_dense_under({"dense/kernel": ("model", "model")}, world_size)
+    elif case == "layout_rank_mismatch":
+        _build_dense_under({"dense/kernel": ("model",)}, world_size)
+    elif case == "multi_axis_not_in_mesh_order":
+        _layout((("model", "batch"), None), world_size).backend_layout
+    elif case == "initialize_num_processes":
+        _initialize(num_processes=world_size + 1)
+    elif case == "initialize_process_id":
+        _initialize(process_id=(rank + 1) % world_size)
+    elif case == "all_reduce_unknown_op":
+        _all_reduce(op="prod", axis_name="batch")
+    elif case == "all_reduce_unknown_axis":
+        _all_reduce(op="sum", axis_name="nope")
+    else:
+        raise AssertionError(f"unknown case {case}")
+
+
+def _mistake_body(rank, world_size, case):
+    import torch.distributed as dist
+
+    try:
+        _make_mistake(case, rank, world_size)
+        message = None
+    except ValueError as error:
+        message = str(error)
+    # Every rank must get here: nobody waits in a collective.
+    dist.barrier()
+    return message
+
+
+# case -> substrings the message must contain ({rank}, {other} filled in).
+_CASES = {
+    "mesh_with_3_devices": ["cpu:2", "3 devices", "2 process"],
+    "unknown_device_type": ["tpu:0"],
+    "unknown_device_index": ["cpu:9"],
+    "unknown_axis_in_layout": ["nope"],
+    "unknown_axis_in_layout_map": ["nope"],
+    "axis_used_twice": ["'model'", "more than once"],
+    "axis_used_twice_in_layout_map": ["'model'", "more than once"],
+    "layout_rank_mismatch": ["dense/kernel", "1 axes", "rank 2"],
+    "multi_axis_not_in_mesh_order": ["('model', 'batch')", "mesh order"],
+    "initialize_num_processes": ["num_processes", "3", "WORLD_SIZE=2"],
+    "initialize_process_id": ["process_id", "{other}", "RANK={rank}"],
+    "all_reduce_unknown_op": ["prod"],
+    "all_reduce_unknown_axis": ["nope"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(_CASES))
+def test_invalid_configuration_raises_a_clear_value_error(case):
+    messages = run_on_ranks(_mistake_body, world_size=2, args=(case,))
+    for rank, message in enumerate(messages):
+        assert message is not None, f"{case}: no ValueError on rank {rank}"
+        for expected in _CASES[case]:
+            expected = expected.format(rank=rank, other=(rank + 1) % 2)
+            assert expected in message, (case, expected, message)
+
+
+def _valid_initialize_body(rank, world_size):
+    from keras import distribution as kd
+
+    # Agreeing arguments are accepted: initialize() is idempotent.
+    kd.initialize(num_processes=world_size, process_id=rank)
+    kd.initialize()
+    return kd.list_devices()
+
+
+def test_initialize_with_agreeing_arguments_is_idempotent():
+    for devices in run_on_ranks(_valid_initialize_body, world_size=2):
+        assert devices == [f"cpu:{i}" for i in range(2)]
+        assert np.unique(devices).size == 2
