@@ -1,0 +1,105 @@
+"""Smoke runs of benchmarks/: they run under torchrun and print their results.
+
+Tiny shapes and 1-2 timed steps: these tests check that the scripts work
+and report what they should (the same work on every side, the counts, the
+memory check and its failure path), never how fast anything is.
+"""
+
+import json
+import re
+from pathlib import Path
+
+from tests.harness import run_torchrun
+
+REPO = Path(__file__).resolve().parents[1]
+BENCHMARKS = REPO / "benchmarks"
+# CPU processes on gloo whatever the machine has.
+CPU_ENV = {"CUDA_VISIBLE_DEVICES": ""}
+TINY_STEP = [
+    "--batch", "8", "--dim", "16", "--hidden", "32", "--seq-len", "2",
+    "--heads", "2", "--rounds", "2", "--steps", "1", "--warmup", "1",
+]
+EAGER = ("keras_mp", "native_tp", "keras_dp", "native_ddp")
+# Adam's scalar step counters are not in the ideal bytes.
+SCALAR_SLACK_BYTES = 1024
+
+
+def _step_results(tmp_path, *extra):
+    """Runs bench_step.py on 2 ranks; returns (stdout, parsed JSON)."""
+    path = tmp_path / "step.json"
+    result = run_torchrun(
+        BENCHMARKS / "bench_step.py", 2,
+        [*TINY_STEP, *extra, "--json", path], timeout=420, env=CPU_ENV,
+    )
+    return result.stdout, json.loads(path.read_text())
+
+
+def test_bench_step_runs_all_implementations(tmp_path):
+    text, data = _step_results(tmp_path)
+    assert "Machine: cpu=" in text and "world_size=2" in text, text
+    results = {(r["model"], r["impl"]): r for r in data["results"]}
+    assert set(results) == {(m, i) for m in ("mlp", "transformer")
+                            for i in EAGER}
+    for (model, impl), r in results.items():
+        assert re.search(rf"^{model}\s+{impl}\s+\d+\.\d+\s+\d+\.\d+",
+                         text, re.MULTILINE), text
+        assert len(r["times_ms"]) == 2 and min(r["times_ms"]) > 0
+        # The optimizer update itself never communicates.
+        assert r["collectives"]["optimizer_alone"] == 0, r
+        assert r["state_bytes"] <= r["ideal_state_bytes"] + SCALAR_SLACK_BYTES
+    # Native tensor parallelism reaches Megatron's count: the counting
+    # works. DDP's bucket count comes from its comm hook.
+    assert results[("mlp", "native_tp")]["collectives"]["total"] == 1
+    assert results[("transformer", "native_tp")]["collectives"]["total"] == 4
+    assert results[("mlp", "native_ddp")]["collectives"]["total"] == 1
+    # Sharded state: the TP sides hold less than the data-parallel ones.
+    for model in ("mlp", "transformer"):
+        tp = results[(model, "keras_mp")]["state_bytes"]
+        assert tp < results[(model, "keras_dp")]["state_bytes"]
+    # The same work on both sides: the same first-step loss.
+    assert {(p["keras"], p["native"]) for p in data["ratios"]} == {
+        ("keras_mp", "native_tp"), ("keras_dp", "native_ddp")}
+    for p in data["ratios"]:
+        assert p["first_loss_rel_diff"] < 1e-4, p
+        assert f"{p['keras']} / {p['native']}" in text
+
+
+def _memory_run(*args):
+    return run_torchrun(BENCHMARKS / "bench_memory.py", 2, list(args),
+                        timeout=300, env=CPU_ENV, check=False)
+
+
+def _memory_rows(text):
+    rows = re.findall(
+        r"^\s+(\d)\s+(-?[\d.]+)\s+(-?[\d.]+)\s+([\d.]+)\s+([\d.]+)\s+"
+        r"(-?[\d.]+)\s+(-?[\d.]+)\s+(ok|FAIL)", text, re.MULTILINE)
+    return {int(r[0]): r for r in rows}
+
+
+def test_bench_memory_prints_the_check(tmp_path):
+    # 4 kernels of 4 MiB: RSS noise is of that order, so only the numbers
+    # the script computes itself are checked, and that it agrees with
+    # its exit code.
+    path = tmp_path / "memory.json"
+    result = _memory_run("--layers", "4", "--dim", "1024", "--json", path)
+    rows = _memory_rows(result.stdout)
+    assert sorted(rows) == [0, 1], result.stdout + result.stderr
+    data = json.loads(path.read_text())
+    for r in data["ranks"]:
+        kernels = 4 * 1024 * 1024 * 4 // 2
+        biases = 4 * 1024 * 4
+        assert r["own_shards"] == kernels + biases
+        assert r["largest_variable"] == 1024 * 1024 * 4
+        assert r["bound"] == r["own_shards"] + r["largest_variable"] + (
+            64 * 1024 * 1024)
+    verdicts = {row[-1] for row in rows.values()}
+    assert result.returncode == (0 if verdicts == {"ok"} else 1)
+
+
+def test_bench_memory_fails_above_the_bound():
+    result = _memory_run("--layers", "2", "--dim", "256",
+                         "--allowance-mib", "-100")
+    rows = _memory_rows(result.stdout)
+    assert sorted(rows) == [0, 1], result.stdout + result.stderr
+    assert all(row[-1] == "FAIL" for row in rows.values())
+    assert result.returncode != 0
