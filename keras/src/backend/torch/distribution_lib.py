@@ -361,23 +361,26 @@ def all_gather(x, axis=0, axis_name="model"):
     return torch.cat([p.narrow(axis, 0, n) for p, n in zip(parts, sizes)], axis)
 
 
-def layer_call_scope(args, kwargs):
-    """Context of a Keras layer call under a distribution.
+def call_layer(call_function, layer, *args, **kwargs):
+    """Calls a Keras layer under the distribution in effect.
 
     Plain tensor inputs are global values: they enter the call as replicated
     DTensors (so that autograd saves DTensors, and a backward pass run later
     outside the call still works); inside the call, see
-    `replicated_plain_tensors`. With `KERAS_DISTRIBUTION_CHECK_REPLICATION=1`
-    the plain inputs of the outermost layer call are first checked to be
-    identical on all processes.
+    `replicated_plain_tensors`. Outputs that are partial sums (a
+    row-parallel kernel) are all-reduced as the layer returns them, like
+    Megatron's row-parallel layers and torch's `RowwiseParallel` do.
+    With `KERAS_DISTRIBUTION_CHECK_REPLICATION=1`, the plain inputs of the
+    outermost layer call are first checked to be identical on all processes.
 
     Args:
-        args: the positional arguments of the call.
-        kwargs: the keyword arguments of the call.
+        call_function: `call_function(layer, *args, **kwargs)` calls it.
+        layer: the layer.
+        *args: the positional arguments of the call.
+        **kwargs: the keyword arguments of the call.
 
     Returns:
-        A context manager whose value is the pair `(args, kwargs)` to call
-        the layer with.
+        The outputs of the layer.
     """
     # Inside `torch.compile` the step function has entered the context
     # already: dynamo cannot trace the context manager itself.
@@ -386,20 +389,27 @@ def layer_call_scope(args, kwargs):
         or torch.compiler.is_compiling()
         or current_distribution() is None
     ):
-        return contextlib.nullcontext((args, kwargs))
+        return call_function(layer, *args, **kwargs)
     if _replication_depth == 0 and os.environ.get(CHECK_REPLICATION_ENV) == "1":
         check_replicated((args, kwargs), "layer call input")
     mesh = current_distribution().device_mesh.backend_mesh
-    inputs = tree.map_structure(
+    args, kwargs = tree.map_structure(
         functools.partial(_replicate_plain_tensor, mesh=mesh), (args, kwargs)
     )
-    return _entered(replicated_plain_tensors(), inputs)
+    with replicated_plain_tensors():
+        outputs = call_function(layer, *args, **kwargs)
+    return tree.map_structure(_reduce_partial, outputs)
 
 
-@contextlib.contextmanager
-def _entered(context, value):
-    with context:
-        yield value
+def _reduce_partial(x):
+    if not isinstance(x, DTensor) or not any(
+        p.is_partial() for p in x.placements
+    ):
+        return x
+    return x.redistribute(
+        x.device_mesh,
+        [Replicate() if p.is_partial() else p for p in x.placements],
+    )
 
 
 def _replicate_plain_tensor(x, mesh):

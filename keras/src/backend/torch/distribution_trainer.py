@@ -156,11 +156,42 @@ def reduce_gradients(gradients):
             key = (id(g.device_mesh), g.placements, g.dtype)
             groups.setdefault(key, []).append(i)
     for indices in groups.values():
+        if not _needs_reduction(gradients[indices[0]]):
+            for i in indices:
+                gradients[i] = _relabel_reduced(gradients[i])
+            continue
         for bucket in _buckets(indices, gradients):
             reduced = _all_reduce_bucket([gradients[i] for i in bucket])
             for i, g in zip(bucket, reduced):
                 gradients[i] = g
     return gradients
+
+
+def _needs_reduction(gradient):
+    """Whether a partial gradient is partial over more than one process."""
+    mesh = gradient.device_mesh
+    return any(
+        p.is_partial() and mesh.size(d) > 1
+        for d, p in enumerate(gradient.placements)
+    )
+
+
+def _relabel_reduced(gradient):
+    """A gradient partial only over mesh axes of size one is already whole."""
+    return distribution_lib.DTensor.from_local(
+        gradient.to_local(),
+        gradient.device_mesh,
+        _reduced_placements(gradient.placements),
+        run_check=False,
+        shape=gradient.shape,
+        stride=gradient.stride(),
+    )
+
+
+def _reduced_placements(placements):
+    return [
+        distribution_lib.Replicate() if p.is_partial() else p for p in placements
+    ]
 
 
 def _all_reduce_bucket(gradients):
@@ -173,9 +204,7 @@ def _all_reduce_bucket(gradients):
             dist.all_reduce(flat, group=mesh.get_group(mesh_dim))
             if placement.reduce_op == "avg":
                 flat /= mesh.size(mesh_dim)
-    reduced_placements = [
-        distribution_lib.Replicate() if p.is_partial() else p for p in placements
-    ]
+    reduced_placements = _reduced_placements(placements)
     reduced, offset = [], 0
     for g in gradients:
         local = g.to_local()
