@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from keras.src import tree
+from keras.src.backend.common.stateless_scope import StatelessScope
 from keras.src.backend.torch import distribution_lib
 
 # Gradients are all-reduced in buckets of about this many bytes, as DDP does.
@@ -131,6 +132,60 @@ def distribute_batch(data, distribution):
         )
 
     return tree.map_structure(put, data)
+
+
+def apply_gradients(apply_function, optimizer, grads, trainable_variables):
+    """Runs `optimizer.apply` on distributed gradients.
+
+    Partial gradients are first reduced once (see `reduce_gradients`). When
+    every variable and gradient is replicated (data parallelism), the update
+    then runs on the local tensors, which hold the whole values: the math is
+    the same and skips DTensor's dispatch on every optimizer op.
+
+    Args:
+        apply_function: the optimizer's own `apply(grads, variables)`.
+        optimizer: the optimizer.
+        grads: list of gradients.
+        trainable_variables: the variables, or `None` for the optimizer's.
+
+    Returns:
+        What `apply_function` returns.
+    """
+    grads = reduce_gradients(grads)
+    variables = trainable_variables
+    if variables is None:
+        variables = optimizer._trainable_variables
+    state = list(optimizer.variables) + list(variables)
+    if not (optimizer.built and _all_replicated(state + list(grads))):
+        return apply_function(grads, trainable_variables)
+    local_values = [(v, _local_value(v.value)) for v in state]
+    with torch.no_grad():
+        with StatelessScope(state_mapping=local_values) as scope:
+            result = apply_function(
+                [_local_value(g) for g in grads], trainable_variables
+            )
+        # Most updates were made in place; copy back those that were not.
+        for variable, local in local_values:
+            new_value = scope.get_current_value(variable)
+            if new_value is not local:
+                local.copy_(new_value)
+    return result
+
+
+def _all_replicated(values):
+    for x in values:
+        x = getattr(x, "value", x)
+        if isinstance(x, distribution_lib.DTensor) and not all(
+            p.is_replicate() for p in x.placements
+        ):
+            return False
+    return True
+
+
+def _local_value(x):
+    if isinstance(x, distribution_lib.DTensor):
+        return x.to_local()
+    return x
 
 
 def reduce_gradients(gradients):
