@@ -675,6 +675,19 @@ def rebind_module_parameter(module, name, parameter):
         owner.register_parameter(leaf, parameter)
 
 
+def async_callbacks_supported():
+    """Whether callbacks may run on another thread than the steps.
+
+    Not under a distribution: converting the logs of a step to numpy is a
+    collective for sharded values, and collectives must be issued in the
+    same order on all processes.
+
+    Returns:
+        bool.
+    """
+    return current_distribution() is None
+
+
 def is_logging_process():
     """Whether this process prints progress bars and callback messages.
 
