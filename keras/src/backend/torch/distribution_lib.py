@@ -181,7 +181,29 @@ def set_global_distribution(distribution):
     if hasattr(distribution, "device_mesh"):
         _check_torch_version()
         distribution.device_mesh.backend_mesh
+        _sync_torch_rng()
     _process_distribution = distribution
+
+
+def _sync_torch_rng():
+    """Gives every process process 0's torch random generator state.
+
+    Unseeded dropout draws from torch's generator; every process draws the
+    noise of the whole tensor, which must be the same noise everywhere.
+    """
+    if _job_world_size() == 1:
+        return
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_available():
+        states.append(torch.cuda.get_rng_state())
+    device = _comm_device()
+    for i, state in enumerate(states):
+        state = state.to(device)
+        dist.broadcast(state, src=0)
+        states[i] = state.cpu()
+    torch.set_rng_state(states[0])
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state(states[1])
 
 
 def distribute_variable(value, layout):
@@ -618,8 +640,8 @@ def dropout(inputs, rate):
     DTensor's own random ops draw per shard (and, on CPU meshes, from each
     process' generator). Here the noise of the whole tensor is drawn the way
     torch's dropout draws it, on every process, so the result equals that of
-    one process with the same torch seed (which `initialize` and
-    `keras.utils.set_random_seed` make equal on all processes).
+    one process with the same torch seed (`set_distribution` gives all
+    processes the generator state of process 0).
 
     Args:
         inputs: a tensor.
@@ -734,6 +756,25 @@ def save_from_one_process(save_function, model, filepath, *args, **kwargs):
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     dist.barrier()
+
+
+def run_on_one_process(function):
+    """Runs `function()` on process 0 only, then waits for it everywhere.
+
+    For file system changes that every process asks for but only one must
+    make (writing shared metadata, deleting a shared directory).
+
+    Args:
+        function: a function of no arguments.
+
+    Returns:
+        What `function` returned on process 0, `None` on the others.
+    """
+    if _job_world_size() == 1:
+        return function()
+    result = function() if process_id() == 0 else None
+    dist.barrier()
+    return result
 
 
 def _is_local_file(filepath):
