@@ -618,11 +618,13 @@ def _run_unseeded(setting):
     from keras.src.utils import rng_utils
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    pm.use_setting(setting, "unseeded_dropout")
+    # Per-rank seeds right before building (after `set_distribution`), as
+    # a script seeding its own per-rank randomness would.
     random.seed(rank)
     np.random.seed(rank)
     torch.manual_seed(rank)
     assert rng_utils.get_random_seed() is None
-    pm.use_setting(setting, "unseeded_dropout")
     model = pm.build_model("unseeded_dropout", seed=None)
     initial = pm.model_state(model)
     x, y = pm.make_data("unseeded_dropout", 22)

@@ -189,7 +189,8 @@ def _sync_torch_rng():
     """Gives every process process 0's torch random generator state.
 
     Unseeded dropout draws from torch's generator; every process draws the
-    noise of the whole tensor, which must be the same noise everywhere.
+    noise of the whole tensor, which must be the same noise everywhere. A
+    collective: every process must call it.
     """
     if _job_world_size() == 1:
         return
@@ -639,9 +640,10 @@ def dropout(inputs, rate):
 
     DTensor's own random ops draw per shard (and, on CPU meshes, from each
     process' generator). Here the noise of the whole tensor is drawn the way
-    torch's dropout draws it, on every process, so the result equals that of
-    one process with the same torch seed (`set_distribution` gives all
-    processes the generator state of process 0).
+    torch's dropout draws it, on every process, from the generator state of
+    process 0 (broadcast first: processes may have been seeded differently),
+    so all copies of the tensor agree and the result equals that of one
+    process with the same torch seed.
 
     Args:
         inputs: a tensor.
@@ -652,6 +654,7 @@ def dropout(inputs, rate):
     """
     if DTensor is None or not isinstance(inputs, DTensor):
         return torch.nn.functional.dropout(inputs, p=rate, training=True)
+    _sync_torch_rng()
     noise = torch.empty(inputs.shape, dtype=inputs.dtype, device=inputs.device)
     noise.bernoulli_(1 - rate)
     noise.div_(1 - rate)
