@@ -18,7 +18,6 @@ import os
 import shutil
 import tempfile
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from packaging.version import parse
@@ -1061,7 +1060,9 @@ def _contiguous_strides(shape):
 def _digest(x):
     """A few numbers that differ when two tensors differ."""
     x = x.detach().to(_comm_device()).reshape(-1).to(torch.float64)
-    weights = torch.arange(1, x.numel() + 1, dtype=torch.float64, device=x.device)
+    weights = torch.arange(
+        1, x.numel() + 1, dtype=torch.float64, device=x.device
+    )
     return torch.stack([x.sum(), (x * weights).sum(), (x * x).sum()])
 
 
@@ -1152,7 +1153,9 @@ def _resolve_job(job_addresses, num_processes, process_id):
             f"num_processes={num_processes}, process_id={process_id}"
         )
     if num_processes > 1 and coordinator is None:
-        missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+        missing = [
+            v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ
+        ]
         if missing:
             raise ValueError(
                 f"A job of {num_processes} processes needs the coordinator's "

@@ -244,9 +244,8 @@ def _relabel_reduced(gradient):
 
 
 def _reduced_placements(placements):
-    return [
-        distribution_lib.Replicate() if p.is_partial() else p for p in placements
-    ]
+    replicate = distribution_lib.Replicate()
+    return [replicate if p.is_partial() else p for p in placements]
 
 
 def _all_reduce_bucket(gradients):
