@@ -484,7 +484,7 @@ def check_replicated(values, name):
     """
     leaves = [
         (path, x)
-        for path, x in _flatten_with_path(values)
+        for path, x in tree.flatten_with_path(values)
         if isinstance(x, torch.Tensor)
         and not isinstance(x, DTensor)
         and not x.is_meta
@@ -1064,10 +1064,6 @@ def _digest(x):
         1, x.numel() + 1, dtype=torch.float64, device=x.device
     )
     return torch.stack([x.sum(), (x * weights).sum(), (x * x).sum()])
-
-
-def _flatten_with_path(values):
-    return tree.flatten_with_path(values)
 
 
 def _comm_device():

@@ -35,24 +35,24 @@ def wrap_step_function(step_function, eager_step_function, model):
         compiled step fails on its first call, it warns once, restores the
         state the attempt may have changed, and runs eagerly from then on.
     """
-    # The function in use; a compiled one is checked on its first call.
-    current = {"function": step_function}
-    unchecked = [step_function is not eager_step_function]
+    # A compiled step is checked on its first call.
+    unchecked = step_function is not eager_step_function
 
     @functools.wraps(eager_step_function)
     def distributed_step(data):
+        nonlocal step_function, unchecked
         distribution = distribution_lib.current_distribution()
         if distribution is None:
             return step_function(data)
         data = distribute_batch(data, distribution)
         with distribution_lib.replicated_plain_tensors():
-            if not unchecked[0]:
-                return current["function"](data)
-            unchecked[0] = False
+            if not unchecked:
+                return step_function(data)
+            unchecked = False
             try:
                 return _first_compiled_step(step_function, model, data)
             except _CompileFailed:
-                current["function"] = eager_step_function
+                step_function = eager_step_function
                 return eager_step_function(data)
 
     return distributed_step
