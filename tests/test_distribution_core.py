@@ -492,6 +492,80 @@ def test_replicated_variables_agree_without_a_keras_seed():
         np.testing.assert_array_equal(result["global"], results[0]["local"])
 
 
+def _variable_pieces_body(rank, world_size, cases):
+    from keras.src.backend.torch import distribution_lib
+
+    # Pieces of 64 bytes: most values below take several broadcasts, and
+    # pieces cut across shards. (The worker outlives the test: restored.)
+    piece_bytes = distribution_lib._BROADCAST_PIECE_BYTES
+    distribution_lib._BROADCAST_PIECE_BYTES = 64
+    try:
+        return _cut_variables(rank, cases)
+    finally:
+        distribution_lib._BROADCAST_PIECE_BYTES = piece_bytes
+
+
+def _cut_variables(rank, cases):
+    """Each case's variable, and torch's own cut of the same value."""
+    import torch
+    from torch.distributed.tensor import distribute_tensor
+
+    from keras import distribution as kd
+    from keras.src.backend.torch import distribution_lib
+
+    mesh = kd.DeviceMesh((2, 2), ["batch", "model"], kd.list_devices())
+    results = {}
+    for name, (shape, axes, dtype) in cases.items():
+        full = torch.arange(int(np.prod(shape)), dtype=torch.float64)
+        full = (full * 7 % 11).reshape(shape).to(getattr(torch, dtype))
+        layout = kd.TensorLayout(axes, mesh)
+        # Each process' own value differs: process 0's must win.
+        mine = full + rank if dtype != "bool" else full ^ bool(rank % 2)
+        sharded = distribution_lib.distribute_variable(mine, layout)
+        torch_layout = layout.backend_layout
+        expected = distribute_tensor(
+            full,
+            torch_layout.device_mesh,
+            torch_layout.placements,
+            src_data_rank=None,
+        )
+        results[name] = {
+            "placements": _placements_of(sharded),
+            "expected_placements": _placements_of(expected),
+            "local": _local_numpy(sharded),
+            "expected_local": _local_numpy(expected),
+            "global": sharded.full_tensor().numpy(),
+            "full": full.numpy(),
+        }
+    return results
+
+
+def test_variables_are_cut_from_process_0s_value_in_pieces():
+    cases = {
+        "uneven_rows": ((7, 3), ("model", None), "float32"),
+        "uneven_columns": ((5, 9), (None, "model"), "float32"),
+        "both_axes_on_rows": ((10, 3), (("batch", "model"), None), "float32"),
+        "transposed": ((6, 5), ("model", "batch"), "float32"),
+        "replicated": ((4, 4), (None, None), "float32"),
+        "three_dims": ((3, 5, 4), (None, "batch", "model"), "float64"),
+        "fewer_rows_than_parts": ((1, 6), ("model", None), "float32"),
+        "vector": ((13,), ("batch",), "int64"),
+        "scalar": ((), (), "float32"),
+        "empty": ((0, 4), (None, "model"), "float32"),
+        "bool": ((4, 6), (None, "model"), "bool"),
+    }
+    results = run_on_ranks(_variable_pieces_body, world_size=4, args=(cases,))
+    for rank, result in enumerate(results):
+        for name, facts in result.items():
+            assert facts["placements"] == facts["expected_placements"], name
+            np.testing.assert_array_equal(
+                facts["local"], facts["expected_local"], err_msg=name
+            )
+            np.testing.assert_array_equal(
+                facts["global"], facts["full"], err_msg=name
+            )
+
+
 # --------------------------------------------------------------------------
 # 4. Assignment keeps the layout
 # --------------------------------------------------------------------------

@@ -69,6 +69,8 @@ _process_distribution = None
 _torch_meshes = {}
 # How many `replicated_plain_tensors` contexts are open (they nest).
 _replication_depth = 0
+# Process 0 broadcasts a new variable's value in pieces of about this size.
+_BROADCAST_PIECE_BYTES = 1024 * 1024
 
 
 def list_devices(device_type=None):
@@ -209,8 +211,12 @@ def _sync_torch_rng():
 def distribute_variable(value, layout):
     """Creates the sharded value of a variable from its full value.
 
-    Process 0's value is scattered (or broadcast), so all processes hold the
-    same variable even if their random initializers were seeded differently.
+    Process 0's value is sent to the others, so all processes hold the same
+    variable even if their random initializers were seeded differently. It
+    is broadcast in pieces, each process keeping the part of each piece in
+    its shard: no process holds more than the full value it was given, its
+    shard and one piece (a scatter would also make every shard contiguous
+    on process 0 at once).
 
     Args:
         value: the full (global) value, a `torch.Tensor`.
@@ -222,9 +228,92 @@ def distribute_variable(value, layout):
     layout = _to_torch_layout(layout)
     _check_rank(value, layout, "variable")
     value = value.detach()
+    mesh, placements = layout.device_mesh, layout.placements
     if isinstance(value, DTensor):
-        return value.redistribute(layout.device_mesh, layout.placements)
-    return _dtensor_put(value, layout.device_mesh, layout.placements)
+        return value.redistribute(mesh, placements)
+    if value.device.type != mesh.device_type:
+        value = value.to(mesh.device_type)
+    region = _local_region(value.shape, mesh, placements)
+    local = _broadcast_region(value, region)
+    return DTensor.from_local(
+        local,
+        mesh,
+        placements,
+        run_check=False,
+        shape=value.shape,
+        stride=_contiguous_strides(value.shape),
+    )
+
+
+def _local_region(shape, mesh, placements):
+    """The slices of a global tensor that this process' shard holds.
+
+    Mesh dimensions split in order, each like `torch.chunk` (as DTensor
+    shards an uneven dimension); a dimension sharded over several mesh
+    axes is split again within each part.
+    """
+    coordinate = mesh.get_coordinate()
+    bounds = [[0, size] for size in shape]
+    for mesh_dim, placement in enumerate(placements):
+        if not placement.is_shard():
+            continue
+        dim = placement.dim % len(shape)
+        start, stop = bounds[dim]
+        length = stop - start
+        part_size = -(-length // mesh.size(mesh_dim))
+        low = min(coordinate[mesh_dim] * part_size, length)
+        high = min(low + part_size, length)
+        bounds[dim] = [start + low, start + high]
+    return tuple(slice(start, stop) for start, stop in bounds)
+
+
+def _broadcast_region(value, region):
+    """Broadcasts process 0's `value`; returns `value[region]` of it."""
+    local = torch.empty(
+        [s.stop - s.start for s in region],
+        dtype=value.dtype,
+        device=value.device,
+    )
+    if value.ndim == 0:
+        local.copy_(value)
+        dist.broadcast(local, src=0)
+        return local
+    if value.numel() == 0:
+        return local
+    is_source = dist.get_rank() == 0
+    value = value.contiguous() if is_source else value
+    rows = value.shape[0]
+    row_bytes = value[0].numel() * value.element_size()
+    rows_per_piece = max(1, _BROADCAST_PIECE_BYTES // max(row_bytes, 1))
+    rows_kept, columns_kept = region[0], region[1:]
+    whole_rows = all(
+        s.start == 0 and s.stop == n
+        for s, n in zip(columns_kept, value.shape[1:])
+    )
+    scratch = None
+    for start in range(0, rows, rows_per_piece):
+        stop = min(start + rows_per_piece, rows)
+        low, high = max(start, rows_kept.start), min(stop, rows_kept.stop)
+        kept = local[low - rows_kept.start : high - rows_kept.start]
+        if is_source:
+            piece = value[start:stop]
+        elif whole_rows and low == start and high == stop:
+            # The piece is a block of rows of this process' shard.
+            piece = kept
+        else:
+            if scratch is None:
+                scratch = torch.empty(
+                    (rows_per_piece,) + tuple(value.shape[1:]),
+                    dtype=value.dtype,
+                    device=value.device,
+                )
+            piece = scratch[: stop - start]
+        dist.broadcast(piece, src=0)
+        if low < high and piece is not kept:
+            kept.copy_(
+                piece[(slice(low - start, high - start),) + columns_kept]
+            )
+    return local
 
 
 def distribute_tensor(tensor, layout):
@@ -1233,5 +1322,6 @@ def _configure_logger():
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG)
     logger.propagate = False
+
 
 _configure_logger()

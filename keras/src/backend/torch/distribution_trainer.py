@@ -8,6 +8,7 @@ before the optimizer sees them, so the optimizer issues no collectives.
 
 import functools
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,10 @@ from keras.src.backend.torch import distribution_lib
 
 # Gradients are all-reduced in buckets of about this many bytes, as DDP does.
 BUCKET_BYTES = 25 * 1024 * 1024
+
+# Each optimizer's flat gradient buffers, kept from one step to the next:
+# allocated anew, they would cost fresh memory pages every step.
+_GRADIENT_BUFFERS = weakref.WeakKeyDictionary()
 
 
 def wrap_step_function(step_function, eager_step_function, model):
@@ -151,7 +156,8 @@ def apply_gradients(apply_function, optimizer, grads, trainable_variables):
     Returns:
         What `apply_function` returns.
     """
-    grads = reduce_gradients(grads)
+    buffers = _GRADIENT_BUFFERS.setdefault(optimizer, {})
+    grads = reduce_gradients(grads, buffers=buffers)
     variables = trainable_variables
     if variables is None:
         variables = optimizer._trainable_variables
@@ -188,7 +194,7 @@ def _local_value(x):
     return x
 
 
-def reduce_gradients(gradients):
+def reduce_gradients(gradients, buffers=None):
     """Turns partial-sum gradients into the replicated or sharded ones.
 
     Gradients of replicated weights computed on a sharded batch come out of
@@ -198,6 +204,10 @@ def reduce_gradients(gradients):
 
     Args:
         gradients: list of gradients (`DTensor`, tensor or `None`).
+        buffers: optional dict in which the flat buffers the buckets are
+            packed into are kept for the next call. The gradients returned
+            by a call are views of these buffers: the next call with the
+            same dict overwrites them.
 
     Returns:
         The list with every `Partial` placement reduced.
@@ -208,18 +218,37 @@ def reduce_gradients(gradients):
         if isinstance(g, distribution_lib.DTensor) and any(
             p.is_partial() for p in g.placements
         ):
-            key = (id(g.device_mesh), g.placements, g.dtype)
+            key = (id(g.device_mesh), g.placements, g.dtype, g.device)
             groups.setdefault(key, []).append(i)
-    for indices in groups.values():
+    for key, indices in groups.items():
         if not _needs_reduction(gradients[indices[0]]):
             for i in indices:
                 gradients[i] = _relabel_reduced(gradients[i])
             continue
+        flat = _flat_buffer(buffers, key, [gradients[i] for i in indices])
+        offset = 0
         for bucket in _buckets(indices, gradients):
-            reduced = _all_reduce_bucket([gradients[i] for i in bucket])
+            bucket_gradients = [gradients[i] for i in bucket]
+            size = sum(g.to_local().numel() for g in bucket_gradients)
+            reduced = _all_reduce_bucket(
+                bucket_gradients, flat[offset : offset + size]
+            )
+            offset += size
             for i, g in zip(bucket, reduced):
                 gradients[i] = g
     return gradients
+
+
+def _flat_buffer(buffers, key, gradients):
+    """A 1-D buffer for the local values of `gradients`, reused if cached."""
+    size = sum(g.to_local().numel() for g in gradients)
+    first = gradients[0]
+    buffer = None if buffers is None else buffers.get(key)
+    if buffer is None or buffer.numel() < size:
+        buffer = torch.empty(size, dtype=first.dtype, device=first.device)
+        if buffers is not None:
+            buffers[key] = buffer
+    return buffer[:size]
 
 
 def _needs_reduction(gradient):
@@ -248,11 +277,19 @@ def _reduced_placements(placements):
     return [replicate if p.is_partial() else p for p in placements]
 
 
-def _all_reduce_bucket(gradients):
-    """All-reduces gradients of one mesh, placement and dtype at once."""
+def _all_reduce_bucket(gradients, flat):
+    """All-reduces gradients of one mesh, placement and dtype at once.
+
+    Args:
+        gradients: the bucket's `Partial` gradients.
+        flat: a 1-D tensor of their total local size to pack them into.
+
+    Returns:
+        The reduced gradients, views of `flat`.
+    """
     first = gradients[0]
     mesh, placements = first.device_mesh, first.placements
-    flat = torch.cat([g.to_local().reshape(-1) for g in gradients])
+    torch.cat([g.to_local().reshape(-1) for g in gradients], out=flat)
     for mesh_dim, placement in enumerate(placements):
         if placement.is_partial() and mesh.size(mesh_dim) > 1:
             dist.all_reduce(flat, group=mesh.get_group(mesh_dim))
