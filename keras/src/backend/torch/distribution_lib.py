@@ -480,7 +480,9 @@ def call_layer(call_function, layer, *args, **kwargs):
     outside the call still works); inside the call, see
     `replicated_plain_tensors`. Outputs that are partial sums (a
     row-parallel kernel) are all-reduced as the layer returns them, like
-    Megatron's row-parallel layers and torch's `RowwiseParallel` do.
+    Megatron's row-parallel layers and torch's `RowwiseParallel` do; in the
+    backward pass, partial-sum gradients of replicated outputs (left by
+    column-parallel consumers) are all-reduced as they reach the layer.
     With `KERAS_DISTRIBUTION_CHECK_REPLICATION=1`, the plain inputs of the
     outermost layer call are first checked to be identical on all processes.
 
@@ -509,18 +511,58 @@ def call_layer(call_function, layer, *args, **kwargs):
     )
     with replicated_plain_tensors():
         outputs = call_function(layer, *args, **kwargs)
-    return tree.map_structure(_reduce_partial, outputs)
+    return tree.map_structure(_layer_output, outputs)
 
 
-def _reduce_partial(x):
-    if not isinstance(x, DTensor) or not any(
-        p.is_partial() for p in x.placements
-    ):
+def _layer_output(x):
+    """A layer output with its partial sums and their gradients reduced."""
+    if not isinstance(x, DTensor):
         return x
-    return x.redistribute(
-        x.device_mesh,
-        [Replicate() if p.is_partial() else p for p in x.placements],
-    )
+    if any(p.is_partial() for p in x.placements):
+        x = x.redistribute(
+            x.device_mesh,
+            [Replicate() if p.is_partial() else p for p in x.placements],
+        )
+    mesh = x.device_mesh
+    if (
+        x.requires_grad
+        and torch.is_grad_enabled()
+        and any(
+            p.is_replicate() and mesh.size(d) > 1
+            for d, p in enumerate(x.placements)
+        )
+    ):
+        x = _ReducePartialGradient.apply(x)
+    return x
+
+
+class _ReducePartialGradient(torch.autograd.Function):
+    """The identity; its backward reduces a partial-sum gradient.
+
+    The gradient of a replicated layer output arrives as a partial sum when
+    column-parallel layers consumed the output. Reduced here, once autograd
+    has summed what all consumers sent, the layer's own backward runs on the
+    whole gradient (Megatron's `f` operator). Left to DTensor, the backward
+    of e.g. a LayerNorm reduce-scatters and all-gathers it instead, and
+    leaves partial-sum weight gradients to all-reduce as well.
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.placements = x.placements
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not isinstance(grad, DTensor):
+            return grad
+        placements = [
+            target if p.is_partial() else p
+            for p, target in zip(grad.placements, ctx.placements)
+        ]
+        if tuple(placements) == tuple(grad.placements):
+            return grad
+        return grad.redistribute(grad.device_mesh, placements)
 
 
 def _replicate_plain_tensor(x, mesh):

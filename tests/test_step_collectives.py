@@ -1,0 +1,113 @@
+"""Collectives of one training step, counted with `CommDebugMode`.
+
+Each distributed training step should issue the collectives Megatron-style
+tensor parallelism and DDP-style data parallelism issue, and no more: one
+all-reduce per row-parallel layer in the forward pass, one per replicated
+activation whose gradient comes back as a partial sum from column-parallel
+layers in the backward pass, one per gradient bucket of replicated weights,
+and none in the optimizer update. Counts are exact: a change that adds a
+redistribution shows up here before it shows up in a benchmark.
+"""
+
+import numpy as np
+
+from tests.harness import run_on_ranks
+
+DIM, HIDDEN, BATCH = 8, 16, 8
+
+
+def _model(kind):
+    import keras
+
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((DIM,))
+    x = inputs
+    if kind == "block":
+        x = keras.layers.LayerNormalization(name="norm")(x)
+    x = keras.layers.Dense(HIDDEN, activation="relu", name="fc1")(x)
+    x = keras.layers.Dense(DIM, name="fc2")(x)
+    if kind == "block":
+        x = keras.layers.Add()([inputs, x])
+    return keras.Model(inputs, x)
+
+
+def _set_distribution(setting, world_size):
+    from keras import distribution as kd
+
+    devices = kd.list_devices()
+    if setting == "dp":
+        kd.set_distribution(kd.DataParallel(devices=devices))
+        return
+    mesh = kd.DeviceMesh((1, world_size), ["batch", "model"], devices)
+    layout_map = kd.LayoutMap(mesh)
+    # Megatron: fc1 column-parallel, fc2 row-parallel.
+    layout_map["fc1/kernel"] = (None, "model")
+    layout_map["fc1/bias"] = ("model",)
+    layout_map["fc2/kernel"] = ("model", None)
+    kd.set_distribution(
+        kd.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    )
+
+
+def _step_collectives_body(rank, world_size, setting, kind):
+    import keras
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from keras.src.backend.torch import distribution_trainer
+
+    _set_distribution(setting, world_size)
+    model = _model(kind)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    rng = np.random.RandomState(0)
+    x = rng.rand(BATCH, DIM).astype("float32")
+    y = rng.rand(BATCH, DIM).astype("float32")
+    model.train_on_batch(x, y)  # Builds the optimizer.
+    with CommDebugMode() as step:
+        model.train_on_batch(x, y)
+    # The update alone, on the step's gradients reduced beforehand.
+    weights = model.trainable_weights
+    grads = distribution_trainer.reduce_gradients(
+        [w.value.grad for w in weights]
+    )
+    with CommDebugMode() as update:
+        model.optimizer.apply(grads, weights)
+    keras.distribution.set_distribution(None)
+    return {
+        "step": {str(k): v for k, v in step.get_comm_counts().items()},
+        "update": update.get_total_counts(),
+    }
+
+
+def _counts(setting, kind):
+    results = run_on_ranks(
+        _step_collectives_body, world_size=2, args=(setting, kind)
+    )
+    assert results[0] == results[1]
+    return results[0]
+
+
+def test_model_parallel_mlp_step_all_reduces_once():
+    # fc2's output, forward; fc1's input is data: no backward collective.
+    counts = _counts("mp", "mlp")
+    assert counts["step"] == {"c10d_functional.all_reduce": 1}
+    assert counts["update"] == 0
+
+
+def test_model_parallel_block_all_reduces_once_each_way():
+    # Forward: fc2's output. Backward: the gradient of the LayerNorm output,
+    # a partial sum from column-parallel fc1, once; the LayerNorm weights'
+    # gradients are then whole and need no reduction.
+    counts = _counts("mp", "block")
+    assert counts["step"] == {"c10d_functional.all_reduce": 2}
+    assert counts["update"] == 0
+
+
+def test_data_parallel_step_reduces_one_bucket_and_the_loss():
+    # One gradient bucket (all weights are far below 25 MiB), and the loss:
+    # Keras reports the global batch's loss, which DDP does not compute.
+    counts = _counts("dp", "block")
+    assert counts["step"] == {
+        "c10d_functional.all_reduce": 1,
+        "c10d.allreduce_": 1,
+    }
+    assert counts["update"] == 0
