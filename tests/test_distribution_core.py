@@ -793,6 +793,37 @@ def _layer_output_gradient_body(rank, world_size, x):
     return _dense_output_gradients(x)
 
 
+def _mask_set_in_call_body(rank, world_size):
+    import keras
+    import torch
+
+    from keras.src import backend
+
+    class MarkPositive(keras.layers.Layer):
+        """Sets its output's mask in `call` (no `compute_mask`)."""
+
+        def call(self, x):
+            outputs = x * 2.0
+            backend.set_keras_mask(outputs, keras.ops.sum(x, axis=-1) > 0)
+            return outputs
+
+    # Nothing sharded: outputs are replicated over "model".
+    _set_model_parallel((1, world_size), {})
+    dense = keras.layers.Dense(4, name="dense", kernel_initializer="ones")
+    x = np.array([[1.0, 1.0], [-1.0, -1.0]], dtype="float32")
+    with torch.enable_grad():
+        # Replicated over "model" and requiring a gradient: the output is
+        # wrapped to reduce partial-sum gradients in the backward pass.
+        outputs = MarkPositive()(dense(x))
+    mask = backend.get_keras_mask(outputs)
+    return None if mask is None else np.asarray(keras.ops.convert_to_numpy(mask))
+
+
+def test_mask_set_inside_a_layer_call_survives_the_layer_boundary():
+    for mask in run_on_ranks(_mask_set_in_call_body, world_size=2):
+        np.testing.assert_array_equal(mask, [True, False])
+
+
 def test_gradient_through_sharded_layer_output_matches_single_process():
     x = _inputs((3, 4))
     reference = _reference(_dense_output_gradients, x)

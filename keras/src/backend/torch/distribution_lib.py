@@ -24,6 +24,8 @@ from packaging.version import parse
 
 from keras.src import tree
 from keras.src.backend.common import global_state
+from keras.src.backend.common.masking import get_keras_mask
+from keras.src.backend.common.masking import set_keras_mask
 from keras.src.backend.torch.distribution_summary import mesh_info  # noqa: F401
 from keras.src.backend.torch.distribution_summary import sharding_summary  # noqa: F401,E501
 
@@ -518,22 +520,27 @@ def _layer_output(x):
     """A layer output with its partial sums and their gradients reduced."""
     if not isinstance(x, DTensor):
         return x
-    if any(p.is_partial() for p in x.placements):
-        x = x.redistribute(
-            x.device_mesh,
-            [Replicate() if p.is_partial() else p for p in x.placements],
+    output = x
+    if any(p.is_partial() for p in output.placements):
+        output = output.redistribute(
+            output.device_mesh,
+            [Replicate() if p.is_partial() else p for p in output.placements],
         )
-    mesh = x.device_mesh
+    mesh = output.device_mesh
     if (
-        x.requires_grad
+        output.requires_grad
         and torch.is_grad_enabled()
         and any(
             p.is_replicate() and mesh.size(d) > 1
-            for d, p in enumerate(x.placements)
+            for d, p in enumerate(output.placements)
         )
     ):
-        x = _ReducePartialGradient.apply(x)
-    return x
+        output = _ReducePartialGradient.apply(output)
+    mask = get_keras_mask(x)
+    if output is not x and mask is not None:
+        # A mask the layer attached to its output stays with it.
+        set_keras_mask(output, mask)
+    return output
 
 
 class _ReducePartialGradient(torch.autograd.Function):
