@@ -41,6 +41,7 @@ See benchmarks/README.md for what exactly is counted.
 import argparse
 import contextlib
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -971,6 +972,13 @@ def main(argv=None):
                            "results": results, "ratios": pair_ratios},
                           f, indent=1)
     dist.barrier()
+    # Torn down here, not at interpreter exit: the DDP reducers and gloo's
+    # threads still alive then can abort a rank ("terminate called without
+    # an active exception").
+    del runners
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
