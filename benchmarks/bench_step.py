@@ -17,6 +17,16 @@ initial weights, on the same global batch:
 * ``keras_dp``: Keras ``DataParallel``;
 * ``native_ddp``: ``DistributedDataParallel``, per-rank batch = global / N.
 
+Two more pairs give the floor, what Keras costs over torch with no
+distribution at all: every rank trains, alone and without communicating,
+the share of the work it has in the distributed steps:
+
+* ``keras_local_tp`` / ``native_local_tp``: the model with H / N hidden
+  units and heads / N attention heads (each of the same size) on the whole
+  batch: one rank's work under tensor parallelism, minus its all-reduces;
+* ``keras_local_dp`` / ``native_local_dp``: the whole model on batch / N:
+  one rank's work under data parallelism, minus the gradient all-reduce.
+
 With ``--jit-compile`` the compiled steps join them: ``keras_mp_jit`` /
 ``keras_dp_jit`` (``jit_compile=True``) and ``native_tp_compile`` /
 ``native_ddp_compile`` (``torch.compile`` of the whole step).
@@ -77,6 +87,12 @@ from keras.src.backend.torch import distribution_trainer  # noqa: E402
 
 MODELS = ("mlp", "transformer")
 EAGER_IMPLS = ("keras_mp", "native_tp", "keras_dp", "native_ddp")
+LOCAL_IMPLS = (
+    "keras_local_tp",
+    "native_local_tp",
+    "keras_local_dp",
+    "native_local_dp",
+)
 COMPILED_IMPLS = (
     "keras_mp_jit",
     "native_tp_compile",
@@ -87,6 +103,8 @@ COMPILED_IMPLS = (
 PAIRS = {
     "keras_mp": "native_tp",
     "keras_dp": "native_ddp",
+    "keras_local_tp": "native_local_tp",
+    "keras_local_dp": "native_local_dp",
     "keras_mp_jit": "native_tp_compile",
     "keras_dp_jit": "native_ddp_compile",
 }
@@ -99,13 +117,21 @@ EAGER_FALLBACK_TEXT = "Running the step eagerly instead"
 
 @dataclasses.dataclass
 class Shapes:
-    """Model and batch sizes; `batch` is the global batch."""
+    """Model and batch sizes; `batch` is the global batch.
+
+    `key_dim` is the size of an attention head (default `dim // heads`).
+    """
 
     batch: int
     dim: int
     hidden: int
     seq_len: int
     heads: int
+    key_dim: int = None
+
+    def __post_init__(self):
+        if self.key_dim is None:
+            self.key_dim = self.dim // self.heads
 
 
 @dataclasses.dataclass
@@ -158,9 +184,9 @@ def parse_args(argv=None):
     p.add_argument(
         "--impl",
         nargs="+",
-        choices=EAGER_IMPLS + COMPILED_IMPLS,
-        help="implementations to run (default: the 4 eager ones, and the 4 "
-        "compiled ones with --jit-compile)",
+        choices=EAGER_IMPLS + LOCAL_IMPLS + COMPILED_IMPLS,
+        help="implementations to run (default: the 4 eager and the 4 local "
+        "ones, and the 4 compiled ones with --jit-compile)",
     )
     p.add_argument("--jit-compile", action="store_true",
                    help="also run the compiled steps")
@@ -190,7 +216,7 @@ def parse_args(argv=None):
     p.add_argument("--json", metavar="PATH", help="write the results here")
     args = p.parse_args(argv)
     if args.impl is None:
-        args.impl = list(EAGER_IMPLS)
+        args.impl = list(EAGER_IMPLS) + list(LOCAL_IMPLS)
         if args.jit_compile:
             args.impl += list(COMPILED_IMPLS)
     args.models = list(MODELS) if args.model == "all" else [args.model]
@@ -210,9 +236,9 @@ def keras_model(kind, shapes):
         return keras.Model(inputs, layers.Dense(D, name="fc2")(h))
     inputs = keras.Input((shapes.seq_len, D))
     h = layers.LayerNormalization(epsilon=1e-5, name="ln1")(inputs)
-    h = layers.MultiHeadAttention(
-        shapes.heads, D // shapes.heads, name="attn"
-    )(h, h)
+    h = layers.MultiHeadAttention(shapes.heads, shapes.key_dim, name="attn")(
+        h, h
+    )
     x = layers.Add()([inputs, h])
     h = layers.LayerNormalization(epsilon=1e-5, name="ln2")(x)
     h = layers.Dense(H, activation="relu", name="fc1")(h)
@@ -268,9 +294,10 @@ class NativeAttention(nn.Module):
 
     def __init__(self, shapes):
         super().__init__()
-        self.head_dim = shapes.dim // shapes.heads
-        self.qkv = nn.Linear(shapes.dim, 3 * shapes.dim)
-        self.out = nn.Linear(shapes.dim, shapes.dim)
+        self.head_dim = shapes.key_dim
+        width = shapes.heads * shapes.key_dim
+        self.qkv = nn.Linear(shapes.dim, 3 * width)
+        self.out = nn.Linear(width, shapes.dim)
 
     def forward(self, x):
         b, s, _ = x.shape
@@ -325,12 +352,12 @@ def native_state_dict(kind, ref, shapes):
     qkv = [f"attn/{p}" for p in ("query", "key", "value")]
     # (D, heads, 3, head_dim): whole heads stay contiguous (see above).
     kernel = np.stack([ref[f"{p}/kernel"] for p in qkv], axis=2)
-    state["attn.qkv.weight"] = kernel.reshape(D, 3 * D).T
+    state["attn.qkv.weight"] = kernel.reshape(D, -1).T
     state["attn.qkv.bias"] = np.stack(
         [ref[f"{p}/bias"] for p in qkv], axis=1
     ).reshape(-1)
     out = ref["attn/attention_output/kernel"]
-    state["attn.out.weight"] = out.reshape(D, D).T
+    state["attn.out.weight"] = out.reshape(-1, D).T
     state["attn.out.bias"] = ref["attn/attention_output/bias"]
     return state
 
@@ -502,8 +529,10 @@ def ideal_collectives(kind, impl, ref):
     gradient. The MLP's input is data: 1. The transformer's two sub-blocks
     start with a LayerNorm whose weights need the gradient of its output:
     2 forward + 2 backward = 4. Data parallelism: one all-reduce per 25 MiB
-    bucket of gradients.
+    bucket of gradients. A rank training alone: none.
     """
+    if "_local_" in impl:
+        return 0
     if impl.startswith(("keras_mp", "native_tp")):
         return 1 if kind == "mlp" else 4
     grad_bytes = sum(v.nbytes for v in ref.values())
@@ -529,11 +558,13 @@ def keras_distribution(impl, kind, relayout_outputs):
     )
 
 
-def keras_runner(kind, impl, ref, data, ctx, args):
+def keras_runner(kind, impl, shapes, ref, data, ctx, args):
     """A runner driving Keras' own training step (the one `fit` uses)."""
-    distribution = keras_distribution(impl, kind, args.relayout_outputs)
+    distribution = None
+    if "_local_" not in impl:
+        distribution = keras_distribution(impl, kind, args.relayout_outputs)
     keras.distribution.set_distribution(distribution)
-    model = keras_model(kind, args.shapes)
+    model = keras_model(kind, shapes)
     model.set_weights([ref[v.path] for v in model.weights])
     model.compile(
         optimizer=keras.optimizers.Adam(learning_rate=1e-3),
@@ -603,16 +634,20 @@ def keras_collectives(model, train_function, batch):
 # -------------------------------------------------------- native runners
 
 
-def native_runner(kind, impl, ref, data, ctx, args, device):
-    """A runner of native tensor parallelism or DDP, eager or compiled."""
+def native_runner(kind, impl, shapes, ref, data, ctx, args, device):
+    """A runner of native tensor parallelism or DDP, eager or compiled, or
+    of the module alone (`native_local_*`)."""
     world_size = dist.get_world_size()
-    module = native_module(kind, ref, args.shapes, device)
+    module = native_module(kind, ref, shapes, device)
     x, y = data
     tp = impl.startswith("native_tp")
+    ddp = impl.startswith("native_ddp")
     if tp:
         mesh = init_device_mesh(device.type, (world_size,),
                                 mesh_dim_names=("model",))
         model = parallelize_module(module, mesh, NATIVE_TP_PLANS[kind])
+    elif not ddp:
+        model = module
     else:
         model = _ddp(module, device)
         # DDP: each rank trains on its part of the global batch.
@@ -641,13 +676,13 @@ def native_runner(kind, impl, ref, data, ctx, args, device):
             return fn[0]()
 
     def count():
-        if tp:
+        if not ddp:
             with ctx():
                 result = count_collectives(train_step, [model])
                 opt = count_collectives(optimizer.step, [model])
             result["optimizer_alone"] = opt["total"]
             return result
-        return ddp_collectives(kind, ref, args, device, (x, y), ctx)
+        return ddp_collectives(kind, ref, shapes, device, (x, y), ctx)
 
     def state_bytes():
         state = [t for s in optimizer.state.values() for t in s.values()
@@ -662,7 +697,7 @@ def native_runner(kind, impl, ref, data, ctx, args, device):
         ideal_bytes=ideal_state_bytes(
             ref, keras_tp_layouts(kind), tp, world_size
         ),
-        loss_fn=_global_mean if not tp else float,
+        loss_fn=_global_mean if ddp else float,
         notes=notes,
     )
 
@@ -693,7 +728,7 @@ def _global_mean(loss):
     return float(loss) / dist.get_world_size()
 
 
-def ddp_collectives(kind, ref, args, device, data, ctx):
+def ddp_collectives(kind, ref, shapes, device, data, ctx):
     """DDP's all-reduces per step, counted with a comm hook.
 
     `CommDebugMode` cannot see them: DDP's reducer calls the process group
@@ -702,7 +737,7 @@ def ddp_collectives(kind, ref, args, device, data, ctx):
     DDP's default does). DDP rebuilds its buckets after the first step, so
     the third step is counted.
     """
-    twin = _ddp(native_module(kind, ref, args.shapes, device), device)
+    twin = _ddp(native_module(kind, ref, shapes, device), device)
     calls = []
 
     def hook(state, bucket):
@@ -751,20 +786,44 @@ def reference_weights(kind, shapes, seed):
     return {v.path: np.asarray(v.numpy()) for v in model.weights}
 
 
+def impl_shapes(impl, shapes, world_size):
+    """The shapes an implementation trains: the global ones, or one rank's
+    share of them for the `*_local_*` floors."""
+    if impl.endswith("_local_tp"):
+        return dataclasses.replace(
+            shapes,
+            hidden=shapes.hidden // world_size,
+            heads=shapes.heads // world_size,
+            key_dim=shapes.key_dim,
+        )
+    if impl.endswith("_local_dp"):
+        return dataclasses.replace(shapes, batch=shapes.batch // world_size)
+    return shapes
+
+
 def build_runners(args, device):
     """All requested runners, every model and implementation."""
     ctx = sdpa_context(args, device)
     runners = []
     for kind in args.models:
-        ref = reference_weights(kind, args.shapes, args.seed)
-        data = make_data(kind, args.shapes, args.seed, device)
+        # Weights and data per shapes: the two sides of a pair share them.
+        inputs = {}
         for impl in args.impl:
-            if impl.startswith("keras"):
-                runners.append(keras_runner(kind, impl, ref, data, ctx, args))
-            else:
-                runners.append(
-                    native_runner(kind, impl, ref, data, ctx, args, device)
+            shapes = impl_shapes(impl, args.shapes, dist.get_world_size())
+            key = dataclasses.astuple(shapes)
+            if key not in inputs:
+                inputs[key] = (
+                    reference_weights(kind, shapes, args.seed),
+                    make_data(kind, shapes, args.seed, device),
                 )
+            ref, data = inputs[key]
+            if impl.startswith("keras"):
+                runner = keras_runner(kind, impl, shapes, ref, data, ctx, args)
+            else:
+                runner = native_runner(
+                    kind, impl, shapes, ref, data, ctx, args, device
+                )
+            runners.append(runner)
     keras.distribution.set_distribution(None)
     return runners
 
@@ -892,10 +951,15 @@ def format_report(info, args, results, pair_ratios):
     lines += ["", "Keras / native step time:"]
     for p in pair_ratios:
         lines.append(
-            f"  {p['model']:<12}{p['keras']:>13} / {p['native']:<19}"
+            f"  {p['model']:<12}{p['keras']:>15} / {p['native']:<16}"
             f"median {p['median_ratio']:.2f}x   min {p['min_ratio']:.2f}x"
             f"   cpu {p['cpu_ratio']:.2f}x"
             f"   (first-step loss rel. diff {p['first_loss_rel_diff']:.1e})"
+        )
+    if any("_local_" in p["keras"] for p in pair_ratios):
+        lines.append(
+            "  (*_local_*: each rank alone, no distribution, its share of "
+            "the distributed step's work: Keras' own cost over torch)"
         )
     lines += ["", "Collectives per step (CommDebugMode; DDP: comm-hook count):"]
     for r in results:

@@ -20,6 +20,8 @@ TINY_STEP = [
     "--heads", "2", "--rounds", "2", "--steps", "1", "--warmup", "1",
 ]
 EAGER = ("keras_mp", "native_tp", "keras_dp", "native_ddp")
+LOCAL = ("keras_local_tp", "native_local_tp", "keras_local_dp",
+         "native_local_dp")
 # Adam's scalar step counters are not in the ideal bytes.
 SCALAR_SLACK_BYTES = 1024
 
@@ -39,7 +41,7 @@ def test_bench_step_runs_all_implementations(tmp_path):
     assert "Machine: cpu=" in text and "world_size=2" in text, text
     results = {(r["model"], r["impl"]): r for r in data["results"]}
     assert set(results) == {(m, i) for m in ("mlp", "transformer")
-                            for i in EAGER}
+                            for i in EAGER + LOCAL}
     for (model, impl), r in results.items():
         assert re.search(rf"^{model}\s+{impl}\s+\d+\.\d+\s+\d+\.\d+",
                          text, re.MULTILINE), text
@@ -52,13 +54,25 @@ def test_bench_step_runs_all_implementations(tmp_path):
     assert results[("mlp", "native_tp")]["collectives"]["total"] == 1
     assert results[("transformer", "native_tp")]["collectives"]["total"] == 4
     assert results[("mlp", "native_ddp")]["collectives"]["total"] == 1
-    # Sharded state: the TP sides hold less than the data-parallel ones.
+    # A rank training its share alone does not communicate.
+    for model in ("mlp", "transformer"):
+        for impl in LOCAL:
+            assert results[(model, impl)]["collectives"]["total"] == 0
+    # Sharded state: the TP sides hold less than the data-parallel ones;
+    # the TP floor trains one rank's share: its bytes are about the TP
+    # side's (the replicated LayerNorms and biases held whole by both).
     for model in ("mlp", "transformer"):
         tp = results[(model, "keras_mp")]["state_bytes"]
         assert tp < results[(model, "keras_dp")]["state_bytes"]
+        local_tp = results[(model, "keras_local_tp")]["state_bytes"]
+        assert abs(local_tp - tp) <= SCALAR_SLACK_BYTES
+        assert results[(model, "keras_local_dp")]["state_bytes"] == (
+            results[(model, "keras_dp")]["state_bytes"])
     # The same work on both sides: the same first-step loss.
     assert {(p["keras"], p["native"]) for p in data["ratios"]} == {
-        ("keras_mp", "native_tp"), ("keras_dp", "native_ddp")}
+        ("keras_mp", "native_tp"), ("keras_dp", "native_ddp"),
+        ("keras_local_tp", "native_local_tp"),
+        ("keras_local_dp", "native_local_dp")}
     for p in data["ratios"]:
         assert p["first_loss_rel_diff"] < 1e-4, p
         assert f"{p['keras']} / {p['native']}" in text

