@@ -26,6 +26,8 @@ from pathlib import Path
 import whatthepatch
 
 DIFF_SUFFIX = ".diff"
+# The reviewer's table of our diffs: kept beside them, never built or exported.
+OVERLAY_DOC = "keras/OVERLAY.md"
 
 
 class OverlayError(Exception):
@@ -131,6 +133,8 @@ def read_overlay(source, upstream_files):
     """
     new_files, diffs, errors = [], {}, []
     for rel in tree_files(source):
+        if rel == OVERLAY_DOC:
+            continue
         if rel.endswith(DIFF_SUFFIX):
             target = rel[: -len(DIFF_SUFFIX)]
             if target not in upstream_files:

@@ -493,16 +493,16 @@ def test_replicated_variables_agree_without_a_keras_seed():
 
 
 def _variable_pieces_body(rank, world_size, cases):
-    from keras.src.backend.torch import distribution_lib
+    from keras.src.backend.torch.distributed import variables
 
     # Pieces of 64 bytes: most values below take several broadcasts, and
     # pieces cut across shards. (The worker outlives the test: restored.)
-    piece_bytes = distribution_lib._BROADCAST_PIECE_BYTES
-    distribution_lib._BROADCAST_PIECE_BYTES = 64
+    piece_bytes = variables.BROADCAST_PIECE_BYTES
+    variables.BROADCAST_PIECE_BYTES = 64
     try:
         return _cut_variables(rank, cases)
     finally:
-        distribution_lib._BROADCAST_PIECE_BYTES = piece_bytes
+        variables.BROADCAST_PIECE_BYTES = piece_bytes
 
 
 def _cut_variables(rank, cases):
@@ -1148,9 +1148,9 @@ def test_conv2d_with_sharded_kernel_matches_single_process(use_bias):
 def _check_replication_body(rank, world_size, differ):
     import keras
     from keras import distribution as kd
-    from keras.src.backend.torch import distribution_lib
+    from keras.src.backend.torch.distributed import layer_call
 
-    os.environ[distribution_lib.CHECK_REPLICATION_ENV] = "1"
+    os.environ[layer_call.CHECK_REPLICATION_ENV] = "1"
     kd.set_distribution(kd.DataParallel())
     layer = _dense_weights(3, 4)
     x = _inputs((2, 4)) + (rank if differ else 0)
@@ -1501,11 +1501,11 @@ def single_process_keras():
     kd.set_distribution(None)
     keras.backend.clear_session()
     if not had_group and dist.is_initialized():
-        from keras.src.backend.torch import distribution_lib
+        from keras.src.backend.torch.distributed import layouts
 
         # The cached torch meshes use this group's subgroups: drop them
         # with it, so a later group never meets a stale mesh.
-        distribution_lib._torch_meshes.clear()
+        layouts._torch_meshes.clear()
         dist.destroy_process_group()
 
 

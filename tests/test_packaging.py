@@ -220,3 +220,28 @@ def test_no_new_module_is_a_near_copy_of_upstream(pristine):
             if matcher.real_quick_ratio() > 0.5 and matcher.quick_ratio() > 0.5:
                 copies.append(f"{rel} ~ {name} ({matcher.quick_ratio():.2f})")
     assert copies == []
+
+
+def test_overlay_table_lists_every_diff_with_its_size(pristine):
+    """keras/OVERLAY.md names each diff once, with its +/- line counts."""
+    _, diffs = _overlay(pristine)
+    table = (REPO / overlaylib.OVERLAY_DOC).read_text()
+    rows = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("`keras/"):
+            rows[cells[0].strip("`")] = cells[1]
+    assert sorted(rows) == sorted(diffs)
+    for target, diff_rel in diffs.items():
+        body = (REPO / diff_rel).read_text().splitlines()
+        added = sum(1 for x in body if x.startswith("+") and not x.startswith("+++"))
+        removed = sum(
+            1 for x in body if x.startswith("-") and not x.startswith("---")
+        )
+        assert rows[target] == f"+{added} -{removed}", target
+
+
+def test_overlay_table_is_neither_built_nor_exported(pristine):
+    new, _ = _overlay(pristine)
+    assert overlaylib.OVERLAY_DOC not in new
+    assert "OVERLAY.md" not in overlaylib.export_patch(REPO, pristine)

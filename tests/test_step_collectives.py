@@ -53,7 +53,7 @@ def _step_collectives_body(rank, world_size, setting, kind):
     import keras
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from keras.src.backend.torch import distribution_trainer
+    from keras.src.backend.torch.distributed import gradients
 
     _set_distribution(setting, world_size)
     model = _model(kind)
@@ -72,7 +72,7 @@ def _step_collectives_body(rank, world_size, setting, kind):
         if any(p.is_partial() for p in w.value.grad.placements)
     ]
     # The update alone, on the step's gradients reduced beforehand.
-    grads = distribution_trainer.reduce_gradients(
+    grads = gradients.reduce_gradients(
         [w.value.grad for w in weights]
     )
     with CommDebugMode() as update:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import keras
-from keras.src.backend.torch import distribution_lib
+from keras.src.backend.torch.distributed import runtime
 
 
 @pytest.mark.parametrize("missing", ["old_version", "no_dtensor"])
@@ -13,7 +13,7 @@ def test_set_distribution_names_the_minimum_torch_version(monkeypatch, missing):
     if missing == "old_version":
         monkeypatch.setattr(torch, "__version__", "2.4.1")
     else:
-        monkeypatch.setattr(distribution_lib, "DTensor", None)
+        monkeypatch.setattr(runtime, "DTENSOR_AVAILABLE", False)
     with pytest.raises(RuntimeError, match=r"torch>=2\.5") as error:
         keras.distribution.set_distribution(distribution)
     assert "Found torch==" in str(error.value)

@@ -4,7 +4,8 @@ Reads only local metadata: nothing here runs a collective, so any process may
 call it on its own (from a debugger, or on rank 0 only).
 """
 
-from keras.src.backend.torch import distribution_lib
+from keras.src.backend.torch.distributed import runtime
+from keras.src.backend.torch.distributed.runtime import DTensor
 
 
 def mesh_info(device_mesh=None):
@@ -21,7 +22,7 @@ def mesh_info(device_mesh=None):
         the mesh).
     """
     if device_mesh is None:
-        distribution = distribution_lib.current_distribution()
+        distribution = runtime.current_distribution()
         if distribution is None:
             raise ValueError(
                 "No distribution is set. Pass a `DeviceMesh`, or call "
@@ -34,8 +35,8 @@ def mesh_info(device_mesh=None):
         "shape": tuple(device_mesh.shape),
         "axis_names": tuple(device_mesh.axis_names),
         "devices": device_mesh.devices.tolist(),
-        "process_id": distribution_lib.process_id(),
-        "num_processes": distribution_lib.num_processes(),
+        "process_id": runtime.rank(),
+        "num_processes": runtime.world_size(),
         "coordinate": None if coordinate is None else tuple(coordinate),
     }
 
@@ -62,7 +63,7 @@ def sharding_summary(model, print_fn=None):
 
 def _variable_row(variable):
     value = variable.value
-    if isinstance(value, distribution_lib.DTensor):
+    if isinstance(value, DTensor):
         placements = tuple(str(p) for p in value.placements)
         local = value.to_local()
     else:
@@ -79,7 +80,7 @@ def _variable_row(variable):
 
 
 def _format_rows(rows):
-    prefix = f"[rank {distribution_lib.process_id()}] "
+    prefix = f"[rank {runtime.rank()}] "
     header = ("path", "global shape", "placements", "local shape", "bytes")
     table = [header] + [
         (

@@ -1,0 +1,21 @@
+"""The torch backend's implementation of `keras.distribution`, by concern.
+
+`keras/src/backend/torch/distribution_lib.py` is the interface generic Keras
+code calls; the torch backend's own files hook into these modules directly:
+
+- `runtime`: the job (process group, world size, torch version), the
+  distribution in effect, random state agreed across processes, debug logs.
+- `layouts`: Keras meshes and layouts as torch meshes and DTensor
+  placements, and the sharding rules shared by the other modules.
+- `variables`: variables created, assigned and read under a distribution.
+- `layer_call`: layer calls: plain tensors as replicated global values,
+  row-parallel outputs reduced.
+- `ops`: convolution and dropout on DTensors, as one process computes them.
+- `data_input`: global batches assembled from each process' rows.
+- `collectives`: `all_reduce` / `all_gather` over a named mesh axis.
+- `gradients`: gradients reduced once per step, in buckets, for the
+  optimizer.
+- `steps`: the trainer's step functions run under the distribution.
+- `process_io`: printing and saving from one process.
+- `summary`: what a distribution stores on this process.
+"""

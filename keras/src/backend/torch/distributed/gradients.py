@@ -1,0 +1,199 @@
+"""Gradients reduced once per step, in buckets, before the optimizer.
+
+Gradients of replicated weights computed on a sharded batch come out of
+autograd as partial sums (`Partial` DTensors). Left so, every optimizer op
+that reads one would all-reduce it again; here each is all-reduced once, in
+buckets of about `BUCKET_BYTES`, as DDP does, and the optimizer issues no
+collectives.
+"""
+
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from keras.src.backend.common.stateless_scope import StatelessScope
+from keras.src.backend.torch.distributed import layouts
+from keras.src.backend.torch.distributed import runtime
+from keras.src.backend.torch.distributed.runtime import DTensor
+
+BUCKET_BYTES = 25 * 1024 * 1024
+
+# Each optimizer's flat gradient buffers, kept from one step to the next:
+# allocated anew, they would cost fresh memory pages every step.
+_GRADIENT_BUFFERS = weakref.WeakKeyDictionary()
+
+
+def apply_gradients(apply_function, optimizer, grads, trainable_variables):
+    """Runs `optimizer.apply` on distributed gradients.
+
+    Partial gradients are first reduced once (see `reduce_gradients`). When
+    every variable and gradient is replicated (data parallelism), the update
+    then runs on the local tensors, which hold the whole values: the math is
+    the same and skips DTensor's dispatch on every optimizer op. Without a
+    distribution, `apply_function` runs as it is.
+
+    Args:
+        apply_function: the optimizer's own `apply(grads, variables)`.
+        optimizer: the optimizer.
+        grads: list of gradients.
+        trainable_variables: the variables, or `None` for the optimizer's.
+
+    Returns:
+        What `apply_function` returns.
+    """
+    if runtime.current_distribution() is None:
+        return apply_function(grads, trainable_variables)
+    buffers = _GRADIENT_BUFFERS.setdefault(optimizer, {})
+    grads = reduce_gradients(grads, buffers=buffers)
+    variables = trainable_variables
+    if variables is None:
+        variables = optimizer._trainable_variables
+    state = list(optimizer.variables) + list(variables)
+    if not (optimizer.built and _all_replicated(state + list(grads))):
+        return apply_function(grads, trainable_variables)
+    local_values = [(v, _local_value(v.value)) for v in state]
+    with torch.no_grad():
+        with StatelessScope(state_mapping=local_values) as scope:
+            result = apply_function(
+                [_local_value(g) for g in grads], trainable_variables
+            )
+        # Most updates were made in place; copy back those that were not.
+        for variable, local in local_values:
+            new_value = scope.get_current_value(variable)
+            if new_value is not local:
+                local.copy_(new_value)
+    return result
+
+
+def reduce_gradients(gradients, buffers=None):
+    """Turns partial-sum gradients into the replicated or sharded ones.
+
+    Args:
+        gradients: list of gradients (`DTensor`, tensor or `None`).
+        buffers: optional dict in which the flat buffers the buckets are
+            packed into are kept for the next call. The gradients returned
+            by a call are views of these buffers: the next call with the
+            same dict overwrites them.
+
+    Returns:
+        The list with every `Partial` placement reduced.
+    """
+    gradients = list(gradients)
+    groups = {}
+    for i, g in enumerate(gradients):
+        if isinstance(g, DTensor) and any(p.is_partial() for p in g.placements):
+            key = (id(g.device_mesh), g.placements, g.dtype, g.device)
+            groups.setdefault(key, []).append(i)
+    for key, indices in groups.items():
+        if not _needs_reduction(gradients[indices[0]]):
+            for i in indices:
+                gradients[i] = _relabel_reduced(gradients[i])
+            continue
+        flat = _flat_buffer(buffers, key, [gradients[i] for i in indices])
+        offset = 0
+        for bucket in _buckets(indices, gradients):
+            bucket_gradients = [gradients[i] for i in bucket]
+            size = sum(g.to_local().numel() for g in bucket_gradients)
+            reduced = _all_reduce_bucket(
+                bucket_gradients, flat[offset : offset + size]
+            )
+            offset += size
+            for i, g in zip(bucket, reduced):
+                gradients[i] = g
+    return gradients
+
+
+def _all_replicated(values):
+    for x in values:
+        x = getattr(x, "value", x)
+        if isinstance(x, DTensor) and not all(
+            p.is_replicate() for p in x.placements
+        ):
+            return False
+    return True
+
+
+def _local_value(x):
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+def _flat_buffer(buffers, key, gradients):
+    """A 1-D buffer for the local values of `gradients`, reused if cached."""
+    size = sum(g.to_local().numel() for g in gradients)
+    first = gradients[0]
+    buffer = None if buffers is None else buffers.get(key)
+    if buffer is None or buffer.numel() < size:
+        buffer = torch.empty(size, dtype=first.dtype, device=first.device)
+        if buffers is not None:
+            buffers[key] = buffer
+    return buffer[:size]
+
+
+def _needs_reduction(gradient):
+    """Whether a partial gradient is partial over more than one process."""
+    mesh = gradient.device_mesh
+    return any(
+        p.is_partial() and mesh.size(d) > 1
+        for d, p in enumerate(gradient.placements)
+    )
+
+
+def _relabel_reduced(gradient):
+    """A gradient partial only over mesh axes of size one is already whole."""
+    return layouts.dtensor_from_local(
+        gradient.to_local(),
+        gradient.device_mesh,
+        layouts.reduced_placements(gradient.placements),
+        shape=gradient.shape,
+        stride=gradient.stride(),
+    )
+
+
+def _all_reduce_bucket(gradients, flat):
+    """All-reduces gradients of one mesh, placement and dtype at once.
+
+    Args:
+        gradients: the bucket's `Partial` gradients.
+        flat: a 1-D tensor of their total local size to pack them into.
+
+    Returns:
+        The reduced gradients, views of `flat`.
+    """
+    first = gradients[0]
+    mesh, placements = first.device_mesh, first.placements
+    torch.cat([g.to_local().reshape(-1) for g in gradients], out=flat)
+    for mesh_dim, placement in enumerate(placements):
+        if placement.is_partial() and mesh.size(mesh_dim) > 1:
+            dist.all_reduce(flat, group=mesh.get_group(mesh_dim))
+            if placement.reduce_op == "avg":
+                flat /= mesh.size(mesh_dim)
+    reduced_placements = layouts.reduced_placements(placements)
+    reduced, offset = [], 0
+    for g in gradients:
+        local = g.to_local()
+        part = flat[offset : offset + local.numel()].view(local.shape)
+        offset += local.numel()
+        reduced.append(
+            layouts.dtensor_from_local(
+                part,
+                mesh,
+                reduced_placements,
+                shape=g.shape,
+                stride=g.stride(),
+            )
+        )
+    return reduced
+
+
+def _buckets(indices, gradients):
+    bucket, size = [], 0
+    for i in indices:
+        local = gradients[i].to_local()
+        bucket.append(i)
+        size += local.numel() * local.element_size()
+        if size >= BUCKET_BYTES:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket

@@ -1,0 +1,196 @@
+"""Layer calls under a distribution.
+
+Inside a layer call (and a training step), a plain tensor is a global value
+replicated on every process, as a plain array is in JAX. Outputs that are
+partial sums (a row-parallel kernel) are reduced as the layer returns, as
+Megatron's and torch's `RowwiseParallel` layers do.
+"""
+
+import contextlib
+import functools
+import os
+
+import torch
+import torch.distributed as dist
+
+from keras.src import tree
+from keras.src.backend.common.masking import get_keras_mask
+from keras.src.backend.common.masking import set_keras_mask
+from keras.src.backend.torch.distributed import layouts
+from keras.src.backend.torch.distributed import runtime
+from keras.src.backend.torch.distributed.runtime import DTensor
+
+if runtime.DTENSOR_AVAILABLE:
+    from torch.distributed.tensor.experimental import implicit_replication
+    from torch.nn.attention import SDPBackend
+    from torch.nn.attention import sdpa_kernel
+
+CHECK_REPLICATION_ENV = "KERAS_DISTRIBUTION_CHECK_REPLICATION"
+
+# How many `replicated_plain_tensors` contexts are open (they nest).
+_replication_depth = 0
+
+
+def call_layer(call_function, layer, *args, **kwargs):
+    """Calls a Keras layer under the distribution in effect.
+
+    Plain tensor inputs are global values: they enter the call as replicated
+    DTensors (so that autograd saves DTensors, and a backward pass run later
+    outside the call still works); inside the call, see
+    `replicated_plain_tensors`. Outputs that are partial sums are
+    all-reduced as the layer returns them; in the backward pass, partial-sum
+    gradients of replicated outputs (left by column-parallel consumers) are
+    all-reduced as they reach the layer. With
+    `KERAS_DISTRIBUTION_CHECK_REPLICATION=1`, the plain inputs of the
+    outermost layer call are first checked to be identical on all processes.
+
+    Args:
+        call_function: `call_function(layer, *args, **kwargs)` calls it.
+        layer: the layer.
+        *args: the positional arguments of the call.
+        **kwargs: the keyword arguments of the call.
+
+    Returns:
+        The outputs of the layer.
+    """
+    distribution = runtime.current_distribution()
+    # Inside `torch.compile` the step function has entered the context
+    # already: dynamo cannot trace the context manager itself.
+    if distribution is None or torch.compiler.is_compiling():
+        return call_function(layer, *args, **kwargs)
+    if _replication_depth == 0 and os.environ.get(CHECK_REPLICATION_ENV) == "1":
+        check_replicated((args, kwargs), "layer call input")
+    mesh = distribution.device_mesh.backend_mesh
+    args, kwargs = tree.map_structure(
+        functools.partial(layouts.replicate, mesh=mesh), (args, kwargs)
+    )
+    with replicated_plain_tensors():
+        outputs = call_function(layer, *args, **kwargs)
+    return tree.map_structure(_layer_output, outputs)
+
+
+def _layer_output(x):
+    """A layer output with its partial sums and their gradients reduced."""
+    if not isinstance(x, DTensor):
+        return x
+    mesh = x.device_mesh
+    output = layouts.redistribute(
+        x, mesh, layouts.reduced_placements(x.placements)
+    )
+    if (
+        output.requires_grad
+        and torch.is_grad_enabled()
+        and any(
+            p.is_replicate() and mesh.size(d) > 1
+            for d, p in enumerate(output.placements)
+        )
+    ):
+        output = _ReducePartialGradient.apply(output)
+    mask = get_keras_mask(x)
+    if output is not x and mask is not None:
+        # A mask the layer attached to its output stays with it.
+        set_keras_mask(output, mask)
+    return output
+
+
+class _ReducePartialGradient(torch.autograd.Function):
+    """The identity; its backward reduces a partial-sum gradient.
+
+    The gradient of a replicated layer output arrives as a partial sum when
+    column-parallel layers consumed the output. Reduced here, once autograd
+    has summed what all consumers sent, the layer's own backward runs on the
+    whole gradient (Megatron's `f` operator). Left to DTensor, the backward
+    of e.g. a LayerNorm reduce-scatters and all-gathers it instead, and
+    leaves partial-sum weight gradients to all-reduce as well.
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.placements = x.placements
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not isinstance(grad, DTensor):
+            return grad
+        placements = [
+            target if p.is_partial() else p
+            for p, target in zip(grad.placements, ctx.placements)
+        ]
+        return layouts.redistribute(grad, grad.device_mesh, placements)
+
+
+@contextlib.contextmanager
+def replicated_plain_tensors():
+    """Treats plain tensors as replicated global values (JAX semantics).
+
+    Entered around layer calls and training steps: the inputs and the
+    constants that ops create inside them are plain tensors, which DTensor
+    ops then take as replicated. Only the outermost entry acts, as torch's
+    `implicit_replication` does not nest. On CPU meshes, attention also runs
+    the math kernel of `scaled_dot_product_attention`, as DTensor has no
+    sharding rule for the CPU flash kernel.
+
+    Yields:
+        None.
+    """
+    global _replication_depth
+    _replication_depth += 1
+    try:
+        if _replication_depth > 1:
+            yield
+            return
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(implicit_replication())
+            mesh = runtime.current_distribution().device_mesh.backend_mesh
+            if mesh.device_type == "cpu":
+                stack.enter_context(sdpa_kernel(SDPBackend.MATH))
+            yield
+    finally:
+        _replication_depth -= 1
+
+
+def check_replicated(values, name):
+    """Raises if plain tensors in `values` differ between processes.
+
+    A collective: all processes must call it with the same structure.
+
+    Args:
+        values: a tensor or nested structure of them; `DTensor`s and
+            non-tensors are skipped.
+        name: what the values are, for the error message.
+    """
+    leaves = [
+        (path, x)
+        for path, x in tree.flatten_with_path(values)
+        if isinstance(x, torch.Tensor)
+        and not isinstance(x, DTensor)
+        and not x.is_meta
+    ]
+    if runtime.world_size() == 1 or not leaves:
+        return
+    digests = torch.stack([_digest(x) for _, x in leaves])
+    gathered = [torch.empty_like(digests) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, digests)
+    for (path, x), *per_rank in zip(leaves, *gathered):
+        differing = [
+            r for r, d in enumerate(per_rank) if not torch.equal(d, per_rank[0])
+        ]
+        if differing:
+            raise ValueError(
+                f"The {name} at {path} (shape {tuple(x.shape)}) is a plain "
+                "tensor, which Keras treats as one global value replicated "
+                "on every process, but it differs on processes "
+                f"{differing} from process 0. Pass the same value on every "
+                "process, or distribute it explicitly with "
+                "`keras.distribution.distribute_tensor`."
+            )
+
+
+def _digest(x):
+    """A few numbers that differ when two tensors differ."""
+    x = x.detach().to(runtime.comm_device()).reshape(-1).to(torch.float64)
+    weights = torch.arange(
+        1, x.numel() + 1, dtype=torch.float64, device=x.device
+    )
+    return torch.stack([x.sum(), (x * weights).sum(), (x * x).sum()])
