@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 import keras
-from keras.src.backend.torch import distribution_trainer
+from keras.src.backend.torch.distributed import gradients
 
 from bench_counting import count_collectives
 from bench_counting import ideal_collectives
@@ -87,7 +87,7 @@ def keras_collectives(model, train_function, batch):
     grads = [v.value.grad for v in weights]
     reduced = []
     reduction = count_collectives(
-        lambda: reduced.extend(distribution_trainer.reduce_gradients(grads))
+        lambda: reduced.extend(gradients.reduce_gradients(grads))
     )
 
     def update():
