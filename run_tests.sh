@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs the test suite: sets up .venv (torch, this package installed as a
-# regular wheel, the test tools of the `test` extra), then
+# regular wheel, the test tools of the `test` extra), checks our Python files
+# with ruff (format and lint, configured in pyproject.toml), then runs
 # `python -m pytest tests integration_tests ARGS...`; pytest's exit code is
 # the script's.
 set -euo pipefail
@@ -12,6 +13,13 @@ cd "$REPO_ROOT"
 mapfile -t test_deps < <("$PY" -c 'import tomllib
 print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["test"]))')
 "$PY" -m pip install -q "${test_deps[@]}" >&2
+
+# Our Python files only: the diffs to upstream files keep upstream's style.
+"$VENV/bin/ruff" format --check --quiet . || {
+  echo "run_tests.sh: run '$VENV/bin/ruff format .' to format" >&2
+  exit 1
+}
+"$VENV/bin/ruff" check --quiet .
 
 export KERAS_BACKEND=torch
 exec "$PY" -m pytest tests integration_tests "$@"

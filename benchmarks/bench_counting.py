@@ -44,8 +44,10 @@ def count_collectives(fn, roots=()):
         "total": mode.get_total_counts(),
         "forward": sum(by_pass.get("forward", {}).values()),
         "backward": sum(by_pass.get("backward", {}).values()),
-        "ops": {str(op).split("'")[1] if "'" in str(op) else str(op): n
-                for op, n in mode.get_comm_counts().items()},
+        "ops": {
+            str(op).split("'")[1] if "'" in str(op) else str(op): n
+            for op, n in mode.get_comm_counts().items()
+        },
     }
 
 
@@ -68,8 +70,9 @@ def _all_modules(roots):
     for root in roots:
         modules = list(root.modules())
         if isinstance(root, keras.layers.Layer):
-            modules += list(root._flatten_layers(include_self=True,
-                                                 recursive=True))
+            modules += list(
+                root._flatten_layers(include_self=True, recursive=True)
+            )
         for m in modules:
             if isinstance(m, nn.Module):
                 seen[id(m)] = m

@@ -30,8 +30,11 @@ def machine_info(args, device):
     cpu = platform.processor() or "unknown"
     try:
         with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f
-                     if line.startswith("model name")]
+            names = [
+                line.split(":", 1)[1].strip()
+                for line in f
+                if line.startswith("model name")
+            ]
         cpu = names[0] if names else cpu
     except OSError:
         pass

@@ -45,16 +45,26 @@ MIB = 1024 * 1024
 def parse_args(argv=None):
     """Command-line flags."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=16,
-                   help="Dense layers (one sharded kernel each)")
-    p.add_argument("--dim", type=int, default=4096,
-                   help="kernel size: dim x dim float32")
-    p.add_argument("--allowance-mib", type=float, default=64.0,
-                   help="slack for the allocator and Python, MiB (a "
-                   "negative value tightens the bound below the shards: "
-                   "the smoke test uses it to see the check fail)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch.set_num_threads per rank")
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=16,
+        help="Dense layers (one sharded kernel each)",
+    )
+    p.add_argument(
+        "--dim", type=int, default=4096, help="kernel size: dim x dim float32"
+    )
+    p.add_argument(
+        "--allowance-mib",
+        type=float,
+        default=64.0,
+        help="slack for the allocator and Python, MiB (a "
+        "negative value tightens the bound below the shards: "
+        "the smoke test uses it to see the check fail)",
+    )
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch.set_num_threads per rank"
+    )
     p.add_argument("--json", metavar="PATH", help="write the results here")
     return p.parse_args(argv)
 
@@ -155,8 +165,11 @@ def report(results, args):
         f"float32, sharded (None, 'model') over {len(results)} ranks; "
         f"global total {first['global_total'] / MIB:.1f} MiB",
         "Peak RSS increase while building "
-        + ("(VmHWM reset before the build)" if first["peak_reset"]
-           else "(VmHWM could not be reset: from VmRSS before, overstated)"),
+        + (
+            "(VmHWM reset before the build)"
+            if first["peak_reset"]
+            else "(VmHWM could not be reset: from VmRSS before, overstated)"
+        ),
         f"{'rank':>4}{'peak +MiB':>11}{'RSS +MiB':>10}{'own shards':>12}"
         f"{'largest var':>13}{'allowance':>11}{'bound':>9}  result",
     ]
@@ -166,8 +179,11 @@ def report(results, args):
             f"{r['rss_increase'] / MIB:>10.1f}{r['own_shards'] / MIB:>12.1f}"
             f"{r['largest_variable'] / MIB:>13.1f}"
             f"{r['allowance'] / MIB:>11.1f}{r['bound'] / MIB:>9.1f}  "
-            + ("ok" if r["ok"] else "FAIL: above own shards + largest "
-               "variable + allowance")
+            + (
+                "ok"
+                if r["ok"]
+                else "FAIL: above own shards + largest variable + allowance"
+            )
         )
     for r in results:
         transient = r["peak_increase"] - r["own_shards"]

@@ -60,11 +60,14 @@ def check_shapes(shapes, models, world_size):
     if "transformer" in models and (
         shapes.heads % world_size or shapes.dim % shapes.heads
     ):
-        problems.append(f"--heads {shapes.heads} (a multiple of the "
-                        f"{world_size} ranks dividing --dim {shapes.dim})")
+        problems.append(
+            f"--heads {shapes.heads} (a multiple of the "
+            f"{world_size} ranks dividing --dim {shapes.dim})"
+        )
     if problems:
-        raise ValueError(f"Not divisible by the {world_size} ranks: "
-                         + ", ".join(problems))
+        raise ValueError(
+            f"Not divisible by the {world_size} ranks: " + ", ".join(problems)
+        )
 
 
 # ------------------------------------------------------------------ Keras
@@ -103,11 +106,13 @@ def keras_tp_layouts(kind, relayout_outputs=False):
         "fc2/kernel": ("model", None),
     }
     if kind == "transformer":
-        layouts.update({
-            "attn/(query|key|value)/kernel": (None, "model", None),
-            "attn/(query|key|value)/bias": ("model", None),
-            "attn/attention_output/kernel": ("model", None, None),
-        })
+        layouts.update(
+            {
+                "attn/(query|key|value)/kernel": (None, "model", None),
+                "attn/(query|key|value)/bias": ("model", None),
+                "attn/attention_output/kernel": ("model", None, None),
+            }
+        )
     if relayout_outputs:
         rank = 2 if kind == "mlp" else 3
         layouts["fc2/output"] = ("batch",) + (None,) * (rank - 1)
@@ -197,8 +202,10 @@ def native_state_dict(kind, ref, shapes):
     """Keras weights (path -> global array) as the native module's."""
 
     def linear(name):
-        return {f"{name}.weight": ref[f"{name}/kernel"].T,
-                f"{name}.bias": ref[f"{name}/bias"]}
+        return {
+            f"{name}.weight": ref[f"{name}/kernel"].T,
+            f"{name}.bias": ref[f"{name}/bias"],
+        }
 
     state = {**linear("fc1"), **linear("fc2")}
     if kind == "mlp":
@@ -224,7 +231,9 @@ def native_state_dict(kind, ref, shapes):
 def native_module(kind, ref, shapes, device):
     """The native module of `kind`, with the Keras initial weights."""
     module = NativeMLP(shapes) if kind == "mlp" else NativeBlock(shapes)
-    state = {k: torch.from_numpy(np.ascontiguousarray(v))
-             for k, v in native_state_dict(kind, ref, shapes).items()}
+    state = {
+        k: torch.from_numpy(np.ascontiguousarray(v))
+        for k, v in native_state_dict(kind, ref, shapes).items()
+    }
     module.load_state_dict(state)
     return module.to(device)

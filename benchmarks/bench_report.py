@@ -39,16 +39,20 @@ def ratios(results):
         native = by_name.get((model, PAIRS.get(impl)))
         if native is None:
             continue
-        out.append({
-            "model": model,
-            "keras": impl,
-            "native": native["impl"],
-            "median_ratio": r["median_ms"] / native["median_ms"],
-            "min_ratio": r["min_ms"] / native["min_ms"],
-            "cpu_ratio": r["median_cpu_ms"] / native["median_cpu_ms"],
-            "first_loss_rel_diff": abs(r["first_loss"] - native["first_loss"])
-            / max(abs(native["first_loss"]), 1e-12),
-        })
+        out.append(
+            {
+                "model": model,
+                "keras": impl,
+                "native": native["impl"],
+                "median_ratio": r["median_ms"] / native["median_ms"],
+                "min_ratio": r["min_ms"] / native["min_ms"],
+                "cpu_ratio": r["median_cpu_ms"] / native["median_cpu_ms"],
+                "first_loss_rel_diff": abs(
+                    r["first_loss"] - native["first_loss"]
+                )
+                / max(abs(native["first_loss"]), 1e-12),
+            }
+        )
     return out
 
 
@@ -57,8 +61,9 @@ def format_report(info, args, results, pair_ratios):
     lines = _table(info, args, results)
     lines += _ratio_lines(pair_ratios)
     lines += _collective_lines(results)
-    notes = [f"  {r['model']}/{r['impl']}: {n}" for r in results
-             for n in r["notes"]]
+    notes = [
+        f"  {r['model']}/{r['impl']}: {n}" for r in results for n in r["notes"]
+    ]
     if notes:
         lines += ["", "Notes:"] + notes
     return "\n".join(lines)
@@ -67,12 +72,17 @@ def format_report(info, args, results, pair_ratios):
 def write_json(path, info, args, results, pair_ratios):
     """Writes everything, per-step times included, to `path`."""
     with open(path, "w") as f:
-        json.dump({"machine": info,
-                   "args": {k: v for k, v in vars(args).items()
-                            if k != "shapes"},
-                   "shapes": dataclasses.asdict(args.shapes),
-                   "results": results, "ratios": pair_ratios},
-                  f, indent=1)
+        json.dump(
+            {
+                "machine": info,
+                "args": {k: v for k, v in vars(args).items() if k != "shapes"},
+                "shapes": dataclasses.asdict(args.shapes),
+                "results": results,
+                "ratios": pair_ratios,
+            },
+            f,
+            indent=1,
+        )
 
 
 def _table(info, args, results):
@@ -125,8 +135,9 @@ def _collective_lines(results):
     for r in results:
         c = r["collectives"]
         if c is None:
-            lines.append(f"  {r['model']}/{r['impl']}: not counted "
-                         "(compiled step)")
+            lines.append(
+                f"  {r['model']}/{r['impl']}: not counted (compiled step)"
+            )
             continue
         extra = ""
         if "gradient_reduction" in c:

@@ -10,7 +10,6 @@ import time
 import warnings
 
 import torch.distributed as dist
-
 from bench_env import synchronize
 
 MODELS = ("mlp", "transformer")
@@ -91,9 +90,10 @@ def warm_up(runner, steps):
         message = " ".join(str(w.message).split())
         if EAGER_FALLBACK_TEXT in message:
             # The reason is in parentheses: "... model (Error: reason). ..."
-            reason = message[message.find("(") + 1:message.rfind(")")]
-            runner.notes.append("jit_compile fell back to eager: "
-                                + reason[:300])
+            reason = message[message.find("(") + 1 : message.rfind(")")]
+            runner.notes.append(
+                "jit_compile fell back to eager: " + reason[:300]
+            )
     for _ in range(steps - 1):
         runner.step()
 
@@ -127,6 +127,4 @@ def slowest_rank_times(runners):
     dist.all_gather_object(everyone, mine)
     for i, runner in enumerate(runners):
         runner.times = [max(ts) for ts in zip(*(e[i][0] for e in everyone))]
-        runner.cpu_times = [
-            max(ts) for ts in zip(*(e[i][1] for e in everyone))
-        ]
+        runner.cpu_times = [max(ts) for ts in zip(*(e[i][1] for e in everyone))]

@@ -66,9 +66,6 @@ import sys
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import torch.distributed as dist  # noqa: E402
-
-import keras  # noqa: E402
-
 from bench_env import machine_info  # noqa: E402
 from bench_env import sdpa_context  # noqa: E402
 from bench_env import setup  # noqa: E402
@@ -91,6 +88,8 @@ from bench_runner import warm_up  # noqa: E402
 from keras_runners import keras_runner  # noqa: E402
 from native_runners import native_runner  # noqa: E402
 
+import keras  # noqa: E402
+
 
 def parse_args(argv=None):
     """Command-line flags."""
@@ -103,30 +102,49 @@ def parse_args(argv=None):
         help="implementations to run (default: the 4 eager and the 4 local "
         "ones, and the 4 compiled ones with --jit-compile)",
     )
-    p.add_argument("--jit-compile", action="store_true",
-                   help="also run the compiled steps")
+    p.add_argument(
+        "--jit-compile", action="store_true", help="also run the compiled steps"
+    )
     p.add_argument("--batch", type=int, default=128, help="global batch")
     p.add_argument("--dim", type=int, default=512, help="model width D")
     p.add_argument("--hidden", type=int, default=2048, help="MLP width H")
-    p.add_argument("--seq-len", type=int, default=4,
-                   help="transformer sequence length")
-    p.add_argument("--heads", type=int, default=8,
-                   help="transformer attention heads")
-    p.add_argument("--steps", type=int, default=5,
-                   help="timed steps of each implementation per round")
+    p.add_argument(
+        "--seq-len", type=int, default=4, help="transformer sequence length"
+    )
+    p.add_argument(
+        "--heads", type=int, default=8, help="transformer attention heads"
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=5,
+        help="timed steps of each implementation per round",
+    )
     p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3,
-                   help="untimed steps of each implementation first")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch.set_num_threads per rank")
-    p.add_argument("--sdpa", choices=("auto", "math"), default="auto",
-                   help="attention kernel of both sides; auto = math on CPU "
-                   "(DTensor has no sharding rule for the CPU flash "
-                   "attention backward), the default kernels on GPU")
-    p.add_argument("--relayout-outputs", action="store_true",
-                   help="keras_mp: add LayoutMap keys 'fc2/output' (and "
-                   "'attn/output') that make the row-parallel outputs "
-                   "replicated, as native RowwiseParallel does")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=3,
+        help="untimed steps of each implementation first",
+    )
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch.set_num_threads per rank"
+    )
+    p.add_argument(
+        "--sdpa",
+        choices=("auto", "math"),
+        default="auto",
+        help="attention kernel of both sides; auto = math on CPU "
+        "(DTensor has no sharding rule for the CPU flash "
+        "attention backward), the default kernels on GPU",
+    )
+    p.add_argument(
+        "--relayout-outputs",
+        action="store_true",
+        help="keras_mp: add LayoutMap keys 'fc2/output' (and "
+        "'attn/output') that make the row-parallel outputs "
+        "replicated, as native RowwiseParallel does",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="write the results here")
     args = p.parse_args(argv)
@@ -167,8 +185,9 @@ def build_runners(args, device):
 
 def main(argv=None):
     args = parse_args(argv)
-    args.shapes = Shapes(args.batch, args.dim, args.hidden, args.seq_len,
-                         args.heads)
+    args.shapes = Shapes(
+        args.batch, args.dim, args.hidden, args.seq_len, args.heads
+    )
     device = setup(args)
     check_shapes(args.shapes, args.models, dist.get_world_size())
     runners = build_runners(args, device)
@@ -185,8 +204,7 @@ def main(argv=None):
     pair_ratios = ratios(results)
     if dist.get_rank() == 0:
         info = machine_info(args, device)
-        sys.stdout.write(format_report(info, args, results, pair_ratios)
-                         + "\n")
+        sys.stdout.write(format_report(info, args, results, pair_ratios) + "\n")
         sys.stdout.flush()
         if args.json:
             write_json(args.json, info, args, results, pair_ratios)

@@ -3,10 +3,6 @@ distribution (`keras_local_*`), each driving Keras' own training step."""
 
 import torch
 import torch.distributed as dist
-
-import keras
-from keras.src.backend.torch.distributed import gradients
-
 from bench_counting import count_collectives
 from bench_counting import ideal_collectives
 from bench_counting import ideal_state_bytes
@@ -14,6 +10,9 @@ from bench_counting import local_bytes
 from bench_models import keras_model
 from bench_models import keras_tp_layouts
 from bench_runner import Runner
+
+import keras
+from keras.src.backend.torch.distributed import gradients
 
 
 def keras_distribution(impl, kind, relayout_outputs):
@@ -67,7 +66,10 @@ def keras_runner(kind, impl, shapes, ref, data, ctx, args):
 
     tp = impl.startswith("keras_mp")
     return Runner(
-        kind, impl, step, activate,
+        kind,
+        impl,
+        step,
+        activate,
         count=None if impl.endswith("_jit") else count,
         state_bytes=state_bytes,
         ideal_collectives=ideal_collectives(kind, impl, ref),

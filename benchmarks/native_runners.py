@@ -5,13 +5,6 @@
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor.parallel import ColwiseParallel
-from torch.distributed.tensor.parallel import RowwiseParallel
-from torch.distributed.tensor.parallel import parallelize_module
-from torch.nn.parallel import DistributedDataParallel
-
 from bench_counting import DDP_BUCKET_BYTES
 from bench_counting import MIB
 from bench_counting import count_collectives
@@ -21,6 +14,12 @@ from bench_counting import local_bytes
 from bench_models import keras_tp_layouts
 from bench_models import native_module
 from bench_runner import Runner
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel
+from torch.distributed.tensor.parallel import RowwiseParallel
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.nn.parallel import DistributedDataParallel
 
 NATIVE_TP_PLANS = {
     "mlp": {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()},
@@ -42,8 +41,9 @@ def native_runner(kind, impl, shapes, ref, data, ctx, args, device):
     tp = impl.startswith("native_tp")
     ddp = impl.startswith("native_ddp")
     if tp:
-        mesh = init_device_mesh(device.type, (world_size,),
-                                mesh_dim_names=("model",))
+        mesh = init_device_mesh(
+            device.type, (world_size,), mesh_dim_names=("model",)
+        )
         model = parallelize_module(module, mesh, NATIVE_TP_PLANS[kind])
     elif not ddp:
         model = module
@@ -65,8 +65,7 @@ def native_runner(kind, impl, shapes, ref, data, ctx, args, device):
     notes = []
     # Static shapes: with automatic dynamic shapes, torch 2.13 fails to
     # trace the DTensor backward of the TP step once it recompiles.
-    fn = [torch.compile(train_step, dynamic=False) if compiled
-          else train_step]
+    fn = [torch.compile(train_step, dynamic=False) if compiled else train_step]
 
     def step():
         with ctx():
@@ -84,12 +83,19 @@ def native_runner(kind, impl, shapes, ref, data, ctx, args, device):
         return ddp_collectives(kind, ref, shapes, device, (x, y), ctx)
 
     def state_bytes():
-        state = [t for s in optimizer.state.values() for t in s.values()
-                 if isinstance(t, torch.Tensor)]
+        state = [
+            t
+            for s in optimizer.state.values()
+            for t in s.values()
+            if isinstance(t, torch.Tensor)
+        ]
         return local_bytes(list(model.parameters()) + state)
 
     return Runner(
-        kind, impl, step, activate=lambda: None,
+        kind,
+        impl,
+        step,
+        activate=lambda: None,
         count=None if compiled else count,
         state_bytes=state_bytes,
         ideal_collectives=ideal_collectives(kind, impl, ref),
@@ -108,16 +114,19 @@ def _first_compiled_call(fn, eager_step, notes):
         notes.append("torch.compile(train_step, dynamic=False)")
         return result
     except Exception as e:  # torch.compile raises errors of many types.
-        notes.append("torch.compile failed, eager instead: "
-                     f"{type(e).__name__}: {' '.join(str(e).split())[:160]}")
+        notes.append(
+            "torch.compile failed, eager instead: "
+            f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
+        )
         fn[0] = eager_step
         return eager_step()
 
 
 def _ddp(module, device):
     ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(module, device_ids=ids,
-                                   bucket_cap_mb=DDP_BUCKET_BYTES / MIB)
+    return DistributedDataParallel(
+        module, device_ids=ids, bucket_cap_mb=DDP_BUCKET_BYTES / MIB
+    )
 
 
 def _global_mean(loss):

@@ -41,7 +41,7 @@ def project_table(source):
 
 
 def upstream_version(version):
-    """Returns the upstream Keras version of ours: ``3.15.1+x`` -> ``3.15.1``."""
+    """Returns the upstream version of ours: ``3.15.1+x`` gives ``3.15.1``."""
     return version.split("+")[0]
 
 
@@ -77,9 +77,20 @@ def downloaded_upstream(version, cache_dir):
     cache_dir.mkdir(parents=True, exist_ok=True)
     # pip's chatter goes to stderr: `overlay.py export` may write to stdout.
     subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-         "--only-binary=:all:", f"keras=={version}", "-d", str(cache_dir)],
-        check=True, stdout=sys.stderr,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            "--only-binary=:all:",
+            f"keras=={version}",
+            "-d",
+            str(cache_dir),
+        ],
+        check=True,
+        stdout=sys.stderr,
     )
     wheel = cache_dir / f"keras-{version}-py3-none-any.whl"
     # Unpack beside and rename, so a half-unpacked tree is never taken as
@@ -95,8 +106,13 @@ def downloaded_upstream(version, cache_dir):
 
 
 def pristine_upstream(version, cache_dir):
-    """Returns a root holding pristine ``keras==version``: installed or downloaded."""
-    return installed_upstream(version) or downloaded_upstream(version, cache_dir)
+    """Returns a root holding pristine ``keras==version``.
+
+    Installed, or else downloaded into ``cache_dir``.
+    """
+    return installed_upstream(version) or downloaded_upstream(
+        version, cache_dir
+    )
 
 
 def tree_files(root):
@@ -199,7 +215,11 @@ def apply_diff(diff_text, original, target, diff_name):
         lines = whatthepatch.apply_diff(patches[0], lines)
     except whatthepatch.exceptions.HunkApplyException as e:
         hunk_headers = re.findall(r"^@@ .*? @@", diff_text, re.MULTILINE)
-        at = hunk_headers[e.hunk - 1] if 0 < (e.hunk or 0) <= len(hunk_headers) else "?"
+        at = (
+            hunk_headers[e.hunk - 1]
+            if 0 < (e.hunk or 0) <= len(hunk_headers)
+            else "?"
+        )
         raise OverlayError(
             f"{diff_name}: hunk {e.hunk} ({at}) does not apply to "
             f"upstream {target}: {e}"
@@ -267,7 +287,7 @@ def build_tree(source, upstream_root, dest, link_new=False):
 
 
 def _lines(text):
-    """Splits text after each "\\n" (not at \\f, \\x1c... as splitlines does)."""
+    """Splits text after each "\\n" (not at \\f, \\x1c... as splitlines)."""
     return re.findall(r"[^\n]*\n|[^\n]+\Z", text)
 
 
@@ -288,7 +308,9 @@ def unified_diff(rel, old_text, new_text, new_file=False):
     )
     # A last line without a newline needs patch's marker to stay one line.
     return "".join(
-        line if line.endswith("\n") else f"{line}\n\\ No newline at end of file\n"
+        line
+        if line.endswith("\n")
+        else f"{line}\n\\ No newline at end of file\n"
         for line in lines
     )
 
@@ -304,14 +326,18 @@ def export_patch(source, upstream_root):
     sections = []
     for rel in sorted(set(new_files) | set(patched)):
         if rel in patched:
-            body = unified_diff(rel, read_text(Path(upstream_root) / rel), patched[rel])
+            body = unified_diff(
+                rel, read_text(Path(upstream_root) / rel), patched[rel]
+            )
             if body:
                 sections.append(f"diff --git a/{rel} b/{rel}\n{body}")
             continue
         try:
             text = read_text(Path(source) / rel)
         except UnicodeDecodeError:
-            raise OverlayError(f"{rel}: not UTF-8 text, cannot export it") from None
+            raise OverlayError(
+                f"{rel}: not UTF-8 text, cannot export it"
+            ) from None
         body = unified_diff(rel, "", text, new_file=True)
         sections.append(
             f"diff --git a/{rel} b/{rel}\nnew file mode 100644\n{body}"

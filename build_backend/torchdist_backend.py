@@ -56,7 +56,9 @@ def core_metadata(upstream_metadata, project):
     """
     head, blank, body = upstream_metadata.partition("\n\n")
     lines = [
-        f"Version: {project['version']}" if line.startswith("Version:") else line
+        f"Version: {project['version']}"
+        if line.startswith("Version:")
+        else line
         for line in head.split("\n")
     ]
     for extra, requirements in project.get("optional-dependencies", {}).items():
@@ -64,7 +66,9 @@ def core_metadata(upstream_metadata, project):
         for requirement in requirements:
             name, _, marker = requirement.partition(";")
             marker = f"({marker.strip()}) and " if marker.strip() else ""
-            lines.append(f'Requires-Dist: {name.strip()}; {marker}extra == "{extra}"')
+            lines.append(
+                f'Requires-Dist: {name.strip()}; {marker}extra == "{extra}"'
+            )
     return "\n".join(lines) + blank + body
 
 
@@ -84,11 +88,15 @@ def _dist_info_files(upstream_root, project):
         ).encode(),
     }
     if (upstream_info / "entry_points.txt").exists():
-        files["entry_points.txt"] = (upstream_info / "entry_points.txt").read_bytes()
+        files["entry_points.txt"] = (
+            upstream_info / "entry_points.txt"
+        ).read_bytes()
     # Apache-2.0 asks us to ship upstream's license; METADATA names it.
     for path in sorted((upstream_info / "licenses").rglob("*")):
         if path.is_file():
-            files[path.relative_to(upstream_info).as_posix()] = path.read_bytes()
+            files[path.relative_to(upstream_info).as_posix()] = (
+                path.read_bytes()
+            )
     return files
 
 
@@ -121,7 +129,9 @@ def write_wheel(wheel_directory, project, files, dist_info):
     stem = f"{project['name']}-{project['version']}"
     info_dir = f"{stem}.dist-info"
     entries = dict(files)
-    entries.update({f"{info_dir}/{name}": data for name, data in dist_info.items()})
+    entries.update(
+        {f"{info_dir}/{name}": data for name, data in dist_info.items()}
+    )
     record = io.StringIO()
     writer = csv.writer(record, lineterminator="\n")
     wheel_name = f"{stem}-{TAG}.whl"
@@ -141,20 +151,30 @@ def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
     with tempfile.TemporaryDirectory() as tmp:
         overlaylib.build_tree(".", upstream_root, tmp)
         files = {
-            rel: (Path(tmp) / rel).read_bytes() for rel in overlaylib.tree_files(tmp)
+            rel: (Path(tmp) / rel).read_bytes()
+            for rel in overlaylib.tree_files(tmp)
         }
     return write_wheel(
-        wheel_directory, project, files, _dist_info_files(upstream_root, project)
+        wheel_directory,
+        project,
+        files,
+        _dist_info_files(upstream_root, project),
     )
 
 
-def build_editable(wheel_directory, config_settings=None, metadata_directory=None):
+def build_editable(
+    wheel_directory, config_settings=None, metadata_directory=None
+):
     """PEP 660 hook: build/editable/keras plus a .pth file pointing at it."""
     project = overlaylib.project_table(".")
     upstream_root = _upstream(project["version"])
     editable_root = Path("build", "editable").resolve()
     overlaylib.build_tree(".", upstream_root, editable_root, link_new=True)
-    pth = {f"{project['name']}-torchdist-editable.pth": f"{editable_root}\n".encode()}
+    pth = {
+        f"{project['name']}-torchdist-editable.pth": (
+            f"{editable_root}\n".encode()
+        )
+    }
     return write_wheel(
         wheel_directory, project, pth, _dist_info_files(upstream_root, project)
     )
@@ -173,7 +193,9 @@ def _sdist_filter(info):
 def build_sdist(sdist_directory, config_settings=None):
     """PEP 517 hook: our repository files (overlay, backend, tools)."""
     project = overlaylib.project_table(".")
-    metadata = _dist_info_files(_upstream(project["version"]), project)["METADATA"]
+    metadata = _dist_info_files(_upstream(project["version"]), project)[
+        "METADATA"
+    ]
     stem = f"{project['name']}-{project['version']}"
     with tarfile.open(Path(sdist_directory) / f"{stem}.tar.gz", "w:gz") as tar:
         for path in SDIST_PATHS:

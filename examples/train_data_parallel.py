@@ -30,8 +30,9 @@ import tempfile
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
-import keras  # noqa: E402
 import numpy as np  # noqa: E402
+
+import keras  # noqa: E402
 
 NUM_FEATURES = 32
 NUM_CLASSES = 10

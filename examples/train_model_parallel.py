@@ -37,8 +37,9 @@ import tempfile
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
-import keras  # noqa: E402
 import numpy as np  # noqa: E402
+
+import keras  # noqa: E402
 
 SEED = 1337
 VOCAB_SIZE = 32
@@ -130,9 +131,7 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
 
     def call(self, tokens):
         positions = keras.ops.arange(keras.ops.shape(tokens)[-1])
-        return self.token_embedding(tokens) + self.position_embedding(
-            positions
-        )
+        return self.token_embedding(tokens) + self.position_embedding(positions)
 
     def get_config(self):
         return {
@@ -291,7 +290,7 @@ def main():
         epochs=args.epochs,
         # A fixed batch order makes runs on different meshes comparable.
         shuffle=False,
-        verbose=2,  # Progress is printed by process 0 only.
+        verbose=1,  # A progress bar, printed by process 0 only.
     )
     loss, accuracy = model.evaluate(
         inputs, targets, batch_size=args.batch_size, verbose=0

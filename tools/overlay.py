@@ -70,7 +70,10 @@ def edit(root, rel, force):
     diff = root / (rel + overlaylib.DIFF_SUFFIX)
     if diff.exists():
         text = overlaylib.apply_diff(
-            overlaylib.read_text(diff), text, rel, diff.relative_to(root).as_posix()
+            overlaylib.read_text(diff),
+            text,
+            rel,
+            diff.relative_to(root).as_posix(),
         )
     overlaylib.write_text(out, text)
     print(f"edit {out}, then: python tools/overlay.py save {rel}")
@@ -98,19 +101,29 @@ def save(root, rel):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--root", type=Path, default=Path(__file__).resolve().parents[1],
+        "--root",
+        type=Path,
+        default=Path(__file__).resolve().parents[1],
         help="repository root (default: this checkout)",
     )
     commands = parser.add_subparsers(dest="command", required=True)
     export_parser = commands.add_parser("export", help="the change as one diff")
-    export_parser.add_argument("-o", "--output", help="file to write (default: stdout)")
+    export_parser.add_argument(
+        "-o", "--output", help="file to write (default: stdout)"
+    )
     edit_parser = commands.add_parser("edit", help="materialize a file to edit")
-    edit_parser.add_argument("path", help="e.g. keras/src/backend/torch/core.py")
+    edit_parser.add_argument(
+        "path", help="e.g. keras/src/backend/torch/core.py"
+    )
     edit_parser.add_argument(
         "--force", action="store_true", help="overwrite build/edit/PATH"
     )
-    save_parser = commands.add_parser("save", help="store an edited file as a diff")
-    save_parser.add_argument("path", help="e.g. keras/src/backend/torch/core.py")
+    save_parser = commands.add_parser(
+        "save", help="store an edited file as a diff"
+    )
+    save_parser.add_argument(
+        "path", help="e.g. keras/src/backend/torch/core.py"
+    )
     args = parser.parse_args(argv)
     root = args.root.resolve()
     try:
