@@ -97,7 +97,7 @@ def _run_single_process(script, args):
     return result.stdout
 
 
-def _run_distributed(script, nproc, args):
+def _run_distributed(script, *, nproc, args):
     """Runs `script` under torchrun; fails unless every rank exits with 0."""
     result = run_torchrun(
         script, nproc=nproc, args=args, timeout=TIMEOUT, env=_cpu_env()
@@ -200,7 +200,7 @@ def output_dir(tmp_path_factory):
 def data_parallel_2(output_dir):
     output = output_dir / "data_parallel_2.keras"
     args = DP_ARGS + ["--output", output]
-    return _run_distributed(DATA_PARALLEL, 2, args), output
+    return _run_distributed(DATA_PARALLEL, nproc=2, args=args), output
 
 
 @pytest.fixture(scope="module")
@@ -221,14 +221,14 @@ def model_parallel_1(output_dir):
 def model_parallel_2(output_dir):
     output = output_dir / "model_parallel_2.keras"
     args = MP_ARGS + ["--output", output]
-    return _run_distributed(MODEL_PARALLEL, 2, args), output
+    return _run_distributed(MODEL_PARALLEL, nproc=2, args=args), output
 
 
 @pytest.fixture(scope="module")
 def model_parallel_2x2(output_dir):
     output = output_dir / "model_parallel_2x2.keras"
     args = MP_ARGS + ["--output", output, "--model-parallel", 2]
-    return _run_distributed(MODEL_PARALLEL, 4, args), output
+    return _run_distributed(MODEL_PARALLEL, nproc=4, args=args), output
 
 
 # --------------------------------------------------------------------------

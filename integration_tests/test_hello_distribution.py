@@ -4,8 +4,9 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 from pathlib import Path
+
+from tests.harness import run_torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -17,11 +18,15 @@ def _cpu_env(**extra):
 
 
 def test_hello_distribution_on_two_processes():
-    # torchrun straight from this venv: run_multi_gpu.sh would bootstrap again.
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         "--nproc-per-node", "2", "examples/hello_distribution.py"],
-        cwd=REPO, env=_cpu_env(), capture_output=True, text=True, timeout=120,
+    # torchrun straight from this venv: run_multi_gpu.sh would bootstrap
+    # again. No GPU for the ranks, as in `_cpu_env` (run_torchrun sets
+    # KERAS_BACKEND=torch itself).
+    result = run_torchrun(
+        REPO / "examples" / "hello_distribution.py",
+        nproc=2,
+        timeout=120,
+        env={"CUDA_VISIBLE_DEVICES": ""},
+        check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     ranks = re.findall(r"^process (\d) of 2 \(pid \d+\): devices \[.+\]$",
