@@ -2,8 +2,8 @@
 # Runs the test suite: sets up .venv (torch, this package installed as a
 # regular wheel, the test tools of the `test` extra), checks our Python files
 # with ruff (format and lint, configured in pyproject.toml), then runs
-# `python -m pytest tests integration_tests ARGS...`; pytest's exit code is
-# the script's.
+# `python -m pytest tests integration_tests ARGS...` (test paths in ARGS
+# replace the two directories); pytest's exit code is the script's.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/scripts/bootstrap.sh"
 bootstrap_venv
@@ -21,5 +21,14 @@ print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-
 }
 "$VENV/bin/ruff" check --quiet .
 
+# Test paths among the arguments replace the default test directories.
+targets=(tests integration_tests)
+for arg in "$@"; do
+  if [[ "$arg" != -* && -e "${arg%%::*}" ]]; then
+    targets=()
+    break
+  fi
+done
+
 export KERAS_BACKEND=torch
-exec "$PY" -m pytest tests integration_tests "$@"
+exec "$PY" -m pytest "${targets[@]}" "$@"

@@ -16,12 +16,30 @@ BENCHMARKS = REPO / "benchmarks"
 # CPU processes on gloo whatever the machine has.
 CPU_ENV = {"CUDA_VISIBLE_DEVICES": ""}
 TINY_STEP = [
-    "--batch", "8", "--dim", "16", "--hidden", "32", "--seq-len", "2",
-    "--heads", "2", "--rounds", "2", "--steps", "1", "--warmup", "1",
+    "--batch",
+    "8",
+    "--dim",
+    "16",
+    "--hidden",
+    "32",
+    "--seq-len",
+    "2",
+    "--heads",
+    "2",
+    "--rounds",
+    "2",
+    "--steps",
+    "1",
+    "--warmup",
+    "1",
 ]
 EAGER = ("keras_mp", "native_tp", "keras_dp", "native_ddp")
-LOCAL = ("keras_local_tp", "native_local_tp", "keras_local_dp",
-         "native_local_dp")
+LOCAL = (
+    "keras_local_tp",
+    "native_local_tp",
+    "keras_local_dp",
+    "native_local_dp",
+)
 # Adam's scalar step counters are not in the ideal bytes.
 SCALAR_SLACK_BYTES = 1024
 
@@ -30,8 +48,11 @@ def _step_results(tmp_path, *extra):
     """Runs bench_step.py on 2 ranks; returns (stdout, parsed JSON)."""
     path = tmp_path / "step.json"
     result = run_torchrun(
-        BENCHMARKS / "bench_step.py", 2,
-        [*TINY_STEP, *extra, "--json", path], timeout=420, env=CPU_ENV,
+        BENCHMARKS / "bench_step.py",
+        2,
+        [*TINY_STEP, *extra, "--json", path],
+        timeout=420,
+        env=CPU_ENV,
     )
     return result.stdout, json.loads(path.read_text())
 
@@ -40,11 +61,13 @@ def test_bench_step_runs_all_implementations(tmp_path):
     text, data = _step_results(tmp_path)
     assert "Machine: cpu=" in text and "world_size=2" in text, text
     results = {(r["model"], r["impl"]): r for r in data["results"]}
-    assert set(results) == {(m, i) for m in ("mlp", "transformer")
-                            for i in EAGER + LOCAL}
+    assert set(results) == {
+        (m, i) for m in ("mlp", "transformer") for i in EAGER + LOCAL
+    }
     for (model, impl), r in results.items():
-        assert re.search(rf"^{model}\s+{impl}\s+\d+\.\d+\s+\d+\.\d+",
-                         text, re.MULTILINE), text
+        assert re.search(
+            rf"^{model}\s+{impl}\s+\d+\.\d+\s+\d+\.\d+", text, re.MULTILINE
+        ), text
         assert len(r["times_ms"]) == 2 and min(r["times_ms"]) > 0
         # The optimizer update itself never communicates.
         assert r["collectives"]["optimizer_alone"] == 0, r
@@ -66,27 +89,40 @@ def test_bench_step_runs_all_implementations(tmp_path):
         assert tp < results[(model, "keras_dp")]["state_bytes"]
         local_tp = results[(model, "keras_local_tp")]["state_bytes"]
         assert abs(local_tp - tp) <= SCALAR_SLACK_BYTES
-        assert results[(model, "keras_local_dp")]["state_bytes"] == (
-            results[(model, "keras_dp")]["state_bytes"])
+        assert (
+            results[(model, "keras_local_dp")]["state_bytes"]
+            == (results[(model, "keras_dp")]["state_bytes"])
+        )
     # The same work on both sides: the same first-step loss.
     assert {(p["keras"], p["native"]) for p in data["ratios"]} == {
-        ("keras_mp", "native_tp"), ("keras_dp", "native_ddp"),
+        ("keras_mp", "native_tp"),
+        ("keras_dp", "native_ddp"),
         ("keras_local_tp", "native_local_tp"),
-        ("keras_local_dp", "native_local_dp")}
+        ("keras_local_dp", "native_local_dp"),
+    }
     for p in data["ratios"]:
         assert p["first_loss_rel_diff"] < 1e-4, p
         assert f"{p['keras']} / {p['native']}" in text
 
 
 def _memory_run(*args):
-    return run_torchrun(BENCHMARKS / "bench_memory.py", 2, list(args),
-                        timeout=300, env=CPU_ENV, check=False)
+    return run_torchrun(
+        BENCHMARKS / "bench_memory.py",
+        2,
+        list(args),
+        timeout=300,
+        env=CPU_ENV,
+        check=False,
+    )
 
 
 def _memory_rows(text):
     rows = re.findall(
         r"^\s+(\d)\s+(-?[\d.]+)\s+(-?[\d.]+)\s+([\d.]+)\s+([\d.]+)\s+"
-        r"(-?[\d.]+)\s+(-?[\d.]+)\s+(ok|FAIL)", text, re.MULTILINE)
+        r"(-?[\d.]+)\s+(-?[\d.]+)\s+(ok|FAIL)",
+        text,
+        re.MULTILINE,
+    )
     return {int(r[0]): r for r in rows}
 
 
@@ -105,14 +141,16 @@ def test_bench_memory_prints_the_check(tmp_path):
         assert r["own_shards"] == kernels + biases
         assert r["largest_variable"] == 1024 * 1024 * 4
         assert r["bound"] == r["own_shards"] + r["largest_variable"] + (
-            64 * 1024 * 1024)
+            64 * 1024 * 1024
+        )
     verdicts = {row[-1] for row in rows.values()}
     assert result.returncode == (0 if verdicts == {"ok"} else 1)
 
 
 def test_bench_memory_fails_above_the_bound():
-    result = _memory_run("--layers", "2", "--dim", "256",
-                         "--allowance-mib", "-100")
+    result = _memory_run(
+        "--layers", "2", "--dim", "256", "--allowance-mib", "-100"
+    )
     rows = _memory_rows(result.stdout)
     assert sorted(rows) == [0, 1], result.stdout + result.stderr
     assert all(row[-1] == "FAIL" for row in rows.values())

@@ -28,10 +28,10 @@ from pathlib import Path
 # The saved models are loaded here: keras must run on torch.
 os.environ["KERAS_BACKEND"] = "torch"
 
-import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+import keras  # noqa: E402
 from tests.harness import run_torchrun  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,9 +46,20 @@ DP_ARGS = ["--samples", DP_SAMPLES, "--batch-size", 64, "--epochs", 3]
 # The global batch (16) splits over the 2 data-parallel groups of the 2x2 mesh.
 MP_SAMPLES, SEQUENCE_LENGTH, EMBED_DIM, NUM_HEADS = 64, 8, 16, 4
 MP_ARGS = [
-    "--samples", MP_SAMPLES, "--batch-size", 16, "--epochs", 2,
-    "--sequence-length", SEQUENCE_LENGTH, "--embed-dim", EMBED_DIM,
-    "--num-heads", NUM_HEADS, "--num-blocks", 1,
+    "--samples",
+    MP_SAMPLES,
+    "--batch-size",
+    16,
+    "--epochs",
+    2,
+    "--sequence-length",
+    SEQUENCE_LENGTH,
+    "--embed-dim",
+    EMBED_DIM,
+    "--num-heads",
+    NUM_HEADS,
+    "--num-blocks",
+    1,
 ]
 
 # Variables the model-parallel LayoutMap must split along the `model` mesh
@@ -91,13 +102,17 @@ def _run_single_process(script, args):
     env["PYTHONPATH"] = os.pathsep.join(p for p in python_path if p)
     result = subprocess.run(
         [sys.executable, str(script), *map(str, args)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 
 
-def _run_distributed(script, nproc, args):
+def _run_distributed(script, *, nproc, args):
     """Runs `script` under torchrun; fails unless every rank exits with 0."""
     result = run_torchrun(
         script, nproc=nproc, args=args, timeout=TIMEOUT, env=_cpu_env()
@@ -111,7 +126,7 @@ def _result(stdout):
     """Returns the RESULT json, which only rank 0 prints, exactly once."""
     lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
     assert len(lines) == 1, stdout
-    return json.loads(lines[0][len("RESULT "):])
+    return json.loads(lines[0][len("RESULT ") :])
 
 
 def _check_trained(result):
@@ -200,7 +215,7 @@ def output_dir(tmp_path_factory):
 def data_parallel_2(output_dir):
     output = output_dir / "data_parallel_2.keras"
     args = DP_ARGS + ["--output", output]
-    return _run_distributed(DATA_PARALLEL, 2, args), output
+    return _run_distributed(DATA_PARALLEL, nproc=2, args=args), output
 
 
 @pytest.fixture(scope="module")
@@ -221,14 +236,14 @@ def model_parallel_1(output_dir):
 def model_parallel_2(output_dir):
     output = output_dir / "model_parallel_2.keras"
     args = MP_ARGS + ["--output", output]
-    return _run_distributed(MODEL_PARALLEL, 2, args), output
+    return _run_distributed(MODEL_PARALLEL, nproc=2, args=args), output
 
 
 @pytest.fixture(scope="module")
 def model_parallel_2x2(output_dir):
     output = output_dir / "model_parallel_2x2.keras"
     args = MP_ARGS + ["--output", output, "--model-parallel", 2]
-    return _run_distributed(MODEL_PARALLEL, 4, args), output
+    return _run_distributed(MODEL_PARALLEL, nproc=4, args=args), output
 
 
 # --------------------------------------------------------------------------

@@ -1,11 +1,12 @@
-"""examples/hello_distribution.py under torchrun, and run_multi_gpu.sh's choices."""
+"""examples/hello_distribution.py under torchrun; run_multi_gpu.sh's choices."""
 
 import os
 import re
 import shlex
 import subprocess
-import sys
 from pathlib import Path
+
+from tests.harness import run_torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -13,19 +14,28 @@ REPO = Path(__file__).resolve().parents[1]
 def _cpu_env(**extra):
     # No GPU for the children, whatever the machine has: 2 CPU processes on
     # gloo everywhere, so the tests do not depend on the GPU count.
-    return dict(os.environ, KERAS_BACKEND="torch", CUDA_VISIBLE_DEVICES="", **extra)
+    return dict(
+        os.environ, KERAS_BACKEND="torch", CUDA_VISIBLE_DEVICES="", **extra
+    )
 
 
 def test_hello_distribution_on_two_processes():
-    # torchrun straight from this venv: run_multi_gpu.sh would bootstrap again.
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         "--nproc-per-node", "2", "examples/hello_distribution.py"],
-        cwd=REPO, env=_cpu_env(), capture_output=True, text=True, timeout=120,
+    # torchrun straight from this venv: run_multi_gpu.sh would bootstrap
+    # again. No GPU for the ranks, as in `_cpu_env` (run_torchrun sets
+    # KERAS_BACKEND=torch itself).
+    result = run_torchrun(
+        REPO / "examples" / "hello_distribution.py",
+        nproc=2,
+        timeout=120,
+        env={"CUDA_VISIBLE_DEVICES": ""},
+        check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    ranks = re.findall(r"^process (\d) of 2 \(pid \d+\): devices \[.+\]$",
-                       result.stdout, re.MULTILINE)
+    ranks = re.findall(
+        r"^process (\d) of 2 \(pid \d+\): devices \[.+\]$",
+        result.stdout,
+        re.MULTILINE,
+    )
     assert sorted(ranks) == ["0", "1"], result.stdout + result.stderr
 
 
@@ -34,7 +44,9 @@ def _dry_run(*args, env=None):
     result = subprocess.run(
         ["bash", str(REPO / "run_multi_gpu.sh"), *args],
         env=env or _cpu_env(RUN_MULTI_GPU_DRY_RUN="1"),
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 0, result.stderr
     argv = shlex.split(result.stdout)
@@ -45,8 +57,14 @@ def _dry_run(*args, env=None):
 
 def test_no_gpu_runs_two_cpu_processes_on_gloo():
     argv, stderr = _dry_run("examples/hello_distribution.py", "--steps", "3")
-    assert argv == ["--standalone", "--nproc-per-node", "2",
-                    "examples/hello_distribution.py", "--steps", "3"]
+    assert argv == [
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "examples/hello_distribution.py",
+        "--steps",
+        "3",
+    ]
     assert "no GPU" in stderr and "gloo" in stderr
 
 
@@ -56,23 +74,52 @@ def test_process_count_override():
 
 
 def test_multi_node_flags_pass_through():
-    argv, _ = _dry_run("--nnodes", "2", "--node-rank=1", "--rdzv-backend", "c10d",
-                       "--rdzv-endpoint", "node0:29500", "--max-restarts", "3",
-                       "train.py", "--nnodes", "x")
-    assert argv == ["--nnodes", "2", "--node-rank", "1", "--rdzv-backend", "c10d",
-                    "--rdzv-endpoint", "node0:29500", "--max-restarts", "3",
-                    "--nproc-per-node", "2", "train.py", "--nnodes", "x"]
+    argv, _ = _dry_run(
+        "--nnodes",
+        "2",
+        "--node-rank=1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "node0:29500",
+        "--max-restarts",
+        "3",
+        "train.py",
+        "--nnodes",
+        "x",
+    )
+    assert argv == [
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "node0:29500",
+        "--max-restarts",
+        "3",
+        "--nproc-per-node",
+        "2",
+        "train.py",
+        "--nnodes",
+        "x",
+    ]
 
 
 def test_one_process_per_gpu(tmp_path):
     # A stand-in nvidia-smi that lists 3 GPUs.
     fake = tmp_path / "nvidia-smi"
     fake.write_text(
-        "#!/bin/sh\nfor i in 0 1 2; do echo \"GPU $i: Fake (UUID: GPU-$i)\"; done\n"
+        "#!/bin/sh\n"
+        'for i in 0 1 2; do echo "GPU $i: Fake (UUID: GPU-$i)"; done\n'
     )
     fake.chmod(0o755)
-    env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}",
-               RUN_MULTI_GPU_DRY_RUN="1")
+    env = dict(
+        os.environ,
+        PATH=f"{tmp_path}:{os.environ['PATH']}",
+        RUN_MULTI_GPU_DRY_RUN="1",
+    )
     env.pop("CUDA_VISIBLE_DEVICES", None)
     argv, stderr = _dry_run("train.py", env=env)
     assert argv == ["--standalone", "--nproc-per-node", "3", "train.py"]
@@ -83,9 +130,17 @@ def test_one_process_per_gpu(tmp_path):
 
 
 def test_help_and_bad_usage():
-    help_run = subprocess.run(["bash", str(REPO / "run_multi_gpu.sh"), "--help"],
-                              capture_output=True, text=True, timeout=60)
+    help_run = subprocess.run(
+        ["bash", str(REPO / "run_multi_gpu.sh"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert help_run.returncode == 0 and "Usage" in help_run.stdout
-    bad = subprocess.run(["bash", str(REPO / "run_multi_gpu.sh"), "-n", "0", "x.py"],
-                         capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        ["bash", str(REPO / "run_multi_gpu.sh"), "-n", "0", "x.py"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "positive integer" in bad.stderr

@@ -31,14 +31,13 @@ ordered by rank::
         return t.item() * scale
 
     def test_allreduce():
-        assert run_on_ranks(_allreduce_body, world_size=2, args=(10,)) == [
-            10.0,
-            10.0,
-        ]
+        assert run_on_ranks(
+            _allreduce_body, world_size=2, kwargs={"scale": 10}
+        ) == [10.0, 10.0]
 
-The `ranks` fixture from `tests/conftest.py` is the same function, with
-the default timeout taken from a `@pytest.mark.multirank_timeout(seconds)`
-marker when the test has one.
+Every argument after `fn` is a keyword. A call that may take longer than
+`DEFAULT_TIMEOUT`, or that should give up sooner (a test expecting a
+hang), says so with `timeout=` (see "Timeouts").
 
 Exceptions *expected* by a test should be caught inside the body (and
 e.g. their message returned): any exception escaping a body fails the
@@ -84,12 +83,15 @@ captured output of the test).
 
 Timeouts
 --------
-The timeout of one call is, by precedence: the `timeout=` argument; a
-`MULTIRANK_TIMEOUT` attribute of the module that defines the body; the
-`MULTIRANK_TIMEOUT` environment variable; `DEFAULT_TIMEOUT` (120 s).
-Starting a pool has its own limit (`MULTIRANK_STARTUP_TIMEOUT`, 180 s).
+Every call is bounded, and its bound is stated in one place: its own
+`timeout=` keyword (seconds), `DEFAULT_TIMEOUT` (180 s) when it has none.
+Nothing else changes it (no module attribute, environment variable or
+pytest marker), so the call site tells the whole story. Starting a pool
+has its own limit (`MULTIRANK_STARTUP_TIMEOUT`, 180 s), not counted in
+the call's.
 
-Integration tests that need a real `torchrun` use `run_torchrun`.
+Integration tests that need a real `torchrun` use `run_torchrun`, bounded
+the same way: its `timeout=` keyword (default 300 s).
 
 The pools are not thread-safe: call `run_on_ranks` from one thread.
 """
@@ -103,6 +105,7 @@ import datetime
 import faulthandler
 import gc
 import importlib
+import math
 import multiprocessing
 import os
 import pickle
@@ -115,20 +118,22 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_any
-from typing import Any, Callable, Sequence
+from typing import Any
+from typing import Callable
+from typing import Sequence
 
 # NOTE: this module must not import torch or keras at module level. The
 # spawned workers import it to find `_worker_main`, and they must set
 # their environment before torch is imported.
 
-DEFAULT_TIMEOUT = float(os.environ.get("MULTIRANK_TIMEOUT", "120"))
+# Bound of a call that states none. Generous: the machine is small and
+# shared (4 ranks may share 2 cores), and a loaded run must not flake.
+DEFAULT_TIMEOUT = 180.0
 STARTUP_TIMEOUT = float(os.environ.get("MULTIRANK_STARTUP_TIMEOUT", "180"))
 # Collective timeout of the workers' process group. Longer than the short
 # timeouts deadlock tests use, so the harness (which dumps stacks) fires
 # first there; still bounded so a stuck worker cannot outlive its parent.
 PROCESS_GROUP_TIMEOUT = 60.0
-# Name of a module-level attribute that sets the timeout of its bodies.
-MODULE_TIMEOUT_ATTR = "MULTIRANK_TIMEOUT"
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _STACK_DUMP_SIGNAL = signal.SIGUSR1
@@ -182,10 +187,11 @@ class RankOutcome:
 
 def run_on_ranks(
     fn: Callable[..., Any],
+    *,
     world_size: int = 2,
     args: Sequence[Any] = (),
     kwargs: dict[str, Any] | None = None,
-    timeout: float | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
 ) -> list[Any]:
     """Runs `fn(rank, world_size, *args, **kwargs)` on every rank.
 
@@ -194,8 +200,7 @@ def run_on_ranks(
         world_size: number of ranks (processes) to run it on.
         args: extra positional arguments, pickled to every rank.
         kwargs: extra keyword arguments, pickled to every rank.
-        timeout: seconds to wait for all ranks; see the module docstring
-            for the default.
+        timeout: seconds to wait for all ranks (pool start-up excluded).
 
     Returns:
         The return values of `fn`, ordered by rank.
@@ -204,9 +209,11 @@ def run_on_ranks(
         MultiRankError: when any rank raised, died or timed out. The pool
             of that world size is then recycled.
         TypeError: when `fn` or the arguments cannot be sent to workers.
+        ValueError: when `timeout` is not a positive, finite number of
+            seconds.
     """
     payload = _make_payload(fn, args, kwargs or {})
-    timeout = _resolve_timeout(fn, timeout)
+    timeout = _check_timeout(timeout)
     pool = _get_pool(world_size)
     try:
         outcomes = pool.run(payload, timeout)
@@ -618,18 +625,23 @@ def _make_payload(fn: Callable, args: Sequence, kwargs: dict) -> bytes:
     try:
         return pickle.dumps((module, qualname, tuple(args), dict(kwargs)))
     except Exception as error:
-        raise TypeError(f"arguments of {qualname} are not picklable: "
-                        f"{error}") from error
+        raise TypeError(
+            f"arguments of {qualname} are not picklable: {error}"
+        ) from error
 
 
-def _resolve_timeout(fn: Callable, timeout: float | None) -> float:
-    if timeout is not None:
-        return float(timeout)
-    module = sys.modules.get(getattr(fn, "__module__", ""))
-    module_timeout = getattr(module, MODULE_TIMEOUT_ATTR, None)
-    if module_timeout is not None:
-        return float(module_timeout)
-    return DEFAULT_TIMEOUT
+def _check_timeout(timeout: Any) -> float:
+    # No unbounded call: a hang must end in a report, not in CI's limit.
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not (timeout > 0 and math.isfinite(timeout))
+    ):
+        raise ValueError(
+            "timeout must be a positive, finite number of seconds, got "
+            f"{timeout!r}"
+        )
+    return float(timeout)
 
 
 def _worker_sys_path() -> list[str]:
@@ -876,9 +888,7 @@ def _init_process_group(rank: int, world_size: int, port: int) -> None:
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT)
-    store = dist.TCPStore(
-        "127.0.0.1", port, world_size, False, timeout=timeout
-    )
+    store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timeout)
     dist.init_process_group(
         "gloo",
         store=store,
@@ -1018,8 +1028,10 @@ def _reply(conn: Connection, reply: tuple) -> None:
         data = pickle.dumps(reply)
     except Exception:
         data = pickle.dumps(
-            ("error", "the result could not be pickled:\n"
-             + traceback.format_exc())
+            (
+                "error",
+                "the result could not be pickled:\n" + traceback.format_exc(),
+            )
         )
     try:
         conn.send_bytes(data)

@@ -1,4 +1,4 @@
-"""Tiny models, data and distributions for the training parity tests.
+"""Tiny models, data and layout rules for the training parity tests.
 
 Shared by `tests/test_training_parity.py` (the pytest process computes the
 single-process references with these builders) and by its multi-rank bodies
@@ -24,12 +24,16 @@ Model kinds (all take a few hundred weights at most):
     "unseeded_dropout": Dropout(0.5) without a seed on the (replicated)
         inputs -> Dense(31, relu) -> Dense(3); for the RNG tests only.
 
-Settings: "single" (no distribution), "dp" (DataParallel on all ranks),
-"mp" (ModelParallel on a (1, N) ("batch", "model") mesh) and "2x2"
-(ModelParallel on a (2, 2) ("batch", "model") mesh, 4 ranks).
+Settings are those of `tests.distributions.use_setting`: "single" (no
+distribution), "dp" (DataParallel on all ranks), "mp" (ModelParallel on a
+(1, N) ("batch", "model") mesh) and "2x2" (ModelParallel on a (2, 2)
+("batch", "model") mesh, 4 ranks); `LAYOUT_RULES[kind]` are the layout
+rules of model `kind` under the model-parallel ones.
 """
 
 import numpy as np
+
+from tests import distributions
 
 SEED = 1234
 # The kinds of the parity zoo (all settings); "binary" and
@@ -58,7 +62,7 @@ VOCAB_SIZE = 16
 # --------------------------------------------------------------------------
 
 
-def make_data(kind, num_samples, seed=0):
+def make_data(kind, *, num_samples, seed=0):
     """Returns `(x, y)` numpy arrays for the model `kind`.
 
     Targets depend on the inputs (so training moves the weights in a
@@ -89,7 +93,7 @@ def make_data(kind, num_samples, seed=0):
 # --------------------------------------------------------------------------
 
 
-def build_model(kind, compile_model=True, jit_compile=False, seed=SEED):
+def build_model(kind, *, compile_model=True, jit_compile=False, seed=SEED):
     """Builds (and compiles) the model `kind` with seeded initial weights.
 
     Call it after `set_distribution`, so the variables are laid out.
@@ -105,7 +109,7 @@ def build_model(kind, compile_model=True, jit_compile=False, seed=SEED):
     return model
 
 
-def compile_for(model, kind, jit_compile=False):
+def compile_for(model, kind, *, jit_compile=False):
     """Compiles `model` with the loss and a metric suited to `kind`."""
     import keras
 
@@ -173,9 +177,9 @@ def _lstm():
     from keras import layers
 
     inputs = layers.Input(_INPUTS["lstm"][0])
-    output, state_h, state_c = layers.LSTM(
-        6, return_state=True, name="lstm"
-    )(inputs)
+    output, state_h, state_c = layers.LSTM(6, return_state=True, name="lstm")(
+        inputs
+    )
     merged = layers.Concatenate(name="concat")([output, state_h, state_c])
     outputs = layers.Dense(3, name="out")(merged)
     return _functional(inputs, outputs, "lstm")
@@ -245,11 +249,11 @@ _BUILDERS = {
 
 
 # --------------------------------------------------------------------------
-# Distributions
+# Layout rules and batch parts
 # --------------------------------------------------------------------------
 
 # Variable (and output) layouts of the model-parallel settings, as axes.
-_LAYOUTS = {
+LAYOUT_RULES = {
     "mlp": {
         "hidden/kernel": (None, "model"),
         "hidden/bias": ("model",),
@@ -284,68 +288,16 @@ _LAYOUTS = {
         "out/kernel": ("model", None),
     },
 }
-_LAYOUTS["binary"] = _LAYOUTS["mlp"]
-_LAYOUTS["unseeded_dropout"] = _LAYOUTS["mlp"]
+LAYOUT_RULES["binary"] = LAYOUT_RULES["mlp"]
+LAYOUT_RULES["unseeded_dropout"] = LAYOUT_RULES["mlp"]
 
 
 def variable_layout_keys(kind):
     """The LayoutMap keys of model `kind` that are variable paths."""
-    return [k for k in _LAYOUTS[kind] if not k.endswith("/output")]
+    return [k for k in LAYOUT_RULES[kind] if not k.endswith("/output")]
 
 
-def make_layout_map(kind, mesh, layouts=None):
-    """The `LayoutMap` of model `kind` on a ("batch", "model") mesh.
-
-    Args:
-        kind: a model kind.
-        mesh: the `keras.distribution.DeviceMesh`.
-        layouts: optional dict of path regex -> axes replacing the default
-            layouts of `kind`.
-    """
-    from keras import distribution
-
-    layout_map = distribution.LayoutMap(mesh)
-    for key, axes in (layouts or _LAYOUTS[kind]).items():
-        layout_map[key] = distribution.TensorLayout(axes)
-    return layout_map
-
-
-def make_distribution(setting, kind, auto_shard_dataset=True, layouts=None):
-    """The distribution of `setting` for model `kind` (None for "single")."""
-    from keras import distribution
-
-    if setting == "single":
-        return None
-    devices = distribution.list_devices()
-    if setting == "dp":
-        return distribution.DataParallel(
-            devices=devices, auto_shard_dataset=auto_shard_dataset
-        )
-    mesh = distribution.DeviceMesh(
-        mesh_shape(setting, len(devices)), ("batch", "model"), devices
-    )
-    return distribution.ModelParallel(
-        layout_map=make_layout_map(kind, mesh, layouts),
-        batch_dim_name="batch",
-        auto_shard_dataset=auto_shard_dataset,
-    )
-
-
-def mesh_shape(setting, num_devices):
-    """The ("batch", "model") mesh shape of a model-parallel setting."""
-    return {"mp": (1, num_devices), "2x2": (2, 2)}[setting]
-
-
-def use_setting(setting, kind, auto_shard_dataset=True, layouts=None):
-    """Sets the distribution of `setting` (none for "single")."""
-    from keras import distribution
-
-    distribution.set_distribution(
-        make_distribution(setting, kind, auto_shard_dataset, layouts)
-    )
-
-
-def batch_part(setting, rank, world_size):
+def batch_part(setting, *, rank, world_size):
     """`(index, count)` of this rank's part of each global batch.
 
     Ranks along the "batch" mesh axis hold consecutive parts (as
@@ -355,12 +307,12 @@ def batch_part(setting, rank, world_size):
         return 0, 1
     if setting == "dp":
         return rank, world_size
-    shape = mesh_shape(setting, world_size)
+    shape = distributions.setting_mesh_shape(setting, num_devices=world_size)
     grid = np.arange(world_size).reshape(shape)
     return int(np.argwhere(grid == rank)[0][0]), shape[0]
 
 
-def local_rows(array, batch_size, part, num_parts):
+def local_rows(array, *, batch_size, part, num_parts):
     """This rank's rows of every global batch of `array`, concatenated.
 
     Each global batch of `batch_size` rows is split like `torch.chunk`
@@ -397,8 +349,9 @@ def _custom_step_class():
     """`keras.Model` subclass whose `train_step` is written in torch."""
     if _CUSTOM_STEP_CLASS:
         return _CUSTOM_STEP_CLASS[0]
-    import keras
     import torch
+
+    import keras
 
     class CustomStepModel(keras.Model):
         def train_step(self, data):
@@ -461,6 +414,7 @@ def fit_result(model, history):
 def fit_run(
     kind,
     setting,
+    *,
     num_samples=24,
     batch_size=8,
     epochs=2,
@@ -474,10 +428,12 @@ def fit_run(
     With `with_placements`, the result also has the variables' placements
     (see `placements`).
     """
-    use_setting(setting, kind)
+    distributions.use_setting(setting, layout_rules=LAYOUT_RULES[kind])
     model = build_model(kind)
-    x, y = make_data(kind, num_samples)
-    validation_data = make_data(kind, 10, seed=1) if validation else None
+    x, y = make_data(kind, num_samples=num_samples)
+    validation_data = (
+        make_data(kind, num_samples=10, seed=1) if validation else None
+    )
     history = model.fit(
         x,
         y,

@@ -22,10 +22,9 @@ import uuid
 import numpy as np
 import pytest
 
+from tests import distributions
 from tests.harness import run_on_ranks
 
-# Generous: the machine is small and shared, a loaded run must not flake.
-MULTIRANK_TIMEOUT = 180
 SEED = 1234
 RTOL, ATOL = 1e-4, 1e-6
 
@@ -79,7 +78,7 @@ def _local_numpy(tensor):
     return local.detach().cpu().numpy()
 
 
-def _chunk_sizes(size, parts):
+def _chunk_sizes(size, *, parts):
     """Sizes of the parts `torch.chunk` cuts `size` rows into (0-padded)."""
     import torch
 
@@ -87,31 +86,7 @@ def _chunk_sizes(size, parts):
     return sizes + [0] * (parts - len(sizes))
 
 
-def _set_model_parallel(mesh_shape, layouts, devices=None,
-                        axis_names=("batch", "model")):
-    """Sets a `ModelParallel` distribution; returns (distribution, mesh).
-
-    Args:
-        mesh_shape: shape of the device mesh.
-        layouts: dict of LayoutMap key -> axes tuple.
-        devices: Keras device names, default `list_devices()`.
-        axis_names: mesh axis names.
-    """
-    from keras import distribution as kd
-
-    devices = kd.list_devices() if devices is None else devices
-    mesh = kd.DeviceMesh(mesh_shape, list(axis_names), devices)
-    layout_map = kd.LayoutMap(mesh)
-    for key, axes in layouts.items():
-        layout_map[key] = axes
-    distribution = kd.ModelParallel(
-        layout_map=layout_map, batch_dim_name=axis_names[0]
-    )
-    kd.set_distribution(distribution)
-    return distribution, mesh
-
-
-def _dense_weights(units, input_dim, name="dense"):
+def _dense_weights(*, units, input_dim, name="dense"):
     """Builds a seeded Dense layer; returns it (no distribution needed)."""
     import keras
 
@@ -121,18 +96,18 @@ def _dense_weights(units, input_dim, name="dense"):
     return layer
 
 
-def _reference(fn, *args):
+def _reference(fn, *args, **kwargs):
     """Runs a builder in the pytest process, with a fresh Keras state."""
     import keras
 
     keras.backend.clear_session()
     try:
-        return fn(*args)
+        return fn(*args, **kwargs)
     finally:
         keras.backend.clear_session()
 
 
-def _inputs(shape, seed=0):
+def _inputs(shape, *, seed=0):
     """Deterministic float32 inputs, the same in every process."""
     return np.random.RandomState(seed).rand(*shape).astype("float32")
 
@@ -144,12 +119,15 @@ def _inputs(shape, seed=0):
 
 def _mesh_body(rank, world_size, mesh_shape, device_order):
     import torch
+
     from keras import distribution as kd
     from keras.src.backend.torch import distribution_lib
 
     devices = [f"cpu:{i}" for i in device_order]
-    mesh = kd.DeviceMesh(mesh_shape, ["batch", "model"][: len(mesh_shape)],
-                         devices)
+    # The mesh conversion is under test: built with the Keras API itself.
+    mesh = kd.DeviceMesh(
+        mesh_shape, ["batch", "model"][: len(mesh_shape)], devices
+    )
     torch_mesh = mesh.backend_mesh
     # Sharded on the first mesh axis: shows which rank holds which block.
     value = torch.arange(8 * 3, dtype=torch.float32).reshape(8, 3)
@@ -191,9 +169,12 @@ def test_mesh_follows_keras_devices(world_size, mesh_shape, device_order):
         info = result["info"]
         assert info["shape"] == tuple(mesh_shape)
         assert info["axis_names"] == names
-        assert info["devices"] == np.array(
-            [f"cpu:{i}" for i in device_order]
-        ).reshape(mesh_shape).tolist()
+        assert (
+            info["devices"]
+            == np.array([f"cpu:{i}" for i in device_order])
+            .reshape(mesh_shape)
+            .tolist()
+        )
         assert info["process_id"] == rank
         assert info["num_processes"] == world_size
         assert info["coordinate"] == coordinate
@@ -217,13 +198,16 @@ _LAYOUT_CASES = {
 
 def _layout_body(rank, world_size):
     import torch
+
     from keras import distribution as kd
     from keras.src.backend.torch import distribution_lib
 
-    mesh = kd.DeviceMesh((2, 2), ["batch", "model"], kd.list_devices())
+    mesh = distributions.device_mesh((2, 2))
     placements = {
-        name: tuple(str(p) for p in kd.TensorLayout(axes, mesh)
-                    .backend_layout.placements)
+        name: tuple(
+            str(p)
+            for p in kd.TensorLayout(axes, mesh).backend_layout.placements
+        )
         for name, axes in _LAYOUT_CASES.items()
     }
     value = torch.arange(8 * 2, dtype=torch.float32).reshape(8, 2)
@@ -263,11 +247,11 @@ def test_layout_placements_on_2x2_mesh():
 
 def _uneven_body(rank, world_size):
     import torch
+
     from keras import distribution as kd
     from keras.src.backend.torch import distribution_lib
 
-    mesh = kd.DeviceMesh((1, world_size), ["batch", "model"],
-                         kd.list_devices())
+    mesh = distributions.device_mesh((1, world_size))
     value = torch.arange(31 * 3, dtype=torch.float32).reshape(31, 3)
     layout = kd.TensorLayout(("model", None), mesh)
     sharded = distribution_lib.distribute_tensor(value, layout)
@@ -285,7 +269,7 @@ def _uneven_body(rank, world_size):
 def test_uneven_dimension_is_chunked_like_torch_chunk():
     results = run_on_ranks(_uneven_body, world_size=2)
     value = np.arange(31 * 3, dtype=np.float32).reshape(31, 3)
-    sizes = _chunk_sizes(31, 2)
+    sizes = _chunk_sizes(31, parts=2)
     assert sizes == [16, 15]
     starts = np.cumsum([0] + sizes)
     for rank, result in enumerate(results):
@@ -296,7 +280,7 @@ def test_uneven_dimension_is_chunked_like_torch_chunk():
             _replicate(), _shard(1)
         )
         np.testing.assert_array_equal(
-            result["local"], value[starts[rank]:starts[rank + 1]]
+            result["local"], value[starts[rank] : starts[rank + 1]]
         )
         np.testing.assert_array_equal(result["global"], value)
 
@@ -321,10 +305,8 @@ def _variable_facts(variable):
 
 
 def _data_parallel_dense_body(rank, world_size):
-    from keras import distribution as kd
-
-    kd.set_distribution(kd.DataParallel())
-    layer = _dense_weights(5, 4)
+    distributions.use_data_parallel()
+    layer = _dense_weights(units=5, input_dim=4)
     return {
         "kernel": _variable_facts(layer.kernel),
         "bias": _variable_facts(layer.bias),
@@ -332,7 +314,7 @@ def _data_parallel_dense_body(rank, world_size):
 
 
 def test_data_parallel_variables_are_replicated_dtensors():
-    reference = _reference(_dense_weights, 5, 4)
+    reference = _reference(_dense_weights, units=5, input_dim=4)
     results = run_on_ranks(_data_parallel_dense_body, world_size=2)
     for result in results:
         for name in ("kernel", "bias"):
@@ -345,11 +327,14 @@ def test_data_parallel_variables_are_replicated_dtensors():
 
 
 def _model_parallel_dense_body(rank, world_size, mesh_shape):
-    _set_model_parallel(
-        mesh_shape,
-        {"dense/kernel": ("batch", "model"), "dense/bias": ("model",)},
+    distributions.use_model_parallel(
+        layout_rules={
+            "dense/kernel": ("batch", "model"),
+            "dense/bias": ("model",),
+        },
+        mesh_shape=mesh_shape,
     )
-    layer = _dense_weights(31, 4)
+    layer = _dense_weights(units=31, input_dim=4)
     return {
         "kernel": _variable_facts(layer.kernel),
         "bias": _variable_facts(layer.bias),
@@ -360,7 +345,7 @@ def _model_parallel_dense_body(rank, world_size, mesh_shape):
     "world_size,mesh_shape", [(2, (1, 2)), (4, (2, 2))], ids=["1x2", "2x2"]
 )
 def test_model_parallel_variables_are_sharded(world_size, mesh_shape):
-    reference = _reference(_dense_weights, 31, 4)
+    reference = _reference(_dense_weights, units=31, input_dim=4)
     results = run_on_ranks(
         _model_parallel_dense_body, world_size=world_size, args=(mesh_shape,)
     )
@@ -368,17 +353,15 @@ def test_model_parallel_variables_are_sharded(world_size, mesh_shape):
     for rank, result in enumerate(results):
         b, m = np.argwhere(mesh == rank)[0]
         kernel, bias = result["kernel"], result["bias"]
-        assert kernel["placements"] == _placement_strings(
-            _shard(0), _shard(1)
-        )
-        assert bias["placements"] == _placement_strings(
-            _replicate(), _shard(0)
-        )
+        assert kernel["placements"] == _placement_strings(_shard(0), _shard(1))
+        assert bias["placements"] == _placement_strings(_replicate(), _shard(0))
         assert kernel["local_shape"] == (
-            _chunk_sizes(4, mesh_shape[0])[b],
-            _chunk_sizes(31, mesh_shape[1])[m],
+            _chunk_sizes(4, parts=mesh_shape[0])[b],
+            _chunk_sizes(31, parts=mesh_shape[1])[m],
         )
-        assert bias["local_shape"] == (_chunk_sizes(31, mesh_shape[1])[m],)
+        assert bias["local_shape"] == (
+            _chunk_sizes(31, parts=mesh_shape[1])[m],
+        )
         assert kernel["requires_grad"] and bias["requires_grad"]
         _assert_close(kernel["global"], np.asarray(reference.kernel))
         _assert_close(bias["global"], np.asarray(reference.bias))
@@ -386,11 +369,11 @@ def test_model_parallel_variables_are_sharded(world_size, mesh_shape):
 
 def _plain_outside_distribution_body(rank, world_size):
     import keras
-    from keras import distribution as kd
 
     before = keras.layers.Dense(3)
     before.build((None, 2))
-    distribution = kd.DataParallel()
+    # Only in this scope, never set for the process.
+    distribution = distributions.data_parallel()
     with distribution.scope():
         inside = keras.layers.Dense(3)
         inside.build((None, 2))
@@ -399,13 +382,15 @@ def _plain_outside_distribution_body(rank, world_size):
     return {
         name: _placements_of(layer.kernel.value)
         for name, layer in (
-            ("before", before), ("inside", inside), ("after", after)
+            ("before", before),
+            ("inside", inside),
+            ("after", after),
         )
     }
 
 
 def test_variables_outside_a_distribution_stay_plain():
-    for result in run_on_ranks(_plain_outside_distribution_body, 2):
+    for result in run_on_ranks(_plain_outside_distribution_body, world_size=2):
         assert result["before"] is None
         assert result["after"] is None
         assert result["inside"] == _placement_strings(_replicate())
@@ -414,7 +399,9 @@ def test_variables_outside_a_distribution_stay_plain():
 def _int_and_bool_variables_body(rank, world_size):
     import keras
 
-    _set_model_parallel((1, world_size), {"counts": ("model",)})
+    distributions.use_model_parallel(
+        layout_rules={"counts": ("model",)}, mesh_shape=(1, world_size)
+    )
     replicated = keras.Variable(
         np.arange(4), dtype="int32", trainable=False, name="steps"
     )
@@ -422,18 +409,25 @@ def _int_and_bool_variables_body(rank, world_size):
         np.arange(6) * 10, dtype="int32", trainable=False, name="counts"
     )
     flags = keras.Variable(
-        np.array([True, False, True]), dtype="bool", trainable=False,
+        np.array([True, False, True]),
+        dtype="bool",
+        trainable=False,
         name="flags",
     )
     sharded.assign(np.arange(6, dtype="int32") * 10 + 1)
     facts = {
         name: _variable_facts(variable)
         for name, variable in (
-            ("steps", replicated), ("counts", sharded), ("flags", flags)
+            ("steps", replicated),
+            ("counts", sharded),
+            ("flags", flags),
         )
     }
-    for name, variable in (("steps", replicated), ("counts", sharded),
-                           ("flags", flags)):
+    for name, variable in (
+        ("steps", replicated),
+        ("counts", sharded),
+        ("flags", flags),
+    ):
         facts[name]["dtype"] = str(variable.value.dtype)
     return facts
 
@@ -457,15 +451,17 @@ def test_integer_and_bool_variables():
         assert result["counts"]["placements"] == _placement_strings(
             _replicate(), _shard(0)
         )
-        assert result["counts"]["local_shape"] == (_chunk_sizes(6, 2)[rank],)
+        assert result["counts"]["local_shape"] == (
+            _chunk_sizes(6, parts=2)[rank],
+        )
 
 
 def _unseeded_replicas_body(rank, world_size):
     import random
 
-    import keras
     import torch
-    from keras import distribution as kd
+
+    import keras
 
     # Every random source differs per rank, and no Keras seed is set.
     random.seed(100 + rank)
@@ -473,7 +469,7 @@ def _unseeded_replicas_body(rank, world_size):
     torch.manual_seed(100 + rank)
     plain = keras.layers.Dense(4)
     plain.build((None, 3))
-    kd.set_distribution(kd.DataParallel())
+    distributions.use_data_parallel()
     replicated = keras.layers.Dense(4)
     replicated.build((None, 3))
     return {
@@ -513,7 +509,7 @@ def _cut_variables(rank, cases):
     from keras import distribution as kd
     from keras.src.backend.torch import distribution_lib
 
-    mesh = kd.DeviceMesh((2, 2), ["batch", "model"], kd.list_devices())
+    mesh = distributions.device_mesh((2, 2))
     results = {}
     for name, (shape, axes, dtype) in cases.items():
         full = torch.arange(int(np.prod(shape)), dtype=torch.float64)
@@ -571,7 +567,7 @@ def test_variables_are_cut_from_process_0s_value_in_pieces():
 # --------------------------------------------------------------------------
 
 
-def _dense_model(units, input_dim, seed=SEED):
+def _dense_model(*, units, input_dim, seed=SEED):
     """A seeded functional model with one Dense layer named "dense"."""
     import keras
 
@@ -581,13 +577,16 @@ def _dense_model(units, input_dim, seed=SEED):
     return keras.Model(inputs, outputs)
 
 
-def _sharded_dense_model(world_size, seed=SEED):
+def _sharded_dense_model(world_size, *, seed=SEED):
     """Sets ModelParallel (kernel and bias on "model"); Dense(31) model."""
-    _set_model_parallel(
-        (1, world_size),
-        {"dense/kernel": (None, "model"), "dense/bias": ("model",)},
+    distributions.use_model_parallel(
+        layout_rules={
+            "dense/kernel": (None, "model"),
+            "dense/bias": ("model",),
+        },
+        mesh_shape=(1, world_size),
     )
-    model = _dense_model(31, 4, seed=seed)
+    model = _dense_model(units=31, input_dim=4, seed=seed)
     return model, model.get_layer("dense")
 
 
@@ -601,7 +600,7 @@ def _assign_body(rank, world_size, weights_path, new_kernel, new_bias):
     steps["set_weights_bias"] = _variable_facts(layer.bias)
     model.save_weights(weights_path)
     # A differently seeded model, then the saved weights loaded into it.
-    restored = _dense_model(31, 4, seed=SEED + 1)
+    restored = _dense_model(units=31, input_dim=4, seed=SEED + 1)
     restored_layer = restored.get_layer("dense")
     steps["fresh"] = _variable_facts(restored_layer.kernel)
     restored.load_weights(weights_path)
@@ -632,7 +631,10 @@ def _check_assigned_steps(results, expected):
                 bias_placements if "bias" in step else kernel_placements
             )
             assert steps[step]["placements"] == placements, step
-            assert steps[step]["local_shape"][-1] == _chunk_sizes(31, 2)[rank]
+            assert (
+                steps[step]["local_shape"][-1]
+                == (_chunk_sizes(31, parts=2)[rank])
+            )
             assert steps[step]["requires_grad"], step
             _assert_close(steps[step]["global"], value)
 
@@ -648,13 +650,16 @@ def test_assign_set_weights_and_load_weights_keep_layout(tmp_path):
     results = run_on_ranks(
         _assign_body, world_size=2, args=(path, new_kernel, new_bias)
     )
-    _check_assigned_steps(results, {
-        "assign": new_kernel,
-        "set_weights": new_kernel * 2,
-        "set_weights_bias": new_bias,
-        "load_weights": new_kernel * 2,
-        "load_weights_bias": new_bias,
-    })
+    _check_assigned_steps(
+        results,
+        {
+            "assign": new_kernel,
+            "set_weights": new_kernel * 2,
+            "set_weights_bias": new_bias,
+            "load_weights": new_kernel * 2,
+            "load_weights_bias": new_bias,
+        },
+    )
     for steps in results:
         # The fresh model really differed, so loading did something.
         assert not np.allclose(steps["fresh"]["global"], new_kernel * 2)
@@ -665,10 +670,13 @@ def test_assign_add_and_assign_sub_keep_layout():
     results = run_on_ranks(
         _assign_arithmetic_body, world_size=2, args=(new_kernel,)
     )
-    _check_assigned_steps(results, {
-        "assign_add": new_kernel + 1,
-        "assign_sub": new_kernel - 2,
-    })
+    _check_assigned_steps(
+        results,
+        {
+            "assign_add": new_kernel + 1,
+            "assign_sub": new_kernel - 2,
+        },
+    )
 
 
 # --------------------------------------------------------------------------
@@ -701,13 +709,13 @@ def _tuple_outputs(x, sequence):
 def _outputs_body(rank, world_size, x, sequence):
     from keras import ops
 
-    _set_model_parallel(
-        (1, world_size),
-        {
+    distributions.use_model_parallel(
+        layout_rules={
             "dense/output": (None, "model"),
             "lstm/output": (None, "model"),
             "pair/output": (None, "model"),
         },
+        mesh_shape=(1, world_size),
     )
     outputs = _tuple_outputs(x, sequence)
     return {
@@ -735,10 +743,13 @@ def test_output_layouts_shard_every_leaf():
 
 def _distribute_tensor_gradient_body(rank, world_size, x):
     import torch
+
     from keras import distribution as kd
     from keras.src.backend.torch import distribution_lib
 
-    _, mesh = _set_model_parallel((1, world_size), {})
+    mesh = distributions.use_model_parallel(
+        layout_rules={}, mesh_shape=(1, world_size)
+    ).device_mesh
     source = torch.tensor(x, requires_grad=True)
     sharded = distribution_lib.distribute_tensor(
         source * 2.0, kd.TensorLayout((None, "model"), mesh)
@@ -786,17 +797,20 @@ def _dense_output_gradients(x):
 
 
 def _layer_output_gradient_body(rank, world_size, x):
-    _set_model_parallel(
-        (1, world_size),
-        {"dense/kernel": (None, "model"), "dense/output": (None, "model")},
+    distributions.use_model_parallel(
+        layout_rules={
+            "dense/kernel": (None, "model"),
+            "dense/output": (None, "model"),
+        },
+        mesh_shape=(1, world_size),
     )
     return _dense_output_gradients(x)
 
 
 def _mask_set_in_call_body(rank, world_size):
-    import keras
     import torch
 
+    import keras
     from keras.src import backend
 
     class MarkPositive(keras.layers.Layer):
@@ -808,7 +822,9 @@ def _mask_set_in_call_body(rank, world_size):
             return outputs
 
     # Nothing sharded: outputs are replicated over "model".
-    _set_model_parallel((1, world_size), {})
+    distributions.use_model_parallel(
+        layout_rules={}, mesh_shape=(1, world_size)
+    )
     dense = keras.layers.Dense(4, name="dense", kernel_initializer="ones")
     x = np.array([[1.0, 1.0], [-1.0, -1.0]], dtype="float32")
     with torch.enable_grad():
@@ -816,7 +832,9 @@ def _mask_set_in_call_body(rank, world_size):
         # wrapped to reduce partial-sum gradients in the backward pass.
         outputs = MarkPositive()(dense(x))
     mask = backend.get_keras_mask(outputs)
-    return None if mask is None else np.asarray(keras.ops.convert_to_numpy(mask))
+    return (
+        None if mask is None else np.asarray(keras.ops.convert_to_numpy(mask))
+    )
 
 
 def test_mask_set_inside_a_layer_call_survives_the_layer_boundary():
@@ -827,8 +845,7 @@ def test_mask_set_inside_a_layer_call_survives_the_layer_boundary():
 def test_gradient_through_sharded_layer_output_matches_single_process():
     x = _inputs((3, 4))
     reference = _reference(_dense_output_gradients, x)
-    results = run_on_ranks(_layer_output_gradient_body, world_size=2,
-                           args=(x,))
+    results = run_on_ranks(_layer_output_gradient_body, world_size=2, args=(x,))
     for result in results:
         for name in ("kernel", "bias", "loss"):
             _assert_close(result[name], reference[name])
@@ -841,14 +858,15 @@ def test_gradient_through_sharded_layer_output_matches_single_process():
 
 def _data_input_body(rank, world_size, part_sizes, global_batch_size):
     import torch
+
     from keras import distribution as kd
     from keras.src.backend.torch import distribution_lib
 
-    mesh = kd.DeviceMesh((world_size,), ["batch"], kd.list_devices())
+    mesh = distributions.device_mesh((world_size,))
     total = sum(part_sizes)
     rows = np.arange(total * 3, dtype=np.float32).reshape(total, 3)
     start = sum(part_sizes[:rank])
-    part = rows[start:start + part_sizes[rank]]
+    part = rows[start : start + part_sizes[rank]]
     layout = kd.TensorLayout(("batch", None), mesh)
     try:
         batch = distribution_lib.distribute_data_input(
@@ -898,8 +916,11 @@ def test_distribute_data_input_builds_the_global_batch(
 
 
 def test_distribute_data_input_rejects_mismatched_parts():
-    results = run_on_ranks(_data_input_body, world_size=2,
-                           args=([2, 4], None))
+    results = run_on_ranks(
+        _data_input_body,
+        world_size=2,
+        kwargs={"part_sizes": [2, 4], "global_batch_size": None},
+    )
     for result in results:
         assert "error" in result, "mismatched part sizes were accepted"
         assert "[2, 4]" in result["error"]
@@ -909,7 +930,7 @@ def _data_input_2x2_body(rank, world_size):
     from keras import distribution as kd
     from keras.src.backend.torch import distribution_lib
 
-    mesh = kd.DeviceMesh((2, 2), ["batch", "model"], kd.list_devices())
+    mesh = distributions.device_mesh((2, 2))
     batch_index = mesh.backend_mesh.get_coordinate()[0]
     rows = np.arange(4 * 3, dtype=np.float32).reshape(4, 3)
     # Ranks along "model" hold the same part: the one of their batch index.
@@ -946,29 +967,33 @@ def test_distribute_data_input_on_2x2_mesh():
 
 def _own_value(rank):
     """A per-rank value whose reductions all differ."""
-    return np.array([rank + 1.0, (-1.0) ** rank * 10 * (rank + 1)],
-                    dtype=np.float32)
+    return np.array(
+        [rank + 1.0, (-1.0) ** rank * 10 * (rank + 1)], dtype=np.float32
+    )
 
 
-def _own_part(rank, rows):
+def _own_part(rank, *, rows):
     """A per-rank (rows, 2) block with rank-specific values."""
-    return np.full((rows, 2), rank, dtype=np.float32) + np.arange(
-        rows * 2, dtype=np.float32
-    ).reshape(rows, 2) / 10
+    return (
+        np.full((rows, 2), rank, dtype=np.float32)
+        + np.arange(rows * 2, dtype=np.float32).reshape(rows, 2) / 10
+    )
 
 
 def _own_cols(rank):
     """A per-rank (2, n) block, n differing between batch indices."""
-    return np.tile(_own_part(rank, 2), (1, rank // 2 + 1))
+    return np.tile(_own_part(rank, rows=2), (1, rank // 2 + 1))
 
 
 def _collectives_body(rank, world_size):
-    import keras
     import torch
+
     from keras import distribution as kd
     from keras.src.backend.torch import distribution_lib as dl
 
-    _, mesh = _set_model_parallel((2, 2), {"dense/kernel": ("batch", "model")})
+    mesh = distributions.use_model_parallel(
+        layout_rules={"dense/kernel": ("batch", "model")}, mesh_shape=(2, 2)
+    ).device_mesh
     own = torch.tensor(_own_value(rank))
     reduced = {
         (op, axis): dl.all_reduce(own, op=op, axis_name=axis).numpy()
@@ -976,7 +1001,7 @@ def _collectives_body(rank, world_size):
         for axis in ("model", "batch")
     }
     # Unequal sizes along the gathered axis.
-    rows_part = torch.tensor(_own_part(rank, rank % 2 + 1))
+    rows_part = torch.tensor(_own_part(rank, rows=rank % 2 + 1))
     cols_part = torch.tensor(_own_cols(rank))
     gathered = {
         "rows_model": dl.all_gather(rows_part, axis=0, axis_name="model"),
@@ -986,7 +1011,7 @@ def _collectives_body(rank, world_size):
         torch.arange(8, dtype=torch.float32).reshape(4, 2),
         kd.TensorLayout(("batch", None), mesh),
     )
-    layer = _dense_weights(6, 4)
+    layer = _dense_weights(units=6, input_dim=4)
     full_kernel = dl.all_gather_variable(layer.kernel)
     return {
         "reduced": reduced,
@@ -1007,13 +1032,16 @@ def test_collectives_follow_mesh_axis_groups():
         "batch": lambda r: list(mesh[:, r % 2]),
     }
     reducers = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min}
-    reference_kernel = np.asarray(_reference(_dense_weights, 6, 4).kernel)
+    reference_kernel = np.asarray(
+        _reference(_dense_weights, units=6, input_dim=4).kernel
+    )
     for rank, result in enumerate(results):
         for (op, axis), value in result["reduced"].items():
             members = np.stack([_own_value(r) for r in groups[axis](rank)])
             _assert_close(value, reducers[op](members, axis=0))
         rows = np.concatenate(
-            [_own_part(r, r % 2 + 1) for r in groups["model"](rank)], axis=0
+            [_own_part(r, rows=r % 2 + 1) for r in groups["model"](rank)],
+            axis=0,
         )
         np.testing.assert_array_equal(result["gathered"]["rows_model"], rows)
         cols = np.concatenate(
@@ -1021,8 +1049,9 @@ def test_collectives_follow_mesh_axis_groups():
         )
         np.testing.assert_array_equal(result["gathered"]["cols_batch"], cols)
         value = np.arange(8, dtype=np.float32).reshape(4, 2)
-        np.testing.assert_array_equal(result["dtensor_sum"],
-                                      value[:2] + value[2:])
+        np.testing.assert_array_equal(
+            result["dtensor_sum"], value[:2] + value[2:]
+        )
         assert result["kernel_placements"] == _placement_strings(
             _shard(0), _shard(1)
         )
@@ -1075,7 +1104,8 @@ def _mixed_outputs():
         "training": ops.convert_to_numpy(model(inputs, training=True)),
         "paths": [v.path for v in model.variables],
         "sharded": sorted(
-            v.path for v in model.variables
+            v.path
+            for v in model.variables
             if _is_sharded(_placements_of(v.value))
         ),
     }
@@ -1090,7 +1120,9 @@ _MIXED_LAYOUTS = {
 
 
 def _mixed_model_body(rank, world_size):
-    _set_model_parallel((1, world_size), _MIXED_LAYOUTS)
+    distributions.use_model_parallel(
+        layout_rules=_MIXED_LAYOUTS, mesh_shape=(1, world_size)
+    )
     return _mixed_outputs()
 
 
@@ -1098,7 +1130,8 @@ def test_mixed_model_on_plain_inputs_matches_single_process():
     reference = _reference(_mixed_outputs)
     results = run_on_ranks(_mixed_model_body, world_size=2)
     expected_sharded = sorted(
-        path for path in reference["paths"]
+        path
+        for path in reference["paths"]
         if any(re.fullmatch(key, path) for key in _MIXED_LAYOUTS)
     )
     assert len(expected_sharded) == 8
@@ -1118,14 +1151,17 @@ def _conv_outputs(x, use_bias):
     keras.utils.set_random_seed(SEED)
     layer = keras.layers.Conv2D(4, 3, use_bias=use_bias, name="conv2d")
     output = layer(x)
-    return {"output": ops.convert_to_numpy(output),
-            "placements": _placements_of(layer.kernel.value)}
+    return {
+        "output": ops.convert_to_numpy(output),
+        "placements": _placements_of(layer.kernel.value),
+    }
 
 
 def _sharded_conv_body(rank, world_size, x, use_bias):
     # Output channels sharded, as a JAX user would shard a conv kernel.
-    _set_model_parallel(
-        (1, world_size), {"conv2d/kernel": (None, None, None, "model")}
+    distributions.use_model_parallel(
+        layout_rules={"conv2d/kernel": (None, None, None, "model")},
+        mesh_shape=(1, world_size),
     )
     return _conv_outputs(x, use_bias)
 
@@ -1134,9 +1170,7 @@ def _sharded_conv_body(rank, world_size, x, use_bias):
 def test_conv2d_with_sharded_kernel_matches_single_process(use_bias):
     x = _inputs((2, 6, 6, 2))
     reference = _reference(_conv_outputs, x, use_bias)
-    results = run_on_ranks(
-        _sharded_conv_body, world_size=2, args=(x, use_bias)
-    )
+    results = run_on_ranks(_sharded_conv_body, world_size=2, args=(x, use_bias))
     for result in results:
         assert result["placements"] == _placement_strings(
             _replicate(), _shard(3)
@@ -1147,12 +1181,11 @@ def test_conv2d_with_sharded_kernel_matches_single_process(use_bias):
 
 def _check_replication_body(rank, world_size, differ):
     import keras
-    from keras import distribution as kd
     from keras.src.backend.torch.distributed import layer_call
 
     os.environ[layer_call.CHECK_REPLICATION_ENV] = "1"
-    kd.set_distribution(kd.DataParallel())
-    layer = _dense_weights(3, 4)
+    distributions.use_data_parallel()
+    layer = _dense_weights(units=3, input_dim=4)
     x = _inputs((2, 4)) + (rank if differ else 0)
     try:
         output = layer(x)
@@ -1162,8 +1195,9 @@ def _check_replication_body(rank, world_size, differ):
 
 
 def test_check_replication_rejects_differing_plain_inputs():
-    results = run_on_ranks(_check_replication_body, world_size=2,
-                           args=(True,))
+    results = run_on_ranks(
+        _check_replication_body, world_size=2, kwargs={"differ": True}
+    )
     for result in results:
         assert "error" in result, "differing plain inputs were accepted"
         assert "layer call input" in result["error"]
@@ -1172,10 +1206,11 @@ def test_check_replication_rejects_differing_plain_inputs():
 
 
 def test_check_replication_accepts_identical_plain_inputs():
-    layer = _reference(_dense_weights, 3, 4)
+    layer = _reference(_dense_weights, units=3, input_dim=4)
     expected = np.asarray(layer(_inputs((2, 4))).detach())
-    results = run_on_ranks(_check_replication_body, world_size=2,
-                           args=(False,))
+    results = run_on_ranks(
+        _check_replication_body, world_size=2, kwargs={"differ": False}
+    )
     for result in results:
         assert "error" not in result, result.get("error")
         _assert_close(result["output"], expected)
@@ -1193,8 +1228,7 @@ def _thread_body(rank, world_size):
     from keras import distribution as kd
     from keras.src.backend.torch import distribution_lib
 
-    distribution = kd.DataParallel()
-    kd.set_distribution(distribution)
+    distribution = distributions.use_data_parallel()
     seen = {}
 
     def work():
@@ -1208,9 +1242,7 @@ def _thread_body(rank, world_size):
         output = layer(x)
         seen["placements"] = _placements_of(layer.kernel.value)
         seen["output"] = keras.ops.convert_to_numpy(output)
-        seen["expected"] = x @ np.asarray(layer.kernel) + np.asarray(
-            layer.bias
-        )
+        seen["expected"] = x @ np.asarray(layer.kernel) + np.asarray(layer.bias)
 
     thread = threading.Thread(target=work)
     thread.start()
@@ -1234,8 +1266,9 @@ def test_distribution_is_visible_in_new_threads():
 
 def _wrapper_model():
     """Functional model: TorchModuleWrapper(Linear(8, 6)) then Dense(3)."""
-    import keras
     import torch
+
+    import keras
 
     keras.utils.set_random_seed(SEED)  # Also seeds torch's Linear init.
     inputs = keras.Input((8,))
@@ -1256,19 +1289,22 @@ def _wrapper_outputs(x):
     variables = {v.path: v for v in model.variables}
     return {
         "paths": sorted(variables),
-        "placements": {p: _placements_of(v.value)
-                       for p, v in variables.items()},
-        "module_uses_variable": linear.weight is (
-            variables["wrapper/0.weight"].value
-        ),
+        "placements": {
+            p: _placements_of(v.value) for p, v in variables.items()
+        },
+        "module_uses_variable": linear.weight
+        is (variables["wrapper/0.weight"].value),
         "output": ops.convert_to_numpy(model(x)),
     }
 
 
 def _wrapper_body(rank, world_size, x):
-    _set_model_parallel(
-        (1, world_size),
-        {r".*0\.weight": ("model", None), "dense.kernel": (None, "model")},
+    distributions.use_model_parallel(
+        layout_rules={
+            r".*0\.weight": ("model", None),
+            "dense.kernel": (None, "model"),
+        },
+        mesh_shape=(1, world_size),
     )
     return _wrapper_outputs(x)
 
@@ -1277,8 +1313,7 @@ def test_torch_module_wrapper_paths_and_layouts():
     x = _inputs((3, 8))
     reference = _reference(_wrapper_outputs, x)
     results = run_on_ranks(_wrapper_body, world_size=2, args=(x,))
-    paths = ["dense/bias", "dense/kernel", "wrapper/0.bias",
-             "wrapper/0.weight"]
+    paths = ["dense/bias", "dense/kernel", "wrapper/0.bias", "wrapper/0.weight"]
     assert reference["paths"] == paths
     for result in results:
         assert result["paths"] == paths
@@ -1328,23 +1363,33 @@ def _logging_body(rank, world_size, axis_name):
     logger.addHandler(handler)
     try:
         logger.setLevel(logging.DEBUG)
-        _set_model_parallel(
-            (1, world_size), {"dense/kernel": (None, axis_name)},
+        distributions.use_model_parallel(
+            layout_rules={"dense/kernel": (None, axis_name)},
+            mesh_shape=(1, world_size),
             axis_names=("batch", axis_name),
         )
-        debug_count, layer = _collective_count(lambda: _dense_weights(5, 3))
+        debug_count, layer = _collective_count(
+            lambda: _dense_weights(units=5, input_dim=3)
+        )
         log_count, _ = _collective_count(
             lambda: logger.debug("kernel %s", layer.kernel.value)
         )
-        _set_model_parallel((1, world_size), {"dense/kernel": (None, "model")})
+        distributions.use_model_parallel(
+            layout_rules={"dense/kernel": (None, "model")},
+            mesh_shape=(1, world_size),
+        )
         logger.setLevel(logging.WARNING)
-        unlogged_count, _ = _collective_count(lambda: _dense_weights(5, 3))
+        unlogged_count, _ = _collective_count(
+            lambda: _dense_weights(units=5, input_dim=3)
+        )
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old_level)
     variables = {
-        v.path: (str(tuple(v.value.placements)),
-                 str(tuple(v.value.to_local().shape)))
+        v.path: (
+            str(tuple(v.value.placements)),
+            str(tuple(v.value.to_local().shape)),
+        )
         for v in layer.variables
     }
     return {
@@ -1373,6 +1418,8 @@ def test_debug_logging_records_mesh_and_variables_without_collectives():
         assert log_count == 0
 
 
+# A user's script, run as its own process: it sets its distribution with
+# the public API, not with the tests' helpers.
 _DEBUG_SCRIPT = """
 import keras
 from keras import distribution
@@ -1386,9 +1433,16 @@ print("placements", layer.kernel.value.placements)
 
 def test_debug_env_var_prefixes_log_lines_with_rank():
     env = {
-        k: v for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                     "MASTER_PORT")
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+        )
     }
     env.update(
         KERAS_BACKEND="torch",
@@ -1397,11 +1451,15 @@ def test_debug_env_var_prefixes_log_lines_with_rank():
     )
     result = subprocess.run(
         [sys.executable, "-c", _DEBUG_SCRIPT],
-        env=env, capture_output=True, text=True, timeout=180,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [
-        line for line in result.stderr.splitlines()
+        line
+        for line in result.stderr.splitlines()
         if "keras.distribution" in line
     ]
     assert lines, result.stderr[-3000:]
@@ -1429,9 +1487,12 @@ def _summary_model():
 def _summary_body(rank, world_size):
     from keras import distribution as kd
 
-    _set_model_parallel(
-        (1, world_size),
-        {"dense/kernel": (None, "model"), "dense/bias": ("model",)},
+    distributions.use_model_parallel(
+        layout_rules={
+            "dense/kernel": (None, "model"),
+            "dense/bias": ("model",),
+        },
+        mesh_shape=(1, world_size),
     )
     model = _summary_model()
     printed = []
@@ -1448,8 +1509,12 @@ def _summary_body(rank, world_size):
             "local_shape": tuple(local.shape),
             "local_bytes": local.numel() * local.element_size(),
         }
-    return {"rows": rows, "actual": actual, "printed": printed,
-            "info": kd.mesh_info()}
+    return {
+        "rows": rows,
+        "actual": actual,
+        "printed": printed,
+        "info": kd.mesh_info(),
+    }
 
 
 def test_sharding_summary_matches_the_dtensors():
@@ -1458,7 +1523,7 @@ def test_sharding_summary_matches_the_dtensors():
         rows = {row["path"]: row for row in result["rows"]}
         assert list(rows) == list(result["actual"])
         assert rows == result["actual"]
-        units = _chunk_sizes(31, 2)[rank]
+        units = _chunk_sizes(31, parts=2)[rank]
         assert rows["dense/kernel"]["local_shape"] == (4, units)
         assert rows["dense/kernel"]["global_shape"] == (4, 31)
         assert rows["dense/kernel"]["local_bytes"] == 4 * units * 4
@@ -1491,8 +1556,9 @@ def test_sharding_summary_matches_the_dtensors():
 @pytest.fixture
 def single_process_keras():
     """Keras in this process; undoes the distribution and process group."""
-    import keras
     import torch.distributed as dist
+
+    import keras
     from keras import distribution as kd
 
     had_group = dist.is_initialized()
@@ -1528,9 +1594,8 @@ def test_single_process_data_parallel(single_process_keras):
     keras.backend.clear_session()
 
     assert kd.list_devices() == ["cpu:0"]
-    distribution = kd.DataParallel()
+    distribution = distributions.use_data_parallel()
     assert distribution.device_mesh.devices.tolist() == ["cpu:0"]
-    kd.set_distribution(distribution)
     model, history = _fit_small_model(keras)
     for variable in model.weights:
         assert _placements_of(variable.value) == _placement_strings(

@@ -10,48 +10,26 @@ names what was received.
 import numpy as np
 import pytest
 
+from tests import distributions
 from tests.harness import run_on_ranks
 
 # Short enough to catch a hang quickly; generous for a loaded machine.
-MULTIRANK_TIMEOUT = 120
-
-
-def _mesh(shape, devices, axis_names=("batch", "model")):
-    from keras import distribution as kd
-
-    return kd.DeviceMesh(shape, list(axis_names)[: len(shape)], devices)
-
-
-def _set_data_parallel_on(devices):
-    from keras import distribution as kd
-
-    mesh = _mesh((len(devices),), devices)
-    kd.set_distribution(kd.DataParallel(device_mesh=mesh))
-
-
-def _two_axis_mesh(world_size):
-    from keras import distribution as kd
-
-    return _mesh((1, world_size), kd.list_devices())
+HANG_TIMEOUT = 120
 
 
 def _layout(axes, world_size):
     """A TensorLayout on the (1, world_size) ("batch", "model") mesh."""
     from keras import distribution as kd
 
-    return kd.TensorLayout(axes, _two_axis_mesh(world_size))
+    return kd.TensorLayout(axes, distributions.device_mesh((1, world_size)))
 
 
-def _build_dense_under(layout_map_items, world_size):
+def _build_dense_under(layout_rules, world_size):
     """Sets a ModelParallel distribution and builds Dense(4) on 3 features."""
     import keras
-    from keras import distribution as kd
 
-    layout_map = kd.LayoutMap(_two_axis_mesh(world_size))
-    for key, axes in layout_map_items.items():
-        layout_map[key] = axes
-    kd.set_distribution(
-        kd.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    distributions.use_model_parallel(
+        layout_rules=layout_rules, mesh_shape=(1, world_size)
     )
     layer = keras.layers.Dense(4, name="dense")
     layer.build((None, 3))
@@ -65,21 +43,21 @@ def _initialize(**kwargs):
 
 def _all_reduce(**kwargs):
     import torch
-    from keras import distribution as kd
+
     from keras.src.backend.torch import distribution_lib
 
-    kd.set_distribution(kd.DataParallel())
+    distributions.use_data_parallel()
     distribution_lib.all_reduce(torch.ones(2), **kwargs)
 
 
 def _make_mistake(case, rank, world_size):
     """Makes the mistake named `case`; returns normally if none was raised."""
     if case == "mesh_with_3_devices":
-        _set_data_parallel_on(["cpu:0", "cpu:1", "cpu:2"])
+        distributions.use_data_parallel(devices=["cpu:0", "cpu:1", "cpu:2"])
     elif case == "unknown_device_type":
-        _set_data_parallel_on(["tpu:0", "cpu:1"])
+        distributions.use_data_parallel(devices=["tpu:0", "cpu:1"])
     elif case == "unknown_device_index":
-        _set_data_parallel_on(["cpu:0", "cpu:9"])
+        distributions.use_data_parallel(devices=["cpu:0", "cpu:9"])
     elif case == "unknown_axis_in_layout":
         _layout(("batch", "nope"), world_size)
     elif case == "unknown_axis_in_layout_map":
@@ -137,7 +115,9 @@ _CASES = {
 
 @pytest.mark.parametrize("case", sorted(_CASES))
 def test_invalid_configuration_raises_a_clear_value_error(case):
-    messages = run_on_ranks(_mistake_body, world_size=2, args=(case,))
+    messages = run_on_ranks(
+        _mistake_body, world_size=2, args=(case,), timeout=HANG_TIMEOUT
+    )
     for rank, message in enumerate(messages):
         assert message is not None, f"{case}: no ValueError on rank {rank}"
         for expected in _CASES[case]:
@@ -155,6 +135,8 @@ def _valid_initialize_body(rank, world_size):
 
 
 def test_initialize_with_agreeing_arguments_is_idempotent():
-    for devices in run_on_ranks(_valid_initialize_body, world_size=2):
+    for devices in run_on_ranks(
+        _valid_initialize_body, world_size=2, timeout=HANG_TIMEOUT
+    ):
         assert devices == [f"cpu:{i}" for i in range(2)]
         assert np.unique(devices).size == 2

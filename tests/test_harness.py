@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from tests import harness
-from tests.harness import MultiRankError, run_on_ranks
+from tests.harness import MultiRankError
+from tests.harness import run_on_ranks
 
 # Short timeout of the deliberately stuck bodies; the ordinary ones keep
 # the (long) default so that a loaded machine does not make them flake.
@@ -53,8 +54,13 @@ def _environment_body(rank, world_size):
     import torch.distributed as dist
 
     names = (
-        "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR", "MASTER_PORT", "KERAS_BACKEND",
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "KERAS_BACKEND",
     )
     return {
         "env": {name: os.environ.get(name) for name in names},
@@ -116,8 +122,9 @@ def _unpicklable_result_body(rank, world_size):
 
 
 def _pollute_state_body(rank, world_size):
-    import keras
     import torch
+
+    import keras
 
     torch.set_default_dtype(torch.float64)
     keras.config.set_floatx("float16")
@@ -128,8 +135,9 @@ def _pollute_state_body(rank, world_size):
 
 
 def _read_state_body(rank, world_size):
-    import keras
     import torch
+
+    import keras
 
     return {
         "torch_dtype": str(torch.get_default_dtype()),
@@ -147,7 +155,9 @@ def _read_state_body(rank, world_size):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_returns_values_ordered_by_rank(world_size):
-    results = run_on_ranks(_identity_body, world_size, args=("t",))
+    results = run_on_ranks(
+        _identity_body, world_size=world_size, kwargs={"tag": "t"}
+    )
 
     assert [r["rank"] for r in results] == list(range(world_size))
     assert [r["dist_rank"] for r in results] == list(range(world_size))
@@ -171,7 +181,7 @@ def test_all_reduce_across_ranks(world_size):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_workers_look_like_torchrun_ranks(world_size):
-    results = run_on_ranks(_environment_body, world_size)
+    results = run_on_ranks(_environment_body, world_size=world_size)
 
     ports = {r["env"]["MASTER_PORT"] for r in results}
     assert len(ports) == 1 and int(ports.pop()) > 0
@@ -187,32 +197,36 @@ def test_workers_look_like_torchrun_ranks(world_size):
 
 
 def test_pool_is_reused_between_calls():
-    first = run_on_ranks(_pid_body, 2)
-    second = run_on_ranks(_pid_body, 2)
+    first = run_on_ranks(_pid_body, world_size=2)
+    second = run_on_ranks(_pid_body, world_size=2)
 
     assert first == second == harness.pool_pids(2)
     assert os.getpid() not in first
 
 
 def test_state_is_reset_after_a_successful_call():
-    cwd = run_on_ranks(_read_state_body, 2)[0]["cwd"]
-    assert run_on_ranks(_pollute_state_body, 2) == [True, True]
+    cwd = run_on_ranks(_read_state_body, world_size=2)[0]["cwd"]
+    assert run_on_ranks(_pollute_state_body, world_size=2) == [True, True]
 
-    state = run_on_ranks(_read_state_body, 2)
+    state = run_on_ranks(_read_state_body, world_size=2)
 
-    assert state == [
-        {
-            "torch_dtype": "torch.float32",
-            "floatx": "float32",
-            "distribution": None,
-            "leaked_env": False,
-            "cwd": cwd,
-        }
-    ] * 2
+    assert (
+        state
+        == [
+            {
+                "torch_dtype": "torch.float32",
+                "floatx": "float32",
+                "distribution": None,
+                "leaked_env": False,
+                "cwd": cwd,
+            }
+        ]
+        * 2
+    )
 
 
 def test_worker_output_is_forwarded(capsys):
-    run_on_ranks(_print_body, 2)
+    run_on_ranks(_print_body, world_size=2)
 
     out = capsys.readouterr().out
     assert "[rank 0] hello from rank 0" in out
@@ -220,12 +234,13 @@ def test_worker_output_is_forwarded(capsys):
 
 
 def test_call_overhead_is_small():
-    run_on_ranks(_pid_body, 2)  # Start the pool outside the measurement.
+    # Start the pool outside the measurement.
+    run_on_ranks(_pid_body, world_size=2)
     calls = 20
 
     start = time.monotonic()
     for _ in range(calls):
-        run_on_ranks(_pid_body, 2)
+        run_on_ranks(_pid_body, world_size=2)
     per_call = (time.monotonic() - start) / calls
 
     print(f"per-call overhead, 2 ranks: {per_call * 1000:.1f} ms")
@@ -241,9 +256,11 @@ def test_exception_on_one_rank_reports_every_rank():
     pids_before = harness.pool_pids(2)
 
     with pytest.raises(MultiRankError) as info:
-        run_on_ranks(_raise_on_rank_1_body, 2)
+        run_on_ranks(_raise_on_rank_1_body, world_size=2)
 
     message = str(info.value)
+    # A call stating no timeout is bounded by the default.
+    assert f"(timeout {harness.DEFAULT_TIMEOUT:g} s)" in message
     assert "rank 0 ok" in message and "rank 1 raised" in message
     assert "===== rank 0: ok =====" in message
     assert "===== rank 1: error =====" in message
@@ -251,7 +268,9 @@ def test_exception_on_one_rank_reports_every_rank():
     assert "_raise_on_rank_1_body" in message  # The traceback's frame.
     assert [o.status for o in info.value.outcomes] == ["ok", "error"]
     # The pool was recycled and the next call runs on new workers.
-    assert run_on_ranks(_all_reduce_body, 2, args=(1,)) == [1.0, 1.0]
+    assert run_on_ranks(
+        _all_reduce_body, world_size=2, kwargs={"scale": 1}
+    ) == [1.0, 1.0]
     assert set(harness.pool_pids(2)).isdisjoint(pids_before)
 
 
@@ -262,7 +281,9 @@ def test_ranks_waiting_on_a_failed_rank_are_stopped_quickly():
     start = time.monotonic()
     with pytest.raises(MultiRankError) as info:
         run_on_ranks(
-            _raise_on_rank_1_while_rank_0_waits_body, 2, timeout=timeout
+            _raise_on_rank_1_while_rank_0_waits_body,
+            world_size=2,
+            timeout=timeout,
         )
     elapsed = time.monotonic() - start
 
@@ -273,13 +294,12 @@ def test_ranks_waiting_on_a_failed_rank_are_stopped_quickly():
     assert elapsed < timeout / 2
 
 
-@pytest.mark.multirank_timeout(STUCK_TIMEOUT)
-def test_deadlock_times_out_with_stacks_and_pool_recovers(ranks):
+def test_deadlock_times_out_with_stacks_and_pool_recovers():
     pids_before = harness.pool_pids(2)
 
     start = time.monotonic()
     with pytest.raises(MultiRankError) as info:
-        ranks(_deadlock_body, world_size=2)
+        run_on_ranks(_deadlock_body, world_size=2, timeout=STUCK_TIMEOUT)
     elapsed = time.monotonic() - start
 
     message = str(info.value)
@@ -292,23 +312,25 @@ def test_deadlock_times_out_with_stacks_and_pool_recovers(ranks):
     # No worker of the stuck pool survives; a fresh pool takes over.
     for pid in pids_before:
         assert not _process_exists(pid)
-    assert ranks(_all_reduce_body, world_size=2, args=(2,)) == [2.0, 2.0]
+    assert run_on_ranks(
+        _all_reduce_body, world_size=2, kwargs={"scale": 2}
+    ) == [2.0, 2.0]
 
 
 def test_worker_exit_is_reported_with_its_code():
     with pytest.raises(MultiRankError) as info:
-        run_on_ranks(_exit_on_rank_1_body, 2)
+        run_on_ranks(_exit_on_rank_1_body, world_size=2)
 
     message = str(info.value)
     assert "rank 1 died" in message
     assert "exited with code 3" in message
     assert info.value.outcomes[0].status == "ok"
-    assert run_on_ranks(_pid_body, 2) == harness.pool_pids(2)
+    assert run_on_ranks(_pid_body, world_size=2) == harness.pool_pids(2)
 
 
 def test_segfault_is_reported_with_signal_and_stack():
     with pytest.raises(MultiRankError) as info:
-        run_on_ranks(_segfault_on_rank_0_body, 2)
+        run_on_ranks(_segfault_on_rank_0_body, world_size=2)
 
     detail = info.value.outcomes[0].detail
     assert info.value.outcomes[0].status == "died"
@@ -318,7 +340,7 @@ def test_segfault_is_reported_with_signal_and_stack():
 
 def test_unpicklable_result_is_reported():
     with pytest.raises(MultiRankError, match="could not be pickled"):
-        run_on_ranks(_unpicklable_result_body, 2)
+        run_on_ranks(_unpicklable_result_body, world_size=2)
 
 
 def test_nested_functions_are_refused_before_sending():
@@ -326,19 +348,13 @@ def test_nested_functions_are_refused_before_sending():
         return rank
 
     with pytest.raises(TypeError, match="module-level function"):
-        run_on_ranks(nested, 2)
+        run_on_ranks(nested, world_size=2)
 
 
-def test_module_attribute_sets_the_default_timeout(monkeypatch):
-    module = sys.modules[__name__]
-    assert harness._resolve_timeout(_pid_body, None) == (
-        harness.DEFAULT_TIMEOUT
-    )
-
-    monkeypatch.setattr(module, "MULTIRANK_TIMEOUT", 7, raising=False)
-
-    assert harness._resolve_timeout(_pid_body, None) == 7
-    assert harness._resolve_timeout(_pid_body, 3) == 3
+def test_every_call_is_bounded():
+    for timeout in (None, 0, -1, float("inf"), "10"):
+        with pytest.raises(ValueError, match="positive, finite number"):
+            run_on_ranks(_pid_body, world_size=2, timeout=timeout)
 
 
 def test_shutdown_destroys_groups_and_exits_cleanly(capsys):
@@ -387,7 +403,7 @@ def torchrun_script(tmp_path):
 
 
 def test_run_torchrun_success(torchrun_script):
-    result = harness.run_torchrun(torchrun_script, 2, args=["ok"])
+    result = harness.run_torchrun(torchrun_script, nproc=2, args=["ok"])
 
     assert result.returncode == 0
     assert "rank 0: sum=3.0 backend=torch" in result.stdout
@@ -396,7 +412,9 @@ def test_run_torchrun_success(torchrun_script):
 
 def test_run_torchrun_failure_shows_output_tail(torchrun_script):
     with pytest.raises(AssertionError) as info:
-        harness.run_torchrun(torchrun_script, 2, args=["fail"], timeout=120)
+        harness.run_torchrun(
+            torchrun_script, nproc=2, args=["fail"], timeout=120
+        )
 
     assert "torchrun rank 1 failed on purpose" in str(info.value)
 
@@ -406,7 +424,7 @@ def test_run_torchrun_timeout_kills_the_whole_tree(torchrun_script, tmp_path):
 
     with pytest.raises(AssertionError, match="timed out after 30 s") as info:
         harness.run_torchrun(
-            torchrun_script, 2, args=["hang", pid_file], timeout=30
+            torchrun_script, nproc=2, args=["hang", pid_file], timeout=30
         )
 
     assert pid_file.exists(), str(info.value)  # Rank 0 was started.

@@ -25,7 +25,9 @@ UPSTREAM_VERSION = overlaylib.upstream_version(PROJECT["version"])
 @pytest.fixture(scope="session")
 def pristine():
     """A root holding pristine upstream keras/ and its dist-info."""
-    return overlaylib.pristine_upstream(UPSTREAM_VERSION, REPO / "build" / "upstream")
+    return overlaylib.pristine_upstream(
+        UPSTREAM_VERSION, REPO / "build" / "upstream"
+    )
 
 
 @pytest.fixture(scope="session")
@@ -49,8 +51,18 @@ def _apply_patch(tree, patch_text):
         return  # An empty overlay; GNU patch would call it garbage.
     if shutil.which("patch"):
         subprocess.run(
-            ["patch", "-p1", "--batch", "--forward", "--silent", "-d", str(tree)],
-            input=patch_text, text=True, check=True,
+            [
+                "patch",
+                "-p1",
+                "--batch",
+                "--forward",
+                "--silent",
+                "-d",
+                str(tree),
+            ],
+            input=patch_text,
+            text=True,
+            check=True,
         )
         return
     import whatthepatch
@@ -97,14 +109,21 @@ def test_overlay_files_are_installed(pristine, installed, tmp_path):
         (tree / target).parent.mkdir(parents=True)
         shutil.copyfile(pristine / target, tree / target)
         _apply_patch(tree, (REPO / diff).read_text())
-        assert (installed / target).read_bytes() == (tree / target).read_bytes(), diff
+        assert (installed / target).read_bytes() == (
+            tree / target
+        ).read_bytes(), diff
 
 
 def test_export_reproduces_installed_tree(pristine, installed, tmp_path):
     patch_file = tmp_path / "change.diff"
     subprocess.run(
-        [sys.executable, str(REPO / "tools" / "overlay.py"), "export",
-         "-o", str(patch_file)],
+        [
+            sys.executable,
+            str(REPO / "tools" / "overlay.py"),
+            "export",
+            "-o",
+            str(patch_file),
+        ],
         check=True,
     )
     shutil.copytree(pristine / "keras", tmp_path / "tree" / "keras")
@@ -112,7 +131,8 @@ def test_export_reproduces_installed_tree(pristine, installed, tmp_path):
     rebuilt, ours = tmp_path / "tree", installed
     assert _py_files(rebuilt) == _py_files(ours)
     different = [
-        rel for rel in sorted(_py_files(ours))
+        rel
+        for rel in sorted(_py_files(ours))
         if (rebuilt / rel).read_bytes() != (ours / rel).read_bytes()
     ]
     assert different == []
@@ -129,7 +149,8 @@ def _two_hunk_diff(second_context="line_20 = 20"):
     """A diff of keras/src/foo.py changing lines 3 and 21."""
     return (
         "--- a/keras/src/foo.py\n+++ b/keras/src/foo.py\n"
-        "@@ -2,3 +2,3 @@\n line_2 = 2\n-line_3 = 3\n+line_3 = 'three'\n line_4 = 4\n"
+        "@@ -2,3 +2,3 @@\n line_2 = 2\n-line_3 = 3\n+line_3 = 'three'\n"
+        " line_4 = 4\n"
         "@@ -20,3 +20,4 @@\n"
         f" {second_context}\n line_21 = 21\n+extra = 1\n line_22 = 22\n"
     )
@@ -138,7 +159,9 @@ def _two_hunk_diff(second_context="line_20 = 20"):
 def test_diff_and_new_module_build(tmp_path):
     upstream, source = tmp_path / "upstream", tmp_path / "source"
     text = _fake_upstream(upstream)
-    overlaylib.write_text(source / "keras" / "src" / "foo.py.diff", _two_hunk_diff())
+    overlaylib.write_text(
+        source / "keras" / "src" / "foo.py.diff", _two_hunk_diff()
+    )
     overlaylib.write_text(source / "keras" / "src" / "bar.py", "BAR = 1\n")
     overlaylib.build_tree(source, upstream, tmp_path / "out")
     expected = text.replace("line_3 = 3\n", "line_3 = 'three'\n").replace(
@@ -182,9 +205,15 @@ def test_edit_then_save_makes_the_diff(pristine, tmp_path):
 
     def tool(*args):
         subprocess.run(
-            [sys.executable, str(REPO / "tools" / "overlay.py"),
-             "--root", str(root), *args],
-            check=True, capture_output=True,
+            [
+                sys.executable,
+                str(REPO / "tools" / "overlay.py"),
+                "--root",
+                str(root),
+                *args,
+            ],
+            check=True,
+            capture_output=True,
         )
 
     tool("edit", rel)
@@ -216,7 +245,9 @@ def test_no_new_module_is_a_near_copy_of_upstream(pristine):
         if len(ours) < 20:
             continue
         for name, theirs in upstream.items():
-            matcher = difflib.SequenceMatcher(None, ours, theirs, autojunk=False)
+            matcher = difflib.SequenceMatcher(
+                None, ours, theirs, autojunk=False
+            )
             if matcher.real_quick_ratio() > 0.5 and matcher.quick_ratio() > 0.5:
                 copies.append(f"{rel} ~ {name} ({matcher.quick_ratio():.2f})")
     assert copies == []
@@ -234,7 +265,9 @@ def test_overlay_table_lists_every_diff_with_its_size(pristine):
     assert sorted(rows) == sorted(diffs)
     for target, diff_rel in diffs.items():
         body = (REPO / diff_rel).read_text().splitlines()
-        added = sum(1 for x in body if x.startswith("+") and not x.startswith("+++"))
+        added = sum(
+            1 for x in body if x.startswith("+") and not x.startswith("+++")
+        )
         removed = sum(
             1 for x in body if x.startswith("-") and not x.startswith("---")
         )

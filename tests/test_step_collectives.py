@@ -11,9 +11,16 @@ redistribution shows up here before it shows up in a benchmark.
 
 import numpy as np
 
+from tests import distributions
 from tests.harness import run_on_ranks
 
 DIM, HIDDEN, BATCH = 8, 16, 8
+# Megatron: fc1 column-parallel, fc2 row-parallel.
+LAYOUT_RULES = {
+    "fc1/kernel": (None, "model"),
+    "fc1/bias": ("model",),
+    "fc2/kernel": ("model", None),
+}
 
 
 def _model(kind):
@@ -31,31 +38,13 @@ def _model(kind):
     return keras.Model(inputs, x)
 
 
-def _set_distribution(setting, world_size):
-    from keras import distribution as kd
-
-    devices = kd.list_devices()
-    if setting == "dp":
-        kd.set_distribution(kd.DataParallel(devices=devices))
-        return
-    mesh = kd.DeviceMesh((1, world_size), ["batch", "model"], devices)
-    layout_map = kd.LayoutMap(mesh)
-    # Megatron: fc1 column-parallel, fc2 row-parallel.
-    layout_map["fc1/kernel"] = (None, "model")
-    layout_map["fc1/bias"] = ("model",)
-    layout_map["fc2/kernel"] = ("model", None)
-    kd.set_distribution(
-        kd.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
-    )
-
-
 def _step_collectives_body(rank, world_size, setting, kind):
-    import keras
     from torch.distributed.tensor.debug import CommDebugMode
 
+    import keras
     from keras.src.backend.torch.distributed import gradients
 
-    _set_distribution(setting, world_size)
+    distributions.use_setting(setting, layout_rules=LAYOUT_RULES)
     model = _model(kind)
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
     rng = np.random.RandomState(0)
@@ -72,9 +61,7 @@ def _step_collectives_body(rank, world_size, setting, kind):
         if any(p.is_partial() for p in w.value.grad.placements)
     ]
     # The update alone, on the step's gradients reduced beforehand.
-    grads = gradients.reduce_gradients(
-        [w.value.grad for w in weights]
-    )
+    grads = gradients.reduce_gradients([w.value.grad for w in weights])
     with CommDebugMode() as update:
         model.optimizer.apply(grads, weights)
     keras.distribution.set_distribution(None)

@@ -6,9 +6,9 @@ data: per-epoch losses and metrics, final weights and optimizer state
 The single-process references are computed in the pytest process with the
 same builders (`tests/parity_models.py`) and the same Keras seed.
 
-Settings (see `parity_models`): "dp" = DataParallel on all ranks, "mp" =
-ModelParallel on a (1, 2) ("batch", "model") mesh, "2x2" = ModelParallel
-on a (2, 2) mesh of 4 ranks.
+Settings (see `tests.distributions.use_setting`): "dp" = DataParallel on
+all ranks, "mp" = ModelParallel on a (1, 2) ("batch", "model") mesh, "2x2"
+= ModelParallel on a (2, 2) mesh of 4 ranks.
 
 Bodies run in the harness workers; most are the generic `_call_body`,
 which calls a module-level run function given as an argument, so that the
@@ -21,15 +21,14 @@ import io
 import os
 import warnings
 
-import keras
 import numpy as np
 import pytest
 
+import keras
+from tests import distributions
 from tests import parity_models as pm
 from tests.harness import run_on_ranks
 
-# Generous: the machine is shared and 4 ranks share 2 cores.
-MULTIRANK_TIMEOUT = 180
 WORLD_SIZES = {"dp": 2, "mp": 2, "2x2": 4}
 
 
@@ -38,23 +37,30 @@ WORLD_SIZES = {"dp": 2, "mp": 2, "2x2": 4}
 # --------------------------------------------------------------------------
 
 
-def _call_body(rank, world_size, function, *args):
-    """Generic body: `function(*args)` on every rank (a module function)."""
-    return function(*args)
+def _call_body(rank, world_size, function, *args, **kwargs):
+    """Generic body: `function(*args, **kwargs)` on every rank."""
+    return function(*args, **kwargs)
 
 
-def _on_ranks(setting, function, *args, world_size=None):
-    """Runs `function(*args)` on the ranks of `setting`; per-rank results."""
+def _on_ranks(setting, function, *args, world_size=None, **kwargs):
+    """Per-rank results of `function(*args, **kwargs)` on `setting`'s ranks.
+
+    `function` is a module-level function; `world_size` overrides the
+    number of ranks of `setting`.
+    """
     world_size = world_size or WORLD_SIZES[setting]
     return run_on_ranks(
-        _call_body, world_size=world_size, args=(function, *args)
+        _call_body,
+        world_size=world_size,
+        args=(function, *args),
+        kwargs=kwargs,
     )
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(function, *args):
-    """`function(*args)` in this process, no distribution (cached)."""
-    return pm.run_single(function, *args)
+def _reference(function, *args, **kwargs):
+    """`function(*args, **kwargs)` here, with no distribution (cached)."""
+    return pm.run_single(function, *args, **kwargs)
 
 
 def _assert_parity(per_rank, reference):
@@ -75,12 +81,15 @@ def _assert_fit_parity(per_rank, reference):
 # 1. The zoo: every model kind under every setting
 # --------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("setting", ["dp", "mp", "2x2"])
 @pytest.mark.parametrize("kind", pm.MODEL_KINDS)
 def test_fit_parity(kind, setting):
     """fit (with validation) = one process: history, weights, optimizer."""
+    # `fit_run`'s defaults on both sides (24 samples, batches of 8, 2
+    # epochs, validation): the runs differ only in the distribution.
     per_rank = _on_ranks(
-        setting, pm.fit_run, kind, setting, 24, 8, 2, True, True
+        setting, pm.fit_run, kind, setting, with_placements=True
     )
     placements = [result.pop("placements") for result in per_rank]
     _assert_fit_parity(per_rank, _reference(pm.fit_run, kind, "single"))
@@ -123,14 +132,25 @@ def test_batchnorm_moving_statistics_are_trained():
 @pytest.mark.parametrize("setting", ["dp", "2x2"])
 def test_fit_ragged_last_batch(setting):
     """22 samples, batch 8: a last batch of 6 (3 rows per batch shard)."""
-    per_rank = _on_ranks(setting, pm.fit_run, "mlp", setting, 22)
-    _assert_fit_parity(per_rank, _reference(pm.fit_run, "mlp", "single", 22))
+    per_rank = _on_ranks(setting, pm.fit_run, "mlp", setting, num_samples=22)
+    reference = _reference(pm.fit_run, "mlp", "single", num_samples=22)
+    _assert_fit_parity(per_rank, reference)
 
 
 def test_fit_last_batch_smaller_than_shards():
     """9 samples, batch 4 on 4 batch shards: the last batch has 1 row."""
-    per_rank = _on_ranks("dp", pm.fit_run, "mlp", "dp", 9, 4, world_size=4)
-    reference = _reference(pm.fit_run, "mlp", "single", 9, 4)
+    per_rank = _on_ranks(
+        "dp",
+        pm.fit_run,
+        "mlp",
+        "dp",
+        num_samples=9,
+        batch_size=4,
+        world_size=4,
+    )
+    reference = _reference(
+        pm.fit_run, "mlp", "single", num_samples=9, batch_size=4
+    )
     _assert_fit_parity(per_rank, reference)
 
 
@@ -145,7 +165,7 @@ SOURCE_BATCH = 8
 
 def _source_data(source):
     """`(fit kwargs)` feeding the mlp data from `source`, global batches."""
-    x, y = pm.make_data("mlp", SOURCE_SAMPLES)
+    x, y = pm.make_data("mlp", num_samples=SOURCE_SAMPLES)
     steps = -(-SOURCE_SAMPLES // SOURCE_BATCH)
     if source == "dataloader":
         import torch
@@ -186,7 +206,7 @@ class _ArrayPyDataset(keras.utils.PyDataset):
 
 def _run_data_source(source, setting):
     """Fits the mlp for 2 epochs on `source`; returns `fit_result`."""
-    pm.use_setting(setting, "mlp")
+    distributions.use_setting(setting, layout_rules=pm.LAYOUT_RULES["mlp"])
     model = pm.build_model("mlp")
     history = model.fit(
         **_source_data(source), epochs=2, shuffle=False, verbose=0
@@ -210,7 +230,13 @@ def test_fit_data_sources():
     """
     per_rank = _on_ranks("dp", _run_all_data_sources, "dp")
     numpy_reference = _reference(
-        pm.fit_run, "mlp", "single", SOURCE_SAMPLES, SOURCE_BATCH, 2, False
+        pm.fit_run,
+        "mlp",
+        "single",
+        num_samples=SOURCE_SAMPLES,
+        batch_size=SOURCE_BATCH,
+        epochs=2,
+        validation=False,
     )
     for source in DATA_SOURCES:
         reference = _reference(_run_data_source, source, "single")
@@ -228,12 +254,16 @@ def _run_own_rows(setting):
     import torch.distributed as dist
 
     part, num_parts = pm.batch_part(
-        setting, dist.get_rank(), dist.get_world_size()
+        setting, rank=dist.get_rank(), world_size=dist.get_world_size()
     )
-    pm.use_setting(setting, "mlp", auto_shard_dataset=False)
+    distributions.use_setting(
+        setting,
+        layout_rules=pm.LAYOUT_RULES["mlp"],
+        auto_shard_dataset=False,
+    )
     model = pm.build_model("mlp")
-    x, y = pm.make_data("mlp", 22)
-    x_val, y_val = pm.make_data("mlp", 10, seed=1)
+    x, y = pm.make_data("mlp", num_samples=22)
+    x_val, y_val = pm.make_data("mlp", num_samples=10, seed=1)
     own = functools.partial(
         pm.local_rows, batch_size=8, part=part, num_parts=num_parts
     )
@@ -254,7 +284,8 @@ def _run_own_rows(setting):
 def test_fit_without_auto_sharding_on_own_rows(setting):
     """Per-rank parts of the global batches give the global training."""
     per_rank = _on_ranks(setting, _run_own_rows, setting)
-    _assert_fit_parity(per_rank, _reference(pm.fit_run, "mlp", "single", 22))
+    reference = _reference(pm.fit_run, "mlp", "single", num_samples=22)
+    _assert_fit_parity(per_rank, reference)
 
 
 # --------------------------------------------------------------------------
@@ -264,12 +295,10 @@ def test_fit_without_auto_sharding_on_own_rows(setting):
 
 def _run_custom_step(setting):
     """Fits a `CustomStepModel` (torch `train_step`) for 2 epochs."""
-    pm.use_setting(setting, "mlp")
+    distributions.use_setting(setting, layout_rules=pm.LAYOUT_RULES["mlp"])
     model = pm.build_custom_step_model("mlp")
-    x, y = pm.make_data("mlp", 22)
-    history = model.fit(
-        x, y, batch_size=8, epochs=2, shuffle=False, verbose=0
-    )
+    x, y = pm.make_data("mlp", num_samples=22)
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     return pm.fit_result(model, history)
 
 
@@ -282,7 +311,15 @@ def test_custom_train_step(setting):
     per_rank = _on_ranks(setting, _run_custom_step, setting)
     reference = _reference(_run_custom_step, "single")
     _assert_fit_parity(per_rank, reference)
-    builtin = _reference(pm.fit_run, "mlp", "single", 22, 8, 2, False)
+    builtin = _reference(
+        pm.fit_run,
+        "mlp",
+        "single",
+        num_samples=22,
+        batch_size=8,
+        epochs=2,
+        validation=False,
+    )
     pm.assert_close(reference["state"], builtin["state"], "custom vs builtin")
 
 
@@ -291,11 +328,11 @@ def test_custom_train_step(setting):
 # --------------------------------------------------------------------------
 
 
-def _run_batch_methods(setting, num_samples=22, batch_size=8):
+def _run_batch_methods(setting, *, num_samples=22, batch_size=8):
     """The batch-level methods, evaluate and predict on the mlp."""
-    pm.use_setting(setting, "mlp")
+    distributions.use_setting(setting, layout_rules=pm.LAYOUT_RULES["mlp"])
     model = pm.build_model("mlp")
-    x, y = pm.make_data("mlp", num_samples)
+    x, y = pm.make_data("mlp", num_samples=num_samples)
     result = {
         "train_1": model.train_on_batch(
             x[:batch_size], y[:batch_size], return_dict=True
@@ -339,12 +376,15 @@ def test_batch_methods_evaluate_predict(
         setting,
         _run_batch_methods,
         setting,
-        num_samples,
-        batch_size,
+        num_samples=num_samples,
+        batch_size=batch_size,
         world_size=world_size,
     )
     reference = _reference(
-        _run_batch_methods, "single", num_samples, batch_size
+        _run_batch_methods,
+        "single",
+        num_samples=num_samples,
+        batch_size=batch_size,
     )
     assert reference["predict"].shape == (num_samples, 3)
     for result in per_rank:
@@ -363,9 +403,9 @@ PREDICT_SIZES = tuple(range(3, 80, 3))
 
 def _run_many_predictions(setting):
     """`predict` (batch 4) on the mlp for each of `PREDICT_SIZES` rows."""
-    pm.use_setting(setting, "mlp")
+    distributions.use_setting(setting, layout_rules=pm.LAYOUT_RULES["mlp"])
     model = pm.build_model("mlp")
-    x, _ = pm.make_data("mlp", max(PREDICT_SIZES))
+    x, _ = pm.make_data("mlp", num_samples=max(PREDICT_SIZES))
     return {
         str(size): model.predict(x[:size], batch_size=4, verbose=0)
         for size in PREDICT_SIZES
@@ -389,9 +429,9 @@ def test_predict_many_ragged_sizes():
 
 def _run_count_metrics(setting):
     """Fits/evaluates the binary classifier; also its own predictions."""
-    pm.use_setting(setting, "binary")
+    distributions.use_setting(setting, layout_rules=pm.LAYOUT_RULES["binary"])
     model = pm.build_model("binary")
-    x, y = pm.make_data("binary", 22)
+    x, y = pm.make_data("binary", num_samples=22)
     history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     result = pm.fit_result(model, history)
     result["evaluate"] = model.evaluate(
@@ -407,7 +447,7 @@ def test_count_metrics(setting):
     """TruePositives/accuracy equal one process (not times the shards)."""
     per_rank = _on_ranks(setting, _run_count_metrics, setting)
     _assert_fit_parity(per_rank, _reference(_run_count_metrics, "single"))
-    _, y = pm.make_data("binary", 22)
+    _, y = pm.make_data("binary", num_samples=22)
     for result in per_rank:
         # Consistent with the run's own predictions, counted in numpy.
         predicted = result["predict"] > 0.5
@@ -435,9 +475,9 @@ RESHARDED_LAYOUTS = {
 def _run_save(setting, directory):
     """Fits the mlp 1 epoch, saves model and weights from every rank."""
     os.makedirs(directory, exist_ok=True)
-    pm.use_setting(setting, "mlp")
+    distributions.use_setting(setting, layout_rules=pm.LAYOUT_RULES["mlp"])
     model = pm.build_model("mlp")
-    x, y = pm.make_data("mlp", 22)
+    x, y = pm.make_data("mlp", num_samples=22)
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     model.save(os.path.join(directory, "m.keras"))
     model.save_weights(os.path.join(directory, "m.weights.h5"))
@@ -449,7 +489,7 @@ def _run_save(setting, directory):
 
 def _run_load_resharded(directory):
     """Loads the 2-rank weights into the mlp sharded differently (2x2)."""
-    pm.use_setting("2x2", "mlp", layouts=RESHARDED_LAYOUTS)
+    distributions.use_setting("2x2", layout_rules=RESHARDED_LAYOUTS)
     model = pm.build_model("mlp")
     model.optimizer.build(model.trainable_variables)
     before = pm.placements(model)
@@ -474,9 +514,7 @@ def test_save_and_load(tmp_path):
     # Only the two files: no temporary left behind by the atomic writes.
     assert saved[0]["files"] == ["m.keras", "m.weights.h5"]
     assert sorted(os.listdir(directory)) == ["m.keras", "m.weights.h5"]
-    loaded = pm.run_single(
-        _load_state_here, os.path.join(directory, "m.keras")
-    )
+    loaded = pm.run_single(_load_state_here, os.path.join(directory, "m.keras"))
     pm.assert_close(loaded, saved[0]["state"], "load_model")
     # The saved state is the trained one (equal to one process' training).
     reference = pm.run_single(_run_save, "single", str(tmp_path / "ref"))
@@ -495,14 +533,19 @@ def test_save_and_load(tmp_path):
 
 def _run_model_checkpoint(directory):
     """fit 2 epochs with ModelCheckpoint(save_best_only=False)."""
-    pm.use_setting("dp", "mlp")
+    distributions.use_data_parallel()
     model = pm.build_model("mlp")
-    x, y = pm.make_data("mlp", 22)
+    x, y = pm.make_data("mlp", num_samples=22)
     checkpoint = keras.callbacks.ModelCheckpoint(
         os.path.join(directory, "ckpt-{epoch}.keras"), save_best_only=False
     )
     model.fit(
-        x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+        x,
+        y,
+        batch_size=8,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
         callbacks=[checkpoint],
     )
     return pm.model_state(model)
@@ -527,14 +570,19 @@ def test_model_checkpoint_writes_loadable_files(tmp_path):
 def _run_backup_and_restore(directory):
     """fit with BackupAndRestore keeping its backup; then fits whose
     BackupAndRestore deletes its backup at the end (the default)."""
-    pm.use_setting("dp", "mlp")
+    distributions.use_data_parallel()
     model = pm.build_model("mlp")
-    x, y = pm.make_data("mlp", 22)
+    x, y = pm.make_data("mlp", num_samples=22)
     backup = keras.callbacks.BackupAndRestore(
         os.path.join(directory, "backup"), delete_checkpoint=False
     )
     model.fit(
-        x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+        x,
+        y,
+        batch_size=8,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
         callbacks=[backup],
     )
     state = pm.model_state(model)
@@ -542,7 +590,12 @@ def _run_backup_and_restore(directory):
     for i in range(3):  # Every rank creates, writes and deletes the dir.
         path = os.path.join(directory, f"deleted_backup_{i}")
         model.fit(
-            x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+            x,
+            y,
+            batch_size=8,
+            epochs=2,
+            shuffle=False,
+            verbose=0,
             callbacks=[keras.callbacks.BackupAndRestore(path)],
         )
         deleted.append(not os.path.exists(path))
@@ -578,9 +631,9 @@ def test_backup_and_restore_writes_loadable_files(tmp_path):
 
 def _run_verbose(setting):
     """fit/evaluate/predict with verbose=1; returns what was printed."""
-    pm.use_setting(setting, "mlp")
+    distributions.use_setting(setting, layout_rules=pm.LAYOUT_RULES["mlp"])
     model = pm.build_model("mlp")
-    x, y = pm.make_data("mlp", 22)
+    x, y = pm.make_data("mlp", num_samples=22)
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
         model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=1)
@@ -615,10 +668,13 @@ def _run_unseeded(setting):
 
     import torch
     import torch.distributed as dist
+
     from keras.src.utils import rng_utils
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    pm.use_setting(setting, "unseeded_dropout")
+    distributions.use_setting(
+        setting, layout_rules=pm.LAYOUT_RULES["unseeded_dropout"]
+    )
     # Per-rank seeds right before building (after `set_distribution`), as
     # a script seeding its own per-rank randomness would.
     random.seed(rank)
@@ -627,7 +683,7 @@ def _run_unseeded(setting):
     assert rng_utils.get_random_seed() is None
     model = pm.build_model("unseeded_dropout", seed=None)
     initial = pm.model_state(model)
-    x, y = pm.make_data("unseeded_dropout", 22)
+    x, y = pm.make_data("unseeded_dropout", num_samples=22)
     history = model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     replicated = {
         v.path: np.array(v.value.to_local().detach())
@@ -647,7 +703,7 @@ def _run_unseeded(setting):
             "replicated": replicated,
         },
         "dropout_rows": np.array(dropped.to_local().detach()),
-        "part": pm.batch_part(setting, rank, world_size)[0],
+        "part": pm.batch_part(setting, rank=rank, world_size=world_size)[0],
     }
 
 
@@ -677,11 +733,13 @@ def test_unseeded_dropout_masks_agree_on_replicas(setting):
     by_part = {}
     for result in per_rank:
         by_part.setdefault(result["part"], []).append(result["dropout_rows"])
-    x, _ = pm.make_data("unseeded_dropout", 8)
+    x, _ = pm.make_data("unseeded_dropout", num_samples=8)
     for part, rows in by_part.items():
         for rank_rows in rows[1:]:
             np.testing.assert_array_equal(rank_rows, rows[0])
-        expected_rows = pm.local_rows(x, 8, part, len(by_part))
+        expected_rows = pm.local_rows(
+            x, batch_size=8, part=part, num_parts=len(by_part)
+        )
         kept = rows[0] != 0
         assert 0 < kept.mean() < 1  # A real mask, rate 0.5.
         np.testing.assert_allclose(
@@ -696,9 +754,9 @@ def test_unseeded_dropout_masks_agree_on_replicas(setting):
 
 def _run_jit(setting):
     """fit with jit_compile=True; returns the result and the warnings."""
-    pm.use_setting(setting, "mlp")
+    distributions.use_setting(setting, layout_rules=pm.LAYOUT_RULES["mlp"])
     model = pm.build_model("mlp", jit_compile=True)
-    x, y = pm.make_data("mlp", 22)
+    x, y = pm.make_data("mlp", num_samples=22)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         history = model.fit(
@@ -716,7 +774,15 @@ def _run_jit(setting):
 def test_jit_compile_fit_parity():
     """Compiled (or, after one warning, eager) steps = eager one process."""
     per_rank = _on_ranks("dp", _run_jit, "dp")
-    reference = _reference(pm.fit_run, "mlp", "single", 22, 8, 2, False)
+    reference = _reference(
+        pm.fit_run,
+        "mlp",
+        "single",
+        num_samples=22,
+        batch_size=8,
+        epochs=2,
+        validation=False,
+    )
     for result in per_rank:
         assert len(result["jit_warnings"]) <= 1, result["jit_warnings"]
         for category, message in result["jit_warnings"]:
