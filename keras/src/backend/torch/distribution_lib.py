@@ -35,6 +35,9 @@ mesh_info = summary.mesh_info
 sharding_summary = summary.sharding_summary
 # The distribution in effect, also on threads that never set it.
 current_distribution = runtime.current_distribution
+# Collectives over a named mesh axis, as `jax.lax.psum` / `all_gather`.
+all_reduce = collectives.all_reduce
+all_gather = collectives.all_gather
 
 
 def list_devices(device_type=None):
@@ -219,34 +222,6 @@ def distribute_global_batch(data, distribution):
         The same structure, each array replaced by a `DTensor`.
     """
     return data_input.distribute_global_batch(data, distribution)
-
-
-def all_reduce(x, op="sum", axis_name="model"):
-    """Reduces `x` over the processes along one mesh axis (`jax.lax.psum`).
-
-    Args:
-        x: a tensor (a `DTensor` contributes its local shard).
-        op: `"sum"`, `"mean"`, `"max"` or `"min"`.
-        axis_name: name of the mesh axis of the current distribution.
-
-    Returns:
-        A plain `torch.Tensor`.
-    """
-    return collectives.all_reduce(x, op=op, axis_name=axis_name)
-
-
-def all_gather(x, axis=0, axis_name="model"):
-    """Concatenates `x` from the processes along one mesh axis.
-
-    Args:
-        x: a tensor (a `DTensor` contributes its local shard).
-        axis: the tensor dimension to concatenate on.
-        axis_name: name of the mesh axis of the current distribution.
-
-    Returns:
-        A plain `torch.Tensor`, the parts in mesh order.
-    """
-    return collectives.all_gather(x, axis=axis, axis_name=axis_name)
 
 
 def all_gather_variable(variable):
