@@ -269,7 +269,7 @@ def _to_backend_layout(tensor_layout):
         tensor_layout: `TensorLayout` instance to convert.
 
     Returns:
-        A `TorchLayout`: the torch mesh, placements and tensor rank.
+        A `TorchLayout`: the torch mesh, placements and number of entries.
     """
     return layouts.to_torch_layout(tensor_layout)
 

@@ -28,7 +28,8 @@ TorchLayout.__doc__ = """The torch counterpart of a Keras `TensorLayout`.
 Attributes:
     device_mesh: the `torch.distributed.device_mesh.DeviceMesh`.
     placements: one DTensor placement per mesh dimension.
-    ndim: the rank of the tensors this layout applies to.
+    ndim: the number of entries of the layout: it applies to tensors of
+        at least this rank, and replicates their dimensions past it.
 """
 
 # (world group, torch device mesh) by (device type, ranks, shape, axis names):
@@ -207,12 +208,21 @@ def as_torch_layout(layout):
 
 
 def check_rank(x, layout, what):
-    """Raises unless `layout` has one entry per dimension of `x`."""
-    if x.ndim != layout.ndim:
+    """Raises if `layout` has more entries than `x` has dimensions.
+
+    A shorter layout lays out the leading dimensions and replicates the
+    trailing ones, as a shorter `jax.sharding.PartitionSpec` does: one
+    layer `/output` layout then fits every leaf of the layer's outputs
+    (e.g. an LSTM's sequence and states). Its placements need no change:
+    `to_torch_layout` shards only dimensions below `layout.ndim`, which
+    every tensor of at least that rank has.
+    """
+    if x.ndim < layout.ndim:
         raise ValueError(
             f"The layout of the {what} has {layout.ndim} axes, but the "
             f"{what} has rank {x.ndim} (shape {tuple(x.shape)}). Give the "
-            "layout one entry per tensor dimension."
+            "layout at most one entry per tensor dimension (dimensions "
+            "past the layout's entries are replicated)."
         )
 
 
