@@ -67,7 +67,7 @@ def _make_mistake(case, rank, world_size):
     elif case == "axis_used_twice_in_layout_map":
         _build_dense_under({"dense/kernel": ("model", "model")}, world_size)
     elif case == "layout_rank_mismatch":
-        _build_dense_under({"dense/kernel": ("model",)}, world_size)
+        _build_dense_under({"dense/kernel": ("model", None, None)}, world_size)
     elif case == "multi_axis_not_in_mesh_order":
         _layout((("model", "batch"), None), world_size).backend_layout
     elif case == "initialize_num_processes":
@@ -104,7 +104,7 @@ _CASES = {
     "unknown_axis_in_layout_map": ["nope"],
     "axis_used_twice": ["'model'", "more than once"],
     "axis_used_twice_in_layout_map": ["'model'", "more than once"],
-    "layout_rank_mismatch": ["dense/kernel", "1 axes", "rank 2"],
+    "layout_rank_mismatch": ["dense/kernel", "3 axes", "rank 2"],
     "multi_axis_not_in_mesh_order": ["('model', 'batch')", "mesh order"],
     "initialize_num_processes": ["num_processes", "3", "WORLD_SIZE=2"],
     "initialize_process_id": ["process_id", "{other}", "RANK={rank}"],
