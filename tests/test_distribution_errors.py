@@ -1,5 +1,11 @@
 """Invalid distribution configurations raise clear errors, without hanging.
 
+The matrix of wrong configurations: each must end on every process within
+its bound with a `ValueError` that says what was received (processes that
+disagree too: a different model, a different number of batches). Failures
+of a running job (a peer that freezes, dies or raises) are in
+`tests/test_job_failures.py`.
+
 Each case runs in its own multi-rank body: the body makes the mistake,
 catches the `ValueError` and returns its message, then joins a barrier --
 which only returns if every rank got past the mistake (no rank is stuck in
@@ -50,6 +56,34 @@ def _all_reduce(**kwargs):
     distribution_lib.all_reduce(torch.ones(2), **kwargs)
 
 
+def _build_different_models(rank):
+    import keras
+
+    distributions.use_data_parallel()
+    units = 16 if rank == 0 else 32
+    keras.Sequential([keras.Input((8,)), keras.layers.Dense(units)])
+
+
+def _fit_own_data(num_samples):
+    """Each process fits on its own data (`auto_shard_dataset=False`)."""
+    import keras
+
+    distributions.use_data_parallel(auto_shard_dataset=False)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.zeros((num_samples, 8), "float32")
+    model.fit(x, x[:, :1], batch_size=8, epochs=1, verbose=0)
+
+
+def _model_parallel_with_batch_axis(batch_dim_name, axis_names, world_size):
+    from keras import distribution as kd
+
+    mesh = distributions.device_mesh((1, world_size), axis_names=axis_names)
+    kd.ModelParallel(
+        layout_map=kd.LayoutMap(mesh), batch_dim_name=batch_dim_name
+    )
+
+
 def _make_mistake(case, rank, world_size):
     """Makes the mistake named `case`; returns normally if none was raised."""
     if case == "mesh_with_3_devices":
@@ -78,6 +112,14 @@ def _make_mistake(case, rank, world_size):
         _all_reduce(op="prod", axis_name="batch")
     elif case == "all_reduce_unknown_axis":
         _all_reduce(op="sum", axis_name="nope")
+    elif case == "different_models":
+        _build_different_models(rank)
+    elif case == "different_batch_counts":
+        _fit_own_data(num_samples=32 if rank == 0 else 48)
+    elif case == "gpu_devices_on_cpu":
+        distributions.use_data_parallel(devices=["gpu:0", "gpu:1"])
+    elif case == "batch_dim_name_not_in_mesh":
+        _model_parallel_with_batch_axis("batch", ("data", "model"), world_size)
     else:
         raise AssertionError(f"unknown case {case}")
 
@@ -110,6 +152,20 @@ _CASES = {
     "initialize_process_id": ["process_id", "{other}", "RANK={rank}"],
     "all_reduce_unknown_op": ["prod"],
     "all_reduce_unknown_axis": ["nope"],
+    "different_models": [
+        "build different models",
+        "'sequential/dense/kernel' (shape (8, 16), dtype torch.float32)",
+        "'sequential/dense/kernel' (shape (8, 32), dtype torch.float32)",
+    ],
+    "different_batch_counts": [
+        "process 0: 4, process 1: 6",
+        "steps_per_epoch",
+    ],
+    "gpu_devices_on_cpu": ["['gpu:0', 'gpu:1']", "no GPU", "list_devices"],
+    "batch_dim_name_not_in_mesh": [
+        "batch_dim_name='batch'",
+        "['data', 'model']",
+    ],
 }
 
 

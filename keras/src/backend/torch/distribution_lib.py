@@ -16,6 +16,7 @@ import functools
 import torch
 
 from keras.src import tree
+from keras.src.backend.torch.distributed import agreement
 from keras.src.backend.torch.distributed import collectives
 from keras.src.backend.torch.distributed import data_input
 from keras.src.backend.torch.distributed import layouts
@@ -33,6 +34,7 @@ run_on_one_process = process_io.run_on_one_process
 save_from_one_process = process_io.save_from_one_process
 mesh_info = summary.mesh_info
 sharding_summary = summary.sharding_summary
+check_same_num_batches = agreement.check_same_num_batches
 # The distribution in effect, also on threads that never set it.
 current_distribution = runtime.current_distribution
 # Collectives over a named mesh axis, as `jax.lax.psum` / `all_gather`.

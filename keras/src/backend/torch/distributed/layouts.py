@@ -12,6 +12,7 @@ import collections
 import torch
 import torch.distributed as dist
 
+from keras.src.backend.torch.distributed import health
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
 
@@ -90,6 +91,10 @@ def to_torch_mesh(device_mesh):
             mesh_dim_names=tuple(device_mesh.axis_names),
         )
         _torch_meshes[key] = (dist.group.WORLD, torch_mesh)
+        # The job's own group keeps its bound until the first step.
+        health.bound_groups(
+            g for g in torch_mesh.get_all_groups() if g != dist.group.WORLD
+        )
         runtime.log_debug(
             "mesh: shape %s, axes %s, ranks %s",
             tuple(device_mesh.shape),
@@ -97,6 +102,16 @@ def to_torch_mesh(device_mesh):
             ranks,
         )
     return torch_mesh
+
+
+def all_process_groups():
+    """The job's process group and those of every mesh made in it."""
+    groups = {id(dist.group.WORLD): dist.group.WORLD}
+    for world, torch_mesh in _torch_meshes.values():
+        if world is dist.group.WORLD:
+            for group in torch_mesh.get_all_groups():
+                groups[id(group)] = group
+    return list(groups.values())
 
 
 def _check_mesh(device_mesh):
@@ -114,6 +129,13 @@ def _check_mesh(device_mesh):
     if len(device_types) > 1:
         raise ValueError(
             f"A device mesh cannot mix device types. Received devices {devices}"
+        )
+    if device_types[0] == "gpu" and not torch.cuda.is_available():
+        raise ValueError(
+            f"The device mesh has GPU devices {devices}, but this process "
+            "sees no GPU (torch.cuda.is_available() is False). On a CPU job "
+            "use `keras.distribution.list_devices()` (or 'cpu:<rank>' "
+            "names), or run on machines with GPUs."
         )
     if sorted(ranks) != list(range(world_size)):
         raise ValueError(

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from packaging.version import parse
 
 from keras.src.backend.common import global_state
+from keras.src.backend.torch.distributed import health
 
 try:
     from torch.distributed.tensor import DTensor
@@ -29,7 +30,6 @@ except ImportError:  # torch < 2.5, or a build without torch.distributed.
 
 MIN_TORCH_VERSION = "2.5"
 # Environment variables.
-TIMEOUT_ENV = "KERAS_DISTRIBUTION_TIMEOUT"
 DEBUG_ENV = "KERAS_DISTRIBUTION_DEBUG"
 
 logger = logging.getLogger("keras.distribution")
@@ -229,7 +229,7 @@ def _check_job_matches_group(num_processes, process_id):
 
 
 def _init_process_group(coordinator, num_processes, process_id):
-    timeout = datetime.timedelta(seconds=int(os.environ.get(TIMEOUT_ENV, 600)))
+    timeout = datetime.timedelta(seconds=health.start_timeout())
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", process_id))
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
@@ -254,6 +254,7 @@ def _init_process_group(coordinator, num_processes, process_id):
     # Process groups torn down during interpreter shutdown can abort the
     # process ("terminate called without an active exception").
     atexit.register(_destroy_process_group)
+    health.install(coordinator)
     log_debug(
         "process group: backend %s, world size %d", backend, num_processes
     )

@@ -12,7 +12,9 @@ import warnings
 import torch
 
 from keras.src.backend.torch.distributed import data_input
+from keras.src.backend.torch.distributed import health
 from keras.src.backend.torch.distributed import layer_call
+from keras.src.backend.torch.distributed import layouts
 from keras.src.backend.torch.distributed import runtime
 
 
@@ -35,13 +37,18 @@ def wrap_step_function(step_function, eager_step_function, model):
     """
     # A compiled step is checked on its first call.
     unchecked = step_function is not eager_step_function
+    kind = _step_kind(eager_step_function)
 
     @functools.wraps(eager_step_function)
     def distributed_step(data):
-        nonlocal step_function, unchecked
         distribution = runtime.current_distribution()
         if distribution is None:
             return step_function(data)
+        with health.guarded_step(kind, layouts.all_process_groups):
+            return run(data, distribution)
+
+    def run(data, distribution):
+        nonlocal step_function, unchecked
         data = data_input.distribute_global_batch(data, distribution)
         with layer_call.replicated_plain_tensors():
             if not unchecked:
@@ -54,6 +61,14 @@ def wrap_step_function(step_function, eager_step_function, model):
                 return eager_step_function(data)
 
     return distributed_step
+
+
+def _step_kind(step_function):
+    """`"train"` for the step made by `make_train_function`, and so on."""
+    for kind in ("train", "test", "predict"):
+        if f"make_{kind}_function" in step_function.__qualname__:
+            return kind
+    return "distributed"
 
 
 class _CompileFailed(Exception):

@@ -9,6 +9,7 @@ part of.
 import torch
 import torch.distributed as dist
 
+from keras.src.backend.torch.distributed import agreement
 from keras.src.backend.torch.distributed import layouts
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
@@ -41,6 +42,7 @@ def initialize_variable(variable):
     variable._layout = layout
     torch_layout = layouts.as_torch_layout(layout)
     layouts.check_rank(value, torch_layout, f"variable '{variable.path}'")
+    agreement.check_same_variable(variable.path, value.shape, value.dtype)
     sharded = distribute_variable(value, torch_layout)
     runtime.log_debug(
         "variable %s: axes %s -> %s, global %s, local %s",

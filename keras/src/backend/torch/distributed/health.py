@@ -1,0 +1,338 @@
+"""Bounded collectives, and clear errors when a process of the job fails.
+
+A job that hangs burns its whole allocation, and one that dies with a
+transport error ("Connection reset by peer") leaves its user to guess which
+of its logs to read. Here:
+
+- Every process group is bounded: by `start_timeout()` until the first step
+  has completed (set-up, building the model, compiling the first step), by
+  `step_timeout()` after, as torchtitan bounds its init and its steps.
+- A process whose own code raises writes why to the job's store before it
+  exits. A process whose collective then fails or times out reads the
+  store and raises `JobFailedError`, which names the step, the collective,
+  and the processes that failed or did not arrive, in place of the
+  transport's error.
+"""
+
+import contextlib
+import datetime
+import logging
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+STEP_TIMEOUT_ENV = "KERAS_DISTRIBUTION_TIMEOUT"
+START_TIMEOUT_ENV = "KERAS_DISTRIBUTION_START_TIMEOUT"
+# Seconds a collective may wait once training runs: CPU steps are slower
+# and CPU hosts more often shared than GPUs.
+DEFAULT_STEP_TIMEOUT = {"gloo": 300, "nccl": 120}
+# The start (rendezvous, model build, first compiled step) waits this many
+# times longer: one process may load data or compile while others wait.
+START_TIMEOUT_FACTOR = 5
+# How long a process whose collective failed waits for the others to say
+# where they are, and how long any store access may take.
+REPORT_GRACE_SECONDS = 5.0
+STORE_TIMEOUT_SECONDS = 5.0
+
+_STORE_PREFIX = "keras_distribution_health"
+# Functions of `torch.distributed` that communicate, as they appear in a
+# traceback (the public API and DTensor's functional collectives).
+_COLLECTIVE_FILES = ("distributed_c10d.py", "_functional_collectives.py")
+
+_state = {"started": False, "store": None, "steps": {}, "coordinator": None}
+# Not `runtime.log_debug`: the runtime imports this module.
+_logger = logging.getLogger("keras.distribution")
+
+
+class JobFailedError(RuntimeError):
+    """A collective failed because another process failed, left or hung."""
+
+
+def step_timeout():
+    """Seconds a collective may wait once the first step has completed.
+
+    `KERAS_DISTRIBUTION_TIMEOUT` if set; otherwise 300 on CPU (gloo) and 120
+    on GPU (NCCL).
+
+    Returns:
+        float.
+    """
+    value = os.environ.get(STEP_TIMEOUT_ENV)
+    if value is not None:
+        return _positive_seconds(STEP_TIMEOUT_ENV, value)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    return float(DEFAULT_STEP_TIMEOUT[backend])
+
+
+def start_timeout():
+    """Seconds a collective may wait before the first step has completed.
+
+    `KERAS_DISTRIBUTION_START_TIMEOUT` if set, otherwise 5 times
+    `step_timeout()`.
+
+    Returns:
+        float.
+    """
+    value = os.environ.get(START_TIMEOUT_ENV)
+    if value is not None:
+        return _positive_seconds(START_TIMEOUT_ENV, value)
+    return START_TIMEOUT_FACTOR * step_timeout()
+
+
+def current_timeout():
+    """The bound of collectives issued now: start or step timeout."""
+    return step_timeout() if _state["started"] else start_timeout()
+
+
+def _positive_seconds(name, value):
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(
+            f"{name} must be a positive number of seconds. Received: "
+            f"{name}={value!r}"
+        )
+    return seconds
+
+
+def bound_groups(groups):
+    """Bounds every collective of `groups` by `current_timeout()`.
+
+    Args:
+        groups: process groups, e.g. those of a new device mesh.
+    """
+    timeout = datetime.timedelta(seconds=current_timeout())
+    for group in groups:
+        group.set_timeout(timeout)
+
+
+def install(coordinator=None):
+    """Records, on this process, any uncaught error for the others to read.
+
+    Called once the job's process group exists.
+
+    Args:
+        coordinator: the `"host:port"` of the job's store, or `None` for
+            torchrun's `MASTER_ADDR` and `MASTER_PORT`.
+    """
+    _state["coordinator"] = coordinator
+    previous = sys.excepthook
+    if getattr(previous, "_keras_health", False):
+        return
+
+    def excepthook(error_type, error, error_traceback):
+        report_failure(error)
+        previous(error_type, error, error_traceback)
+
+    excepthook._keras_health = True
+    sys.excepthook = excepthook
+
+
+@contextlib.contextmanager
+def guarded_step(kind, all_groups):
+    """Runs a step; turns a failed collective into a `JobFailedError`.
+
+    After the first step that completes, every process group is bounded
+    by `step_timeout()`.
+
+    Args:
+        kind: `"train"`, `"test"` or `"predict"`.
+        all_groups: a function returning the job's process groups.
+
+    Yields:
+        Nothing; the step runs in the `with` block.
+    """
+    steps = _state["steps"]
+    steps[kind] = step = steps.get(kind, 0) + 1
+    if _state["store"] is None:
+        _state["store"] = _connect_store()
+    try:
+        yield
+    except JobFailedError:
+        raise
+    except Exception as error:
+        if not _is_transport_error(error):
+            report_failure(error)
+            raise
+        raise _job_error(error, f"{kind} step {step}") from None
+    if not _state["started"]:
+        _state["started"] = True
+        bound_groups(all_groups())
+        _logger.debug("collectives bounded by %s s", step_timeout())
+
+
+def report_failure(error):
+    """Writes this process' error to the job's store, for the others.
+
+    Errors caused by another process' failure are not reported: the others
+    must learn of the process that failed first.
+
+    Args:
+        error: the exception.
+    """
+    if isinstance(error, JobFailedError) or _world_size() == 1:
+        return
+    line = traceback.format_exception_only(type(error), error)[-1].strip()
+    _store_set(f"failed/{dist.get_rank()}", line[:500])
+
+
+def _world_size():
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return 1
+
+
+def _is_transport_error(error):
+    if isinstance(error, (dist.DistError, dist.DistBackendError)):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and (
+        "gloo" in text or "Timed out" in text or "Connection" in text
+    )
+
+
+def _job_error(error, where):
+    """The `JobFailedError` for a collective that failed during `where`."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    _store_set(f"waiting/{rank}", where)
+    failed, silent = _peer_reports(rank, size)
+    collective = _collective_in(error.__traceback__)
+    detail = " ".join(str(error).split())[:300]
+    if failed:
+        process, reason = failed[0]
+        message = (
+            f"Process {process} of {size} failed or left during {where}, so "
+            f"this process (process {rank}) stops too. Its error: {reason}. "
+            f"Read the log of process {process} for its traceback."
+        )
+    elif "Timed out" in detail:
+        message = (
+            f"{where.capitalize()} timed out: {collective} waited more than "
+            f"{current_timeout():g} s for the other processes "
+            f"({_timeout_setting()}). {_describe_silent(silent, size)} "
+            f"If a step can legitimately take longer, raise "
+            f"{_timeout_setting()}."
+        )
+    else:
+        message = (
+            f"{_describe_silent(silent, size, left=True)} This process "
+            f"(process {rank}) stops during {where}: {collective} failed."
+        )
+    return JobFailedError(f"{message} (Transport error: {detail})")
+
+
+def _peer_reports(rank, size):
+    """Reads what the other processes wrote, waiting a little for them.
+
+    Returns:
+        `(failed, silent)`: `(process, error)` pairs of the processes that
+        reported an error, and the processes that said nothing.
+    """
+    failed, silent = [], []
+    deadline = time.monotonic() + min(REPORT_GRACE_SECONDS, step_timeout())
+    others = [r for r in range(size) if r != rank]
+    while True:
+        failed, silent = [], []
+        for other in others:
+            reason = _store_get(f"failed/{other}")
+            if reason is not None:
+                failed.append((other, reason))
+            elif _store_get(f"waiting/{other}") is None:
+                silent.append(other)
+        if failed or not silent or time.monotonic() > deadline:
+            return failed, silent
+        time.sleep(0.2)
+
+
+def _describe_silent(silent, size, left=False):
+    if not silent:
+        return "Every other process also waits in a collective."
+    names = ", ".join(str(r) for r in silent)
+    plural = "es" if len(silent) > 1 else ""
+    what = "failed or left" if left else "did not arrive"
+    return (
+        f"Process{plural} {names} of {size} {what} (no answer within "
+        f"{REPORT_GRACE_SECONDS:g} s: stopped, stuck or gone); read "
+        f"{'their' if plural else 'its'} log."
+    )
+
+
+def _timeout_setting():
+    if _state["started"]:
+        return STEP_TIMEOUT_ENV
+    return f"{START_TIMEOUT_ENV}, the bound before the first step completes"
+
+
+def _collective_in(error_traceback):
+    """Names the collective in a traceback, and the Keras code that ran it."""
+    frames = traceback.extract_tb(error_traceback)
+    collective, caller = None, None
+    for frame in frames:
+        filename = frame.filename.replace(os.sep, "/")
+        if filename.endswith(_COLLECTIVE_FILES) and collective is None:
+            collective = frame.name
+        elif "/keras/src/" in filename and collective is None:
+            caller = f"{filename.split('/keras/src/')[-1]}:{frame.lineno}"
+    if collective is None:
+        return "a collective"
+    if collective.startswith("wait"):
+        # DTensor's collectives run asynchronously; a use waits for them.
+        where = f" (waited for at keras/src/{caller})" if caller else ""
+        return f"an asynchronous DTensor collective{where}"
+    where = f" (called from keras/src/{caller})" if caller else ""
+    return f"the collective `{collective}`{where}"
+
+
+def _job_store():
+    """A client of the job's rendezvous store, or `None` without one."""
+    host = os.environ.get("MASTER_ADDR")
+    port = os.environ.get("MASTER_PORT")
+    coordinator = _state["coordinator"]
+    if coordinator is not None:
+        host, _, port = coordinator.rpartition(":")
+    if not host or not port or _world_size() == 1:
+        return None
+    store = dist.TCPStore(
+        host,
+        int(port),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=STORE_TIMEOUT_SECONDS),
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"{_STORE_PREFIX}/{attempt}", store)
+
+
+def _connect_store():
+    try:
+        return _job_store()
+    except Exception as error:  # Reports are best effort; steps go on.
+        _logger.debug("health: no store: %s", error)
+        return None
+
+
+def _store_set(key, value):
+    store = _state["store"]
+    try:
+        if store is None:
+            store = _state["store"] = _job_store()
+        if store is not None:
+            store.set(key, value)
+    except Exception as error:  # The store's host may be the one gone.
+        _logger.debug("health: cannot write %s: %s", key, error)
+
+
+def _store_get(key):
+    store = _state["store"]
+    try:
+        if store is None or not store.check([key]):
+            return None
+        return store.get(key).decode(errors="replace")
+    except Exception as error:  # The store's host may be the one gone.
+        _logger.debug("health: cannot read %s: %s", key, error)
+        return None
