@@ -258,6 +258,7 @@ def run_torchrun(
     timeout: float = 300,
     env: dict[str, str] | None = None,
     check: bool = True,
+    torchrun_args: Sequence[str] = (),
 ) -> TorchrunResult:
     """Runs `script` under `torchrun --standalone` with `nproc` ranks.
 
@@ -274,6 +275,7 @@ def run_torchrun(
         timeout: seconds before the whole run is killed.
         env: extra environment variables (override the defaults).
         check: raise when the run exits non-zero.
+        torchrun_args: more torchrun options, e.g. `["--max-restarts=1"]`.
 
     Returns:
         The exit code and the decoded stdout and stderr.
@@ -292,6 +294,7 @@ def run_torchrun(
         "torch.distributed.run",
         "--standalone",
         f"--nproc-per-node={nproc}",
+        *torchrun_args,
         os.fspath(script),
         *map(str, args),
     ]

@@ -248,6 +248,8 @@ def _init_process_group(coordinator, num_processes, process_id):
         kwargs["store"] = dist.HashStore()
     elif coordinator is not None:
         kwargs["init_method"] = f"tcp://{coordinator}"
+    elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        kwargs["store"] = _launcher_store(timeout)
     else:
         kwargs["init_method"] = "env://"
     dist.init_process_group(**kwargs)
@@ -258,6 +260,24 @@ def _init_process_group(coordinator, num_processes, process_id):
     log_debug(
         "process group: backend %s, world size %d", backend, num_processes
     )
+
+
+def _launcher_store(timeout):
+    """torchrun's store, with keys of this attempt of the job only.
+
+    torchrun restarts the job (`--max-restarts`) with the same store; the
+    `env://` rendezvous then finds the addresses of the last attempt's
+    dead processes (measured with torch 2.13: gloo "connectFullMesh ...
+    Connection refused" on every restart).
+    """
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timeout,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"keras/attempt_{attempt}", store)
 
 
 def _destroy_process_group():
