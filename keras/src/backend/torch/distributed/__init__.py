@@ -18,4 +18,8 @@ code calls; the torch backend's own files hook into these modules directly:
 - `steps`: the trainer's step functions run under the distribution.
 - `process_io`: printing and saving from one process.
 - `summary`: what a distribution stores on this process.
+- `health`: collectives bounded by timeouts; a failed, dead or frozen
+  process reported by name instead of a transport error.
+- `agreement`: processes that disagree (model, number of batches) stopped
+  with a `ValueError` before they can hang.
 """
