@@ -43,7 +43,7 @@ _STORE_PREFIX = "keras_distribution_health"
 # traceback (the public API and DTensor's functional collectives).
 _COLLECTIVE_FILES = ("distributed_c10d.py", "_functional_collectives.py")
 
-_state = {"started": False, "store": None, "steps": {}, "coordinator": None}
+_state = {"started": False, "steps": {}, "coordinator": None}
 # Not `runtime.log_debug`: the runtime imports this module.
 _logger = logging.getLogger("keras.distribution")
 
@@ -150,7 +150,8 @@ def guarded_step(kind, all_groups):
     """
     steps = _state["steps"]
     steps[kind] = step = steps.get(kind, 0) + 1
-    if _state["store"] is None:
+    if "store" not in _state:
+        # Once: a job without a reachable store still runs, unreported.
         _state["store"] = _connect_store()
     try:
         yield
@@ -216,8 +217,7 @@ def _job_error(error, where):
             f"{where.capitalize()} timed out: {collective} waited more than "
             f"{current_timeout():g} s for the other processes "
             f"({_timeout_setting()}). {_describe_silent(silent, size)} "
-            f"If a step can legitimately take longer, raise "
-            f"{_timeout_setting()}."
+            f"If it can legitimately take longer, raise that bound."
         )
     else:
         message = (
@@ -266,7 +266,7 @@ def _describe_silent(silent, size, left=False):
 def _timeout_setting():
     if _state["started"]:
         return STEP_TIMEOUT_ENV
-    return f"{START_TIMEOUT_ENV}, the bound before the first step completes"
+    return f"{START_TIMEOUT_ENV}: the first step has not completed yet"
 
 
 def _collective_in(error_traceback):
@@ -317,10 +317,10 @@ def _connect_store():
 
 
 def _store_set(key, value):
+    if "store" not in _state:
+        _state["store"] = _connect_store()
     store = _state["store"]
     try:
-        if store is None:
-            store = _state["store"] = _job_store()
         if store is not None:
             store.set(key, value)
     except Exception as error:  # The store's host may be the one gone.
@@ -328,7 +328,7 @@ def _store_set(key, value):
 
 
 def _store_get(key):
-    store = _state["store"]
+    store = _state.get("store")
     try:
         if store is None or not store.check([key]):
             return None
