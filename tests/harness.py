@@ -881,6 +881,8 @@ def _set_torchrun_env(rank: int, world_size: int, port: int) -> None:
         KERAS_BACKEND="torch",
         OMP_NUM_THREADS="1",
         MKL_NUM_THREADS="1",
+        # Keras bounds collectives after the first step by this; keep ours.
+        KERAS_DISTRIBUTION_TIMEOUT=str(int(PROCESS_GROUP_TIMEOUT)),
     )
     if _has_loopback():
         # Gloo would otherwise use the interface the hostname resolves to.
