@@ -38,6 +38,7 @@ UPSTREAM_TEST_FILES = (
     # torch trainer.py (trainer_test.py needs JAX, the adapters' tests TF).
     "keras/src/models/model_test.py",
     "keras/src/models/sequential_test.py",
+    # Not epoch_iterator_test.py (epoch_iterator.py): it imports TF.
 )
 # Dtype-promotion tests compare with JAX, which this environment lacks: they
 # fail on pristine Keras as on ours, and take a minute to.
