@@ -33,6 +33,9 @@ FORMAT = "keras.DistributedCheckpoint"
 PARTIAL_PREFIX = ".partial-"
 REPLACED_PREFIX = ".replaced-"
 
+# (the default group it was made for, the group of background saves)
+_background_group = (None, None)
+
 
 class Checkpointer:
     """Saves the checkpoints of a training run under `directory/<step>/`.
@@ -51,9 +54,14 @@ class Checkpointer:
                 f"Received: max_to_keep={max_to_keep}"
             )
         self.directory = os.fspath(directory)
+        if "://" in self.directory:
+            raise ValueError(
+                "Distributed checkpoints are written to a local or mounted "
+                "file system every process sees. Received: "
+                f"directory={self.directory}"
+            )
         self.max_to_keep = max_to_keep
         self._pending = None
-        self._background_group = None
 
     def save(self, model, step, weights_only=False, background=False):
         """Saves `model` as step `step`; every process must call it.
@@ -67,7 +75,7 @@ class Checkpointer:
         """
         self.wait()
         final = os.path.join(self.directory, str(int(step)))
-        group = self._group() if background else None
+        group = background_group() if background else None
         self._pending = save_checkpoint(
             model,
             final,
@@ -91,15 +99,6 @@ class Checkpointer:
         """The latest complete step, or `None`."""
         steps = complete_steps(self.directory)
         return steps[-1] if steps else None
-
-    def _group(self):
-        # Collectives of a background save run on their own group: on the
-        # default group they would interleave with the training step's.
-        if self._background_group is None and _distributed():
-            self._background_group = dist.new_group(
-                backend="gloo", timeout=_timeout()
-            )
-        return self._background_group
 
     def _prune(self):
         if self.max_to_keep is None:
@@ -170,6 +169,23 @@ def save_checkpoint(
             no_dist=not _distributed(),
         )
     return _then(upload, finish)
+
+
+def background_group():
+    """The process group of background saves' collectives, or `None`.
+
+    On the default group they would interleave with the training step's
+    collectives. Created once per job, when every process first asks for
+    it (a collective).
+    """
+    global _background_group
+    if not _distributed():
+        return None
+    world, group = _background_group
+    if world is not dist.group.WORLD:
+        group = dist.new_group(backend="gloo", timeout=_timeout())
+        _background_group = (dist.group.WORLD, group)
+    return group
 
 
 def is_checkpoint(path):
