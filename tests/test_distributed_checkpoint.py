@@ -116,12 +116,22 @@ def _save_on_2x2(rank, world_size, directory):
         index.fqn: info.relative_path
         for index, info in metadata.storage_data.items()
     }
+    # Bytes in the files against the bytes the metadata points to: a value
+    # written by two processes would be in the files twice.
+    stored = sum(info.length for info in metadata.storage_data.values())
+    written = sum(
+        os.path.getsize(os.path.join(step, name))
+        for name in os.listdir(step)
+        if name.endswith(".distcp")
+    )
     return {
         "states": states,
         "steps": sorted(os.listdir(directory)),
         "kernel_chunks": chunks,
         "local_kernel_shape": tuple(local.shape),
         "files": files,
+        "stored_bytes": stored,
+        "written_bytes": written,
     }
 
 
@@ -159,6 +169,7 @@ def test_save_on_2x2_loads_anywhere(tmp_path):
         (rows, cols): "__3_0.distcp",
     }
     assert len(saved[0]["files"]) == len(saved[0]["states"][-1])
+    assert saved[0]["written_bytes"] == saved[0]["stored_bytes"]
     for result in saved[1:]:
         for a, b in zip(result["states"], saved[0]["states"]):
             _assert_states_equal(a, b)
