@@ -461,3 +461,33 @@ def test_callback_module_imports_no_backend():
         "keras.src.callbacks.monitor_callback",
         "keras.src.utils",
     }
+
+
+def test_save_freq_and_save_best_only(tmp_path):
+    # One process: which steps are saved does not depend on the
+    # distribution (every process sees the same logs).
+    import keras
+
+    def steps(name, **kwargs):
+        directory = tmp_path / name
+        callback = keras.callbacks.DistributedCheckpoint(
+            directory, max_to_keep=None, save_on_background=False, **kwargs
+        )
+        losses = _fit(_model(), EPOCHS, [callback])
+        return sorted(int(n) for n in os.listdir(directory)), losses
+
+    # Every 3 batches of 4 per epoch, numbered by batches seen.
+    assert steps("freq", save_freq=3)[0] == [3, 6, 9, 12]
+    saved, losses = steps("min", monitor="loss", save_best_only=True)
+    assert losses == sorted(losses, reverse=True)  # The loss decreases.
+    assert saved == [0, 1, 2]
+    # The loss never rises again: only the first epoch is the "best".
+    assert steps("max", monitor="loss", mode="max", save_best_only=True)[0] == [
+        0
+    ]
+    assert steps(
+        "threshold",
+        monitor="loss",
+        save_best_only=True,
+        initial_value_threshold=losses[1] * 1.0001,
+    )[0] == [1, 2]
