@@ -617,9 +617,10 @@ def test_backup_and_restore_writes_loadable_files(tmp_path):
     pm.assert_ranks_agree([r["state"] for r in per_rank])
     assert all(r["deleted"] == [True] * 3 for r in per_rank)
     assert sorted(os.listdir(directory)) == ["backup"]
+    # Under a distribution the backup is a sharded (DCP) checkpoint.
     backup = pm.run_single(
         _load_weights_here,
-        os.path.join(directory, "backup", "latest.weights.h5"),
+        os.path.join(directory, "backup", "latest.checkpoint"),
     )
     pm.assert_close(backup, per_rank[0]["state"], "BackupAndRestore weights")
 

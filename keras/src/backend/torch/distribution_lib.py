@@ -240,6 +240,82 @@ def all_gather_variable(variable):
     return variables.to_global_value(getattr(variable, "value", variable))
 
 
+def distributed_checkpointer(directory, max_to_keep=None):
+    """Returns the writer of `keras.callbacks.DistributedCheckpoint`.
+
+    Checkpoints are written with `torch.distributed.checkpoint`, each
+    process writing its own shards (imported here, when first needed).
+
+    Args:
+        directory: the directory of the checkpoint steps.
+        max_to_keep: how many of the latest steps to keep; `None`: all.
+
+    Returns:
+        A `keras.src.backend.torch.distributed.checkpoint.Checkpointer`.
+    """
+    from keras.src.backend.torch.distributed import checkpoint
+
+    return checkpoint.Checkpointer(directory, max_to_keep)
+
+
+def is_distributed_checkpoint(path):
+    """Whether `path` is a `DistributedCheckpoint` checkpoint (or steps)."""
+    from keras.src.backend.torch.distributed import checkpoint
+
+    return checkpoint.is_checkpoint(path)
+
+
+def load_checkpoint_weights(model, path):
+    """Loads a `DistributedCheckpoint` into `model`, in its layouts.
+
+    Args:
+        model: the Keras model, built.
+        path: a checkpoint, or a directory of steps (the latest loads).
+    """
+    from keras.src.backend.torch.distributed import checkpoint
+
+    checkpoint.load_weights(model, path)
+
+
+def load_checkpoint_model(path, custom_objects=None, compile=True, **kwargs):
+    """Rebuilds and loads the model a `DistributedCheckpoint` saved.
+
+    Args:
+        path: a checkpoint, or a directory of steps (the latest loads).
+        custom_objects: as in `keras.saving.load_model`.
+        compile: whether to compile the model as it was saved.
+        **kwargs: `safe_mode`, as in `keras.saving.load_model`.
+
+    Returns:
+        The model, its variables and optimizer state restored.
+    """
+    from keras.src.backend.torch.distributed import checkpoint
+
+    return checkpoint.load_model(path, custom_objects, compile, **kwargs)
+
+
+def save_sharded_backup(model, weights_path):
+    """Backs up `model` for `BackupAndRestore` as a sharded checkpoint.
+
+    Args:
+        model: the Keras model.
+        weights_path: the `.weights.h5` path of the backup.
+
+    Returns:
+        `False` without a distribution (the caller saves `weights_path`).
+    """
+    from keras.src.backend.torch.distributed import checkpoint
+
+    return checkpoint.save_backup(model, weights_path)
+
+
+def find_sharded_backup(weights_path):
+    """The sharded backup of `save_sharded_backup`, or `None` if none."""
+    from keras.src.backend.torch.distributed import checkpoint
+
+    return checkpoint.find_backup(weights_path)
+
+
 def _to_backend_device(device_name):
     """Returns the global rank that owns a Keras device name.
 

@@ -1,0 +1,165 @@
+import warnings
+
+from keras.src import backend
+from keras.src.api_export import keras_export
+from keras.src.backend.common.distribution_capability import (
+    distribution_capability,
+)
+from keras.src.callbacks.monitor_callback import MonitorCallback
+from keras.src.utils import io_utils
+
+
+@keras_export("keras.callbacks.DistributedCheckpoint")
+class DistributedCheckpoint(MonitorCallback):
+    """Saves sharded checkpoints: every process writes its own shards.
+
+    The counterpart of `OrbaxCheckpoint` for backends that write
+    distributed checkpoints (the torch backend, with
+    `torch.distributed.checkpoint`). Under a `keras.distribution`, each
+    process writes the shards of the variables it holds, in parallel, and
+    a replicated variable is written once: no process ever gathers a whole
+    sharded variable. Without a distribution it works in one process.
+
+    Each save is one checkpoint, the directory `directory/<step>/`, where
+    the step is the epoch (`save_freq="epoch"`) or the number of batches
+    seen. A checkpoint appears there only once it is complete: a save
+    interrupted part way leaves the previous step the latest.
+
+    `model.load_weights(directory)` and `keras.saving.load_model(directory)`
+    load the latest step (or a step's directory), into the model's current
+    layouts: another mesh, another number of processes, or one process
+    without a distribution. `load_model` also restores the optimizer's
+    state, to resume training.
+
+    Example:
+
+    ```python
+    callback = keras.callbacks.DistributedCheckpoint(
+        directory="/tmp/ckpt", save_freq=100, max_to_keep=3
+    )
+    model.fit(x, y, epochs=10, callbacks=[callback])
+    callback.wait_until_finished()
+    model = keras.saving.load_model("/tmp/ckpt")
+    ```
+
+    Args:
+        directory: path of the directory of the checkpoints, shared by
+            all processes.
+        monitor: the metric name to monitor (e.g. `"val_loss"`).
+        verbose: verbosity mode, 0 or 1.
+        save_best_only: whether to save only when the model is the best
+            so far by the monitored quantity.
+        mode: one of `{"auto", "min", "max"}`, used with `save_best_only`.
+        save_freq: `"epoch"` or an integer: save every this many batches.
+        initial_value_threshold: the initial "best" value of the monitor,
+            used with `save_best_only`.
+        max_to_keep: how many of the latest checkpoints to keep; `None`
+            keeps all. Defaults to 1.
+        save_on_background: whether to write in the background: the
+            values are copied to host memory and training goes on while
+            they are written. Defaults to `True`.
+        save_weights_only: whether to save only the model's variables,
+            without the optimizer's state and the model's config.
+    """
+
+    def __init__(
+        self,
+        directory,
+        monitor="val_loss",
+        verbose=0,
+        save_best_only=False,
+        mode="auto",
+        save_freq="epoch",
+        initial_value_threshold=None,
+        max_to_keep=1,
+        save_on_background=True,
+        save_weights_only=False,
+    ):
+        make_checkpointer = distribution_capability("distributed_checkpointer")
+        if make_checkpointer is None:
+            raise ValueError(
+                "`DistributedCheckpoint` needs a backend that writes "
+                "distributed checkpoints, such as torch. Received: "
+                f"backend={backend.backend()}. With JAX, use "
+                "`keras.callbacks.OrbaxCheckpoint`."
+            )
+        if save_freq != "epoch" and (
+            not isinstance(save_freq, int) or save_freq < 1
+        ):
+            raise ValueError(
+                "`save_freq` must be 'epoch' or a positive integer. "
+                f"Received: save_freq={save_freq}"
+            )
+        super().__init__(monitor, mode, initial_value_threshold)
+        self.directory = directory
+        self.verbose = verbose
+        self.save_best_only = save_best_only
+        self.save_freq = save_freq
+        self.max_to_keep = max_to_keep
+        self.save_on_background = save_on_background
+        self.save_weights_only = save_weights_only
+        self._checkpointer = make_checkpointer(directory, max_to_keep)
+        self._batches_seen_since_last_saving = 0
+        self._last_batch_seen = None
+        self._total_batches_seen = 0
+
+    def set_model(self, model):
+        super().set_model(model)
+        if getattr(model, "optimizer", None) is not None:
+            # A reloaded model goes on counting from its iterations.
+            self._total_batches_seen = int(model.optimizer.iterations)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.save_freq == "epoch":
+            return
+        if self._last_batch_seen is None or batch <= self._last_batch_seen:
+            seen = batch + 1  # A new epoch.
+        else:
+            seen = batch - self._last_batch_seen
+        self._last_batch_seen = batch
+        self._total_batches_seen += seen
+        self._batches_seen_since_last_saving += seen
+        if self._batches_seen_since_last_saving >= self.save_freq:
+            self._batches_seen_since_last_saving = 0
+            self._save_if_best(self._total_batches_seen, logs, "batch", batch)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.monitor_op is None:
+            self._set_monitor_op()
+        if self.save_freq == "epoch":
+            self._save_if_best(epoch, logs, "epoch", epoch)
+
+    def on_train_end(self, logs=None):
+        self.wait_until_finished()
+
+    def wait_until_finished(self):
+        """Waits until the checkpoint being written in the background is
+        complete, on every process (each process must call it)."""
+        self._checkpointer.wait()
+
+    def _save_if_best(self, step, logs, unit, index):
+        if self.save_best_only:
+            if self.monitor_op is None:
+                self._set_monitor_op()
+            current = (logs or {}).get(self.monitor)
+            if current is None:
+                warnings.warn(
+                    f"Can save best model only with {self.monitor} "
+                    f"available, skipping save at {unit} {index}.",
+                    stacklevel=2,
+                )
+                return
+            if not self._is_improvement(current, self.best):
+                return
+            self.best = current
+        if self.verbose > 0:
+            io_utils.print_msg(
+                f"\n{unit.capitalize()} {index}: saving checkpoint {step} "
+                f"to {self.directory}"
+            )
+        self._checkpointer.save(
+            self.model,
+            step,
+            weights_only=self.save_weights_only,
+            background=self.save_on_background,
+        )
