@@ -25,6 +25,7 @@ import warnings
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from keras.src.backend.torch.distributed import health
 from keras.src.backend.torch.distributed import runtime
 
 INFO_FILE = "keras_checkpoint.json"
@@ -479,5 +480,5 @@ def _barrier():
 
 
 def _timeout():
-    seconds = int(os.environ.get(runtime.TIMEOUT_ENV, 600))
-    return datetime.timedelta(seconds=seconds)
+    # Background saves may run long after the start: the longer bound.
+    return datetime.timedelta(seconds=health.start_timeout())
