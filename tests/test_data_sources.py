@@ -6,7 +6,8 @@ A map-style `DataLoader` fetches only the samples of each process' rows
 exchanged. Each run counts what every process read, and must train exactly
 as one process does on the same data: per-epoch losses and metrics, final
 weights and optimizer state, also with a shuffled order (a seeded
-DataLoader generator; `PyDataset` shuffling from Keras' seeded state).
+DataLoader generator; `PyDataset` shuffling from Keras' seeded state), and
+then evaluate and predict the same.
 
 The datasets count reads instead of doing work, so the tests stay cheap.
 """
@@ -80,15 +81,22 @@ def _fit_source(
     shuffle=True,
     workers=1,
 ):
-    """Fits the mlp on `kind`; returns `fit_result` and what was read."""
+    """Fits the mlp on `kind`, then evaluates and predicts on it.
+
+    Returns:
+        `fit_result` with "evaluate" and "predict", and what `fit` read.
+    """
     distributions.use_setting(setting, layout_rules=pm.LAYOUT_RULES["mlp"])
     model = pm.build_model("mlp")
     fit_kwargs, dataset = _source(
         kind, num_samples, batch_size, shuffle, workers
     )
     history = model.fit(**fit_kwargs, epochs=EPOCHS, verbose=0)
+    read = sorted(dataset.read)
     result = pm.fit_result(model, history)
-    return result, sorted(dataset.read)
+    result["evaluate"] = model.evaluate(fit_kwargs["x"], verbose=0)
+    result["predict"] = model.predict(fit_kwargs["x"], verbose=0)
+    return result, read
 
 
 def _fit_body(rank, world_size, kinds, setting, kwargs):
