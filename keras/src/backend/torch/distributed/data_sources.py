@@ -214,7 +214,8 @@ class _ProcessRowsSampler(torch.utils.data.Sampler):
             start, stop = self._rows.of(len(indices))
             sizes.append((len(indices), stop - start))
             yield indices[start:stop] if stop > start else indices[:1]
-        _check_same_order("the whole epoch", [digest])
+        # Two ints, as the first check: every gather has the same size.
+        _check_same_order("the whole epoch", [-1, digest])
 
 
 def _length(sampler):
