@@ -12,6 +12,7 @@ code calls; the torch backend's own files hook into these modules directly:
   row-parallel outputs reduced.
 - `ops`: convolution and dropout on DTensors, as one process computes them.
 - `data_input`: global batches assembled from each process' rows.
+- `data_sources`: `DataLoader`s and `PyDataset`s read one process' share.
 - `collectives`: `all_reduce` / `all_gather` over a named mesh axis.
 - `gradients`: gradients reduced once per step, in buckets, for the
   optimizer.

@@ -1,0 +1,231 @@
+"""Data sources read in parts: each process reads only its share.
+
+A map-style `DataLoader` fetches only the samples of each process' rows
+(processes that share rows along the model axis fetch the same ones); a
+`PyDataset` is read in shares (batch i on process i % N) and the rows are
+exchanged. Each run counts what every process read, and must train exactly
+as one process does on the same data: per-epoch losses and metrics, final
+weights and optimizer state, also with a shuffled order (a seeded
+DataLoader generator; `PyDataset` shuffling from Keras' seeded state), and
+then evaluate and predict the same.
+
+The datasets count reads instead of doing work, so the tests stay cheap.
+"""
+
+import numpy as np
+import pytest
+
+import keras
+from tests import distributions
+from tests import parity_models as pm
+from tests.harness import run_on_ranks
+
+NUM_SAMPLES = 22  # Batches of 8, 8, 6: a ragged last batch.
+BATCH = 8
+EPOCHS = 2
+LOADER_SEED = 1234
+
+
+class _CountingDataset:
+    """A map-style torch dataset of the mlp data that records its reads."""
+
+    def __init__(self, x, y):
+        self.x, self.y, self.read = x, y, []
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, index):
+        self.read.append(int(index))
+        return self.x[index], self.y[index]
+
+
+class _CountingPyDataset(keras.utils.PyDataset):
+    """Global batches of the mlp data; records the batches it reads."""
+
+    def __init__(self, x, y, batch_size, **kwargs):
+        super().__init__(**kwargs)
+        self.x, self.y, self.batch_size, self.read = x, y, batch_size, []
+
+    def __len__(self):
+        return -(-len(self.x) // self.batch_size)
+
+    def __getitem__(self, index):
+        self.read.append(int(index))
+        rows = slice(index * self.batch_size, (index + 1) * self.batch_size)
+        return self.x[rows], self.y[rows]
+
+
+def _source(kind, num_samples, batch_size, shuffle, workers=1):
+    """`(fit kwargs, dataset)` for `kind`: "dataloader" or "pydataset"."""
+    import torch
+
+    x, y = pm.make_data("mlp", num_samples=num_samples)
+    if kind == "dataloader":
+        dataset = _CountingDataset(x, y)
+        generator = torch.Generator().manual_seed(LOADER_SEED)
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_size=batch_size, shuffle=shuffle, generator=generator
+        )
+        return {"x": loader}, dataset
+    dataset = _CountingPyDataset(x, y, batch_size, workers=workers)
+    return {"x": dataset, "shuffle": shuffle}, dataset
+
+
+def _fit_source(
+    kind,
+    setting,
+    *,
+    num_samples=NUM_SAMPLES,
+    batch_size=BATCH,
+    shuffle=True,
+    workers=1,
+):
+    """Fits the mlp on `kind`, then evaluates and predicts on it.
+
+    Returns:
+        `fit_result` with "evaluate" and "predict", and what `fit` read.
+    """
+    distributions.use_setting(setting, layout_rules=pm.LAYOUT_RULES["mlp"])
+    model = pm.build_model("mlp")
+    fit_kwargs, dataset = _source(
+        kind, num_samples, batch_size, shuffle, workers
+    )
+    history = model.fit(**fit_kwargs, epochs=EPOCHS, verbose=0)
+    read = sorted(dataset.read)
+    result = pm.fit_result(model, history)
+    result["evaluate"] = model.evaluate(fit_kwargs["x"], verbose=0)
+    result["predict"] = model.predict(fit_kwargs["x"], verbose=0)
+    return result, read
+
+
+def _fit_body(rank, world_size, kinds, setting, kwargs):
+    results = {}
+    for kind in kinds:
+        keras.backend.clear_session()
+        results[kind] = _fit_source(kind, setting, **kwargs)
+    return results
+
+
+def _assert_parity(per_rank, reference):
+    for rank, result in enumerate(per_rank):
+        pm.assert_close(result, reference, f"rank {rank}")
+
+
+def _samples_read(kind, indices, batch_size):
+    """Samples read: indices (DataLoader) or batches (PyDataset) x size."""
+    if kind == "dataloader":
+        return len(indices)
+    return sum(min(batch_size, NUM_SAMPLES - i * batch_size) for i in indices)
+
+
+@pytest.mark.parametrize("setting", ["dp", "2x2"])
+def test_sources_read_their_share_and_train_as_one_process(setting):
+    """2 processes (dp), a 2x2 mesh (DataLoader): shares read, same training.
+
+    One process reads 2 epochs + Keras' peek at one batch: 52 samples.
+    A batch-shard reads its rows: 2 x (4 + 4 + 3) + the peek's 4 = 26.
+    A PyDataset process reads its batches (round-robin over all
+    processes) + one batch in the peek round.
+    """
+    # The PyDataset on 4 processes: `test_last_batch_smaller_than_shards`.
+    kinds = ("dataloader", "pydataset") if setting == "dp" else ("dataloader",)
+    world_size = 2 if setting == "dp" else 4
+    per_rank = run_on_ranks(
+        _fit_body,
+        world_size=world_size,
+        args=(kinds, setting, {}),
+    )
+    for kind in kinds:
+        reference, read_alone = pm.run_single(_fit_source, kind, "single")
+        _assert_parity([r[kind][0] for r in per_rank], reference)
+        reads = [r[kind][1] for r in per_rank]
+        if kind == "dataloader":
+            assert len(read_alone) == 52
+            assert [len(r) for r in reads] == [26] * world_size, reads
+            # Every sample is read once per epoch in all, as one process.
+            batch_shards = reads if setting == "dp" else reads[::2]
+            assert sorted(sum(batch_shards, [])) == read_alone
+            if setting == "2x2":  # Model-axis neighbours share rows.
+                assert reads[0] == reads[1] and reads[2] == reads[3]
+        else:
+            # 3 batches an epoch: 2 epochs + the peek round's batches.
+            assert len(read_alone) == 7
+            counts = [len(r) for r in reads]
+            assert sum(counts) == 6 + min(world_size, 3), counts
+            assert max(counts) <= -(-3 // world_size) * EPOCHS + 1, counts
+
+
+def test_last_batch_smaller_than_shards():
+    """9 samples, batch 4, 4 processes: the last batch has 1 row."""
+    kwargs = {"num_samples": 9, "batch_size": 4, "shuffle": False}
+    kinds = ("dataloader", "pydataset")
+    per_rank = run_on_ranks(_fit_body, world_size=4, args=(kinds, "dp", kwargs))
+    for kind in kinds:
+        reference, _ = pm.run_single(_fit_source, kind, "single", **kwargs)
+        _assert_parity([r[kind][0] for r in per_rank], reference)
+    # 2 x (1 + 1 + 1: a row, or a probe for an empty part) + the peek's 1.
+    reads = [r["dataloader"][1] for r in per_rank]
+    assert [len(r) for r in reads] == [7, 7, 7, 7], reads
+
+
+def _pydataset_workers_body(rank, world_size):
+    keras.backend.clear_session()
+    return _fit_source("pydataset", "dp", workers=2, shuffle=False)
+
+
+def test_pydataset_workers_read_only_their_share():
+    """With 2 reader threads, a process still reads only its batches."""
+    per_rank = run_on_ranks(_pydataset_workers_body, world_size=2)
+    reference, _ = pm.run_single(
+        _fit_source, "pydataset", "single", shuffle=False
+    )
+    _assert_parity([r[0] for r in per_rank], reference)
+    # Rank 0 reads batches 0 and 2 of each epoch, rank 1 batch 1; each
+    # reads its first one in the peek too, and nothing ahead there.
+    assert [r[1] for r in per_rank] == [[0, 0, 0, 2, 2], [1, 1, 1]]
+
+
+def _checks_body(rank, world_size):
+    """Unseeded samplers that differ; `auto_shard_dataset=False`."""
+    import torch
+
+    from keras.src.backend.torch.distributed import data_sources
+    from keras.src.trainers.data_adapters import get_data_adapter
+
+    distributions.use_setting("dp")
+    model = pm.build_model("mlp")
+    x, y = pm.make_data("mlp", num_samples=NUM_SAMPLES)
+    dataset = torch.utils.data.TensorDataset(
+        torch.from_numpy(x), torch.from_numpy(y)
+    )
+    differing = torch.utils.data.DataLoader(
+        dataset,
+        batch_size=BATCH,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(rank),
+    )
+    try:
+        model.fit(differing, epochs=1, verbose=0)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    distributions.use_setting("dp", auto_shard_dataset=False)
+    kept = []
+    for source in (differing, _CountingPyDataset(x, y, BATCH)):
+        adapter = get_data_adapter(source)
+        kept.append(data_sources.process_data_adapter(adapter) is adapter)
+    return error, kept
+
+
+def test_differing_sampler_orders_raise_and_own_parts_are_kept():
+    for error, kept in run_on_ranks(_checks_body, world_size=2):
+        assert error is not None and "different batches" in error, error
+        assert kept == [True, True]
+
+
+def test_counting_reference_reads_everything():
+    """The single-process reference reads all data (the counts' baseline)."""
+    _, read = pm.run_single(_fit_source, "dataloader", "single")
+    assert sorted(set(read)) == list(range(NUM_SAMPLES))
+    assert np.bincount(read).max() >= EPOCHS
