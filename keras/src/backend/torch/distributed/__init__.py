@@ -18,4 +18,6 @@ code calls; the torch backend's own files hook into these modules directly:
 - `steps`: the trainer's step functions run under the distribution.
 - `process_io`: printing and saving from one process.
 - `summary`: what a distribution stores on this process.
+- `layout_rules`: which `LayoutMap` rule lays out each variable; a warning
+  for rules that lay out none.
 """
