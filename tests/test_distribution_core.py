@@ -1508,6 +1508,8 @@ def _summary_body(rank, world_size):
             "placements": tuple(str(p) for p in value.placements),
             "local_shape": tuple(local.shape),
             "local_bytes": local.numel() * local.element_size(),
+            # The rule that matched it; none matches the head.
+            "layout_rule": variable.path if "dense" in variable.path else None,
         }
     return {
         "rows": rows,

@@ -84,14 +84,25 @@ def _model_parallel_with_batch_axis(batch_dim_name, axis_names, world_size):
     )
 
 
+def _use_data_parallel_on(devices):
+    """Sets DataParallel over `devices` and creates a variable under it.
+
+    The mesh is checked where it is first used, not when it is set.
+    """
+    import keras
+
+    distributions.use_data_parallel(devices=devices)
+    keras.Variable(np.ones(2))
+
+
 def _make_mistake(case, rank, world_size):
     """Makes the mistake named `case`; returns normally if none was raised."""
     if case == "mesh_with_3_devices":
-        distributions.use_data_parallel(devices=["cpu:0", "cpu:1", "cpu:2"])
+        _use_data_parallel_on(["cpu:0", "cpu:1", "cpu:2"])
     elif case == "unknown_device_type":
-        distributions.use_data_parallel(devices=["tpu:0", "cpu:1"])
+        _use_data_parallel_on(["tpu:0", "cpu:1"])
     elif case == "unknown_device_index":
-        distributions.use_data_parallel(devices=["cpu:0", "cpu:9"])
+        _use_data_parallel_on(["cpu:0", "cpu:9"])
     elif case == "unknown_axis_in_layout":
         _layout(("batch", "nope"), world_size)
     elif case == "unknown_axis_in_layout_map":
@@ -196,3 +207,78 @@ def test_initialize_with_agreeing_arguments_is_idempotent():
     ):
         assert devices == [f"cpu:{i}" for i in range(2)]
         assert np.unique(devices).size == 2
+
+
+# --------------------------------------------------------------------------
+# A mesh that does not match the job is refused where it is first used.
+# --------------------------------------------------------------------------
+
+
+def _first_use(use, distribution):
+    """Uses the current distribution's mesh for the first time."""
+    import torch
+
+    import keras
+    from keras import distribution as kd
+    from keras.src.backend.torch import distribution_lib
+
+    if use == "variable":
+        keras.Variable(np.ones((4, 2)))
+    elif use == "layer":
+        keras.layers.Dense(2).build((None, 3))
+    elif use == "batch":
+        distribution_lib.distribute_global_batch(np.ones((8, 3)), distribution)
+    elif use == "collective":
+        distribution_lib.all_reduce(torch.ones(2), axis_name="model")
+    elif use == "layout":
+        layout = distribution.get_data_layout((8, 2))
+        kd.distribute_tensor(torch.ones(8, 2), layout)
+    else:
+        raise AssertionError(f"unknown use {use}")
+
+
+def _mismatched_scope_body(rank, world_size, use):
+    import torch.distributed as dist
+
+    from keras import distribution as kd
+
+    # Upstream's `DistributionTest.test_scope` does this in one process.
+    devices = [f"cpu:{i}" for i in range(8)]
+    distribution = distributions.model_parallel(
+        layout_rules={}, mesh_shape=(4, 2), devices=devices
+    )
+    info = kd.mesh_info(distribution.device_mesh)
+    with distribution.scope():
+        assert kd.distribution() is distribution
+        with kd.DataParallel(devices=devices).scope():
+            pass
+        assert kd.distribution() is distribution
+        try:
+            _first_use(use, distribution)
+            message = None
+        except ValueError as error:
+            message = str(error)
+    assert kd.distribution() is None
+    # Every rank must get here: nobody waits in a collective.
+    dist.barrier()
+    return message, info
+
+
+@pytest.mark.parametrize(
+    "use", ["variable", "layer", "batch", "collective", "layout"]
+)
+def test_mismatched_mesh_is_refused_where_first_used_not_when_set(use):
+    results = run_on_ranks(
+        _mismatched_scope_body,
+        world_size=2,
+        args=(use,),
+        timeout=HANG_TIMEOUT,
+    )
+    for rank, (message, info) in enumerate(results):
+        assert message is not None, f"{use}: no ValueError on rank {rank}"
+        for expected in ["8 devices", "cpu:7", "(4, 2)", "2 process"]:
+            assert expected in message, (use, expected, message)
+        assert message == results[0][0]
+        # Describing the mesh needs no torch mesh: it works all the same.
+        assert info["coordinate"] == (rank // 2, rank % 2)
+        assert info["num_processes"] == 2

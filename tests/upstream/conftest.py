@@ -15,6 +15,7 @@ def pytest_configure(config):
     for marker in (
         "requires_trainable_backend: needs a backend that can train",
         "large: a slow test",
+        "multi_device: needs a job of several devices",
     ):
         config.addinivalue_line("markers", marker)
 

@@ -121,18 +121,28 @@ def initialize_rng():
 
 
 def set_global_distribution(distribution):
-    """Validates and records the distribution passed to `set_distribution`.
+    """Records the distribution passed to `set_distribution`.
 
-    The torch mesh is built here, so that a mesh that does not match the job
-    fails at once, before any variable or collective uses it.
+    The mesh is not checked against the job here: a distribution may be
+    made current (e.g. by `Distribution.scope()`) in a job its mesh does not
+    match, as long as nothing uses it. The torch mesh is built, and checked,
+    where it is first needed (a variable, a batch, a collective or a layout
+    conversion), which every process reaches the same way, before any
+    collective on it.
+
+    In a multi-process job, every process must call it: it joins the job's
+    process group if needed and gives all processes process 0's torch
+    random generator state.
 
     Args:
         distribution: a `keras.distribution.Distribution`, or `None`.
     """
     if hasattr(distribution, "device_mesh"):
         runtime.check_torch_version()
-        distribution.device_mesh.backend_mesh
-        runtime.sync_torch_rng()
+        if runtime.world_size() > 1:
+            if not torch.distributed.is_initialized():
+                runtime.initialize_job()
+            runtime.sync_torch_rng()
     runtime.set_process_distribution(distribution)
 
 

@@ -23,4 +23,6 @@ code calls; the torch backend's own files hook into these modules directly:
   process reported by name instead of a transport error.
 - `agreement`: processes that disagree (model, number of batches) stopped
   with a `ValueError` before they can hang.
+- `layout_rules`: which `LayoutMap` rule lays out each variable; a warning
+  for rules that lay out none.
 """

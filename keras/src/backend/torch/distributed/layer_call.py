@@ -14,8 +14,10 @@ import torch
 import torch.distributed as dist
 
 from keras.src import tree
+from keras.src.backend.common.keras_tensor import KerasTensor
 from keras.src.backend.common.masking import get_keras_mask
 from keras.src.backend.common.masking import set_keras_mask
+from keras.src.backend.torch.distributed import layout_rules
 from keras.src.backend.torch.distributed import layouts
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
@@ -29,6 +31,8 @@ CHECK_REPLICATION_ENV = "KERAS_DISTRIBUTION_CHECK_REPLICATION"
 
 # How many `replicated_plain_tensors` contexts are open (they nest).
 _replication_depth = 0
+# How many `call_layer` calls are running (a model calls its layers).
+_call_depth = 0
 
 
 def call_layer(call_function, layer, *args, **kwargs):
@@ -43,6 +47,7 @@ def call_layer(call_function, layer, *args, **kwargs):
     all-reduced as they reach the layer. With
     `KERAS_DISTRIBUTION_CHECK_REPLICATION=1`, the plain inputs of the
     outermost layer call are first checked to be identical on all processes.
+    A model's first call checks its layout rules (`layout_rules`).
 
     Args:
         call_function: `call_function(layer, *args, **kwargs)` calls it.
@@ -64,9 +69,28 @@ def call_layer(call_function, layer, *args, **kwargs):
     args, kwargs = tree.map_structure(
         functools.partial(layouts.replicate, mesh=mesh), (args, kwargs)
     )
-    with replicated_plain_tensors():
-        outputs = call_function(layer, *args, **kwargs)
+    global _call_depth
+    _call_depth += 1
+    try:
+        with replicated_plain_tensors():
+            outputs = call_function(layer, *args, **kwargs)
+    finally:
+        _call_depth -= 1
+    if _call_depth == 0 and not _is_symbolic((args, kwargs)):
+        # The outermost call on data (not while a functional model that
+        # calls this one is built): a whole model, built by now.
+        layout_rules.check_model(layer, distribution)
     return tree.map_structure(_layer_output, outputs)
+
+
+def _is_symbolic(values):
+    """Whether `values` hold symbolic tensors: `KerasTensor`s, or torch
+    tensors on the meta device (as `compute_output_spec` runs layers)."""
+    return any(
+        isinstance(x, KerasTensor)
+        or (isinstance(x, torch.Tensor) and x.is_meta)
+        for x in tree.flatten(values)
+    )
 
 
 def _layer_output(x):

@@ -4,8 +4,15 @@ Reads only local metadata: nothing here runs a collective, so any process may
 call it on its own (from a debugger, or on rank 0 only).
 """
 
+import numpy as np
+
+from keras.src.backend.torch.distributed import layout_rules
+from keras.src.backend.torch.distributed import layouts
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
+
+# What the printed table says of a variable that no layout rule matched.
+NO_RULE = "(no rule)"
 
 
 def mesh_info(device_mesh=None):
@@ -29,16 +36,29 @@ def mesh_info(device_mesh=None):
                 "`keras.distribution.set_distribution(...)` first."
             )
         device_mesh = distribution.device_mesh
-    torch_mesh = device_mesh.backend_mesh
-    coordinate = torch_mesh.get_coordinate()
     return {
         "shape": tuple(device_mesh.shape),
         "axis_names": tuple(device_mesh.axis_names),
         "devices": device_mesh.devices.tolist(),
         "process_id": runtime.rank(),
         "num_processes": runtime.world_size(),
-        "coordinate": None if coordinate is None else tuple(coordinate),
+        "coordinate": _coordinate(device_mesh),
     }
+
+
+def _coordinate(device_mesh):
+    """This process' index along each mesh axis, or `None`.
+
+    Read from the Keras device names (`"gpu:i"` is rank `i`), not from the
+    torch mesh: building that is a collective.
+    """
+    ranks = np.vectorize(lambda d: layouts.to_torch_device(d)[1])(
+        device_mesh.devices
+    )
+    found = np.argwhere(ranks == runtime.rank())
+    if len(found) == 0:
+        return None
+    return tuple(int(i) for i in found[0])
 
 
 def sharding_summary(model, print_fn=None):
@@ -47,21 +67,25 @@ def sharding_summary(model, print_fn=None):
     Args:
         model: a Keras model or layer (anything with `.variables`).
         print_fn: if given, called with a formatted table, one line per
-            variable, prefixed with this process' rank.
+            variable, prefixed with this process' rank; variables that no
+            layout rule matched say `(no rule)`.
 
     Returns:
         A list of dicts, one per variable: `path`, `dtype`, `global_shape`,
         `placements` (one string per mesh axis, `"R"` or `"S(d)"`; one `"R"`
         for a plain tensor),
-        `local_shape` and `local_bytes` (what this process stores).
+        `local_shape` and `local_bytes` (what this process stores), and
+        `layout_rule`: the key of the distribution's `LayoutMap` that matched
+        the variable's path, `None` if none did (or there is no `LayoutMap`).
     """
-    rows = [_variable_row(v) for v in model.variables]
+    layout_map = layout_rules.layout_map_of(runtime.current_distribution())
+    rows = [_variable_row(v, layout_map) for v in model.variables]
     if print_fn is not None:
         print_fn(_format_rows(rows))
     return rows
 
 
-def _variable_row(variable):
+def _variable_row(variable, layout_map):
     value = variable.value
     if isinstance(value, DTensor):
         placements = tuple(str(p) for p in value.placements)
@@ -69,6 +93,9 @@ def _variable_row(variable):
     else:
         placements = ("R",)
         local = value
+    rule = None
+    if layout_map is not None:
+        rule = layout_rules.matching_rule(layout_map, variable.path)
     return {
         "path": variable.path,
         "dtype": str(variable.dtype),
@@ -76,12 +103,20 @@ def _variable_row(variable):
         "placements": placements,
         "local_shape": tuple(local.shape),
         "local_bytes": local.numel() * local.element_size(),
+        "layout_rule": rule,
     }
 
 
 def _format_rows(rows):
     prefix = f"[rank {runtime.rank()}] "
-    header = ("path", "global shape", "placements", "local shape", "bytes")
+    header = (
+        "path",
+        "global shape",
+        "placements",
+        "local shape",
+        "bytes",
+        "layout rule",
+    )
     table = [header] + [
         (
             r["path"],
@@ -89,12 +124,14 @@ def _format_rows(rows):
             ", ".join(r["placements"]),
             str(r["local_shape"]),
             str(r["local_bytes"]),
+            NO_RULE if r["layout_rule"] is None else r["layout_rule"],
         )
         for r in rows
     ]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     lines = [
-        prefix + "  ".join(cell.ljust(w) for cell, w in zip(row, widths))
+        prefix
+        + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
         for row in table
     ]
     total = sum(r["local_bytes"] for r in rows)
