@@ -128,7 +128,7 @@ def _make_mistake(case, rank, world_size):
     elif case == "different_batch_counts":
         _fit_own_data(num_samples=32 if rank == 0 else 48)
     elif case == "gpu_devices_on_cpu":
-        distributions.use_data_parallel(devices=["gpu:0", "gpu:1"])
+        _use_data_parallel_on(["gpu:0", "gpu:1"])
     elif case == "batch_dim_name_not_in_mesh":
         _model_parallel_with_batch_axis("batch", ("data", "model"), world_size)
     else:
