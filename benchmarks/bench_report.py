@@ -35,25 +35,27 @@ def ratios(results):
     """Keras / native median and min ratios per model and pair."""
     by_name = {(r["model"], r["impl"]): r for r in results}
     out = []
-    for (model, impl), r in by_name.items():
-        native = by_name.get((model, PAIRS.get(impl)))
-        if native is None:
-            continue
-        out.append(
-            {
-                "model": model,
-                "keras": impl,
-                "native": native["impl"],
-                "median_ratio": r["median_ms"] / native["median_ms"],
-                "min_ratio": r["min_ms"] / native["min_ms"],
-                "cpu_ratio": r["median_cpu_ms"] / native["median_cpu_ms"],
-                "first_loss_rel_diff": abs(
-                    r["first_loss"] - native["first_loss"]
-                )
-                / max(abs(native["first_loss"]), 1e-12),
-            }
-        )
+    models = dict.fromkeys(r["model"] for r in results)
+    for model in models:
+        for impl, other in PAIRS:
+            r = by_name.get((model, impl))
+            native = by_name.get((model, other))
+            if r is not None and native is not None:
+                out.append(_ratio(model, impl, r, native))
     return out
+
+
+def _ratio(model, impl, r, native):
+    return {
+        "model": model,
+        "keras": impl,
+        "native": native["impl"],
+        "median_ratio": r["median_ms"] / native["median_ms"],
+        "min_ratio": r["min_ms"] / native["min_ms"],
+        "cpu_ratio": r["median_cpu_ms"] / native["median_cpu_ms"],
+        "first_loss_rel_diff": abs(r["first_loss"] - native["first_loss"])
+        / max(abs(native["first_loss"]), 1e-12),
+    }
 
 
 def format_report(info, args, results, pair_ratios):
@@ -117,7 +119,7 @@ def _ratio_lines(pair_ratios):
     lines = ["", "Keras / native step time:"]
     for p in pair_ratios:
         lines.append(
-            f"  {p['model']:<12}{p['keras']:>15} / {p['native']:<16}"
+            f"  {p['model']:<12}{p['keras']:>15} / {p['native']:<18}"
             f"median {p['median_ratio']:.2f}x   min {p['min_ratio']:.2f}x"
             f"   cpu {p['cpu_ratio']:.2f}x"
             f"   (first-step loss rel. diff {p['first_loss_rel_diff']:.1e})"
@@ -127,6 +129,11 @@ def _ratio_lines(pair_ratios):
             "  (*_local_*: each rank alone, no distribution, its share of "
             "the distributed step's work: Keras' own cost over torch)"
         )
+    if any(p["native"].startswith("upstream_") for p in pair_ratios):
+        lines.append(
+            "  (upstream_local_*: the same on pristine Keras, in a worker "
+            "process: what this package costs without a distribution)"
+        )
     return lines
 
 
@@ -135,9 +142,12 @@ def _collective_lines(results):
     for r in results:
         c = r["collectives"]
         if c is None:
-            lines.append(
-                f"  {r['model']}/{r['impl']}: not counted (compiled step)"
+            why = (
+                "another process"
+                if r["impl"].startswith("upstream_")
+                else ("compiled step")
             )
+            lines.append(f"  {r['model']}/{r['impl']}: not counted ({why})")
             continue
         extra = ""
         if "gradient_reduction" in c:

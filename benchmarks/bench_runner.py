@@ -20,21 +20,26 @@ LOCAL_IMPLS = (
     "keras_local_dp",
     "native_local_dp",
 )
+# Pristine Keras in a worker process, on the work of `keras_local_*`.
+UPSTREAM_IMPLS = ("upstream_local_dp", "upstream_local_tp")
 COMPILED_IMPLS = (
     "keras_mp_jit",
     "native_tp_compile",
     "keras_dp_jit",
     "native_ddp_compile",
 )
-# Keras implementation -> the native one it is compared with.
-PAIRS = {
-    "keras_mp": "native_tp",
-    "keras_dp": "native_ddp",
-    "keras_local_tp": "native_local_tp",
-    "keras_local_dp": "native_local_dp",
-    "keras_mp_jit": "native_tp_compile",
-    "keras_dp_jit": "native_ddp_compile",
-}
+# (Keras implementation, the one it is compared with).
+PAIRS = (
+    ("keras_mp", "native_tp"),
+    ("keras_dp", "native_ddp"),
+    ("keras_local_tp", "native_local_tp"),
+    ("keras_local_dp", "native_local_dp"),
+    ("keras_mp_jit", "native_tp_compile"),
+    ("keras_dp_jit", "native_ddp_compile"),
+    # This package against pristine Keras, no distribution on either side.
+    ("keras_local_dp", "upstream_local_dp"),
+    ("keras_local_tp", "upstream_local_tp"),
+)
 # Warning the Keras step wrapper gives when torch.compile fails.
 EAGER_FALLBACK_TEXT = "Running the step eagerly instead"
 
@@ -56,6 +61,9 @@ class Runner:
             state.
         loss_fn: turns a step's return value into the global loss (float).
         notes: remarks printed under the table.
+        self_timed: `step` times itself and returns `(wall_s, cpu_s,
+            loss)` (a runner in another process).
+        close: releases what the runner holds (a worker process).
     """
 
     model: str
@@ -68,6 +76,8 @@ class Runner:
     ideal_bytes: int
     loss_fn: object
     notes: list = dataclasses.field(default_factory=list)
+    self_timed: bool = False
+    close: object = None
     times: list = dataclasses.field(default_factory=list)
     cpu_times: list = dataclasses.field(default_factory=list)
     first_loss: float = float("nan")
@@ -107,12 +117,21 @@ def measure(runners, args, device):
             runner.activate()
             for _ in range(args.steps):
                 dist.barrier()
-                start = time.perf_counter()
-                cpu_start = time.process_time()
-                runner.step()
-                synchronize(device)
-                runner.times.append(time.perf_counter() - start)
-                runner.cpu_times.append(time.process_time() - cpu_start)
+                wall, cpu = _timed_step(runner, device)
+                runner.times.append(wall)
+                runner.cpu_times.append(cpu)
+
+
+def _timed_step(runner, device):
+    """Wall and CPU seconds of one step of `runner`."""
+    if runner.self_timed:
+        wall, cpu, _ = runner.step()
+        return wall, cpu
+    start = time.perf_counter()
+    cpu_start = time.process_time()
+    runner.step()
+    synchronize(device)
+    return time.perf_counter() - start, time.process_time() - cpu_start
 
 
 def slowest_rank_times(runners):

@@ -61,6 +61,7 @@ import dataclasses
 import gc
 import os
 import sys
+from pathlib import Path
 
 # Before anything imports keras: its backend is read at import.
 os.environ.setdefault("KERAS_BACKEND", "torch")
@@ -82,13 +83,23 @@ from bench_runner import COMPILED_IMPLS  # noqa: E402
 from bench_runner import EAGER_IMPLS  # noqa: E402
 from bench_runner import LOCAL_IMPLS  # noqa: E402
 from bench_runner import MODELS  # noqa: E402
+from bench_runner import UPSTREAM_IMPLS  # noqa: E402
 from bench_runner import measure  # noqa: E402
 from bench_runner import slowest_rank_times  # noqa: E402
 from bench_runner import warm_up  # noqa: E402
 from keras_runners import keras_runner  # noqa: E402
 from native_runners import native_runner  # noqa: E402
+from upstream_runners import check_upstream  # noqa: E402
+from upstream_runners import upstream_runner  # noqa: E402
 
 import keras  # noqa: E402
+
+DEFAULT_UPSTREAM = (
+    Path(__file__).resolve().parents[1]
+    / "build"
+    / "upstream"
+    / f"keras-{keras.__version__}"
+)
 
 
 def parse_args(argv=None):
@@ -98,9 +109,17 @@ def parse_args(argv=None):
     p.add_argument(
         "--impl",
         nargs="+",
-        choices=EAGER_IMPLS + LOCAL_IMPLS + COMPILED_IMPLS,
+        choices=EAGER_IMPLS + LOCAL_IMPLS + UPSTREAM_IMPLS + COMPILED_IMPLS,
         help="implementations to run (default: the 4 eager and the 4 local "
-        "ones, and the 4 compiled ones with --jit-compile)",
+        "ones, upstream_local_dp where --upstream-keras exists, and the 4 "
+        "compiled ones with --jit-compile)",
+    )
+    p.add_argument(
+        "--upstream-keras",
+        default=str(DEFAULT_UPSTREAM),
+        metavar="PATH",
+        help="pristine Keras tree the upstream_local_* runners import "
+        "(default: build/upstream/keras-VERSION of this repository)",
     )
     p.add_argument(
         "--jit-compile", action="store_true", help="also run the compiled steps"
@@ -150,8 +169,12 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.impl is None:
         args.impl = list(EAGER_IMPLS) + list(LOCAL_IMPLS)
+        if os.path.isdir(args.upstream_keras):
+            args.impl.append("upstream_local_dp")
         if args.jit_compile:
             args.impl += list(COMPILED_IMPLS)
+    if any(i.startswith("upstream_") for i in args.impl):
+        check_upstream(args.upstream_keras)
     args.models = list(MODELS) if args.model == "all" else [args.model]
     return args
 
@@ -172,7 +195,11 @@ def build_runners(args, device):
                     make_data(kind, shapes, args.seed, device),
                 )
             ref, data = inputs[key]
-            if impl.startswith("keras"):
+            if impl.startswith("upstream"):
+                runner = upstream_runner(
+                    kind, impl, shapes, ref, data, args, device
+                )
+            elif impl.startswith("keras"):
                 runner = keras_runner(kind, impl, shapes, ref, data, ctx, args)
             else:
                 runner = native_runner(
@@ -209,6 +236,9 @@ def main(argv=None):
         if args.json:
             write_json(args.json, info, args, results, pair_ratios)
     dist.barrier()
+    for runner in runners:
+        if runner.close is not None:
+            runner.close()
     # Torn down here, not at interpreter exit: the DDP reducers and gloo's
     # threads still alive then can abort a rank ("terminate called without
     # an active exception").

@@ -7,11 +7,17 @@ memory check and its failure path), never how fast anything is.
 
 import json
 import re
+import sys
 from pathlib import Path
+
+import pytest
 
 from tests.harness import run_torchrun
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "build_backend"))
+import overlaylib  # noqa: E402
+
 BENCHMARKS = REPO / "benchmarks"
 # CPU processes on gloo whatever the machine has.
 CPU_ENV = {"CUDA_VISIBLE_DEVICES": ""}
@@ -40,8 +46,18 @@ LOCAL = (
     "keras_local_dp",
     "native_local_dp",
 )
+# Pristine Keras on the work of keras_local_dp (a worker process per rank).
+UPSTREAM = ("upstream_local_dp",)
 # Adam's scalar step counters are not in the ideal bytes.
 SCALAR_SLACK_BYTES = 1024
+
+
+@pytest.fixture(scope="module")
+def pristine_root():
+    version = overlaylib.upstream_version(
+        overlaylib.project_table(REPO)["version"]
+    )
+    return overlaylib.pristine_upstream(version, REPO / "build" / "upstream")
 
 
 def _step_results(tmp_path, *extra):
@@ -57,18 +73,24 @@ def _step_results(tmp_path, *extra):
     return result.stdout, json.loads(path.read_text())
 
 
-def test_bench_step_runs_all_implementations(tmp_path):
-    text, data = _step_results(tmp_path)
+def test_bench_step_runs_all_implementations(tmp_path, pristine_root):
+    text, data = _step_results(tmp_path, "--upstream-keras", str(pristine_root))
     assert "Machine: cpu=" in text and "world_size=2" in text, text
     results = {(r["model"], r["impl"]): r for r in data["results"]}
     assert set(results) == {
-        (m, i) for m in ("mlp", "transformer") for i in EAGER + LOCAL
+        (m, i) for m in ("mlp", "transformer") for i in EAGER + LOCAL + UPSTREAM
     }
     for (model, impl), r in results.items():
         assert re.search(
             rf"^{model}\s+{impl}\s+\d+\.\d+\s+\d+\.\d+", text, re.MULTILINE
         ), text
         assert len(r["times_ms"]) == 2 and min(r["times_ms"]) > 0
+        if impl in UPSTREAM:
+            # It ran pristine Keras, in its own process: not counted.
+            assert r["collectives"] is None
+            root = str(Path(pristine_root).resolve())
+            assert any(root in n for n in r["notes"]), r
+            continue
         # The optimizer update itself never communicates.
         assert r["collectives"]["optimizer_alone"] == 0, r
         assert r["state_bytes"] <= r["ideal_state_bytes"] + SCALAR_SLACK_BYTES
@@ -77,6 +99,9 @@ def test_bench_step_runs_all_implementations(tmp_path):
     assert results[("mlp", "native_tp")]["collectives"]["total"] == 1
     assert results[("transformer", "native_tp")]["collectives"]["total"] == 4
     assert results[("mlp", "native_ddp")]["collectives"]["total"] == 1
+    # Keras DataParallel too: the loss rides in the gradient bucket.
+    for model in ("mlp", "transformer"):
+        assert results[(model, "keras_dp")]["collectives"]["total"] == 1
     # A rank training its share alone does not communicate.
     for model in ("mlp", "transformer"):
         for impl in LOCAL:
@@ -99,6 +124,7 @@ def test_bench_step_runs_all_implementations(tmp_path):
         ("keras_dp", "native_ddp"),
         ("keras_local_tp", "native_local_tp"),
         ("keras_local_dp", "native_local_dp"),
+        ("keras_local_dp", "upstream_local_dp"),
     }
     for p in data["ratios"]:
         assert p["first_loss_rel_diff"] < 1e-4, p

@@ -100,14 +100,12 @@ def test_model_parallel_block_all_reduces_once_each_way():
     assert counts["partial_gradients"] == []
 
 
-def test_data_parallel_step_reduces_one_bucket_and_the_loss():
-    # One gradient bucket (all weights are far below 25 MiB), and the loss:
-    # Keras reports the global batch's loss, which DDP does not compute.
+def test_data_parallel_step_reduces_the_loss_in_the_gradient_bucket():
+    # One collective: the gradient bucket (all weights are far below
+    # 25 MiB), which also carries the loss Keras reports (the global
+    # batch's, which DDP does not compute).
     counts = _counts("dp", "block")
-    assert counts["step"] == {
-        "c10d_functional.all_reduce": 1,
-        "c10d.allreduce_": 1,
-    }
+    assert counts["step"] == {"c10d.allreduce_": 1}
     assert counts["update"] == 0
     # Each weight's gradient is a sum over the batch parts, reduced in the
     # bucket.
@@ -119,3 +117,42 @@ def test_data_parallel_step_reduces_one_bucket_and_the_loss():
         "norm/beta",
         "norm/gamma",
     ]
+
+
+def _divide_no_nan_body(rank, world_size):
+    import torch
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    import keras
+    from keras.src.backend.torch.distributed import layouts
+
+    distributions.use_setting("dp")
+    mesh = layouts.as_torch_layout(
+        keras.distribution.distribution().get_data_layout((2,))
+    ).device_mesh
+    # Process r holds r + 1: the value is 1 + 2 = 3.
+    local = torch.tensor(float(rank + 1))
+    partial = layouts.dtensor_from_local(local, mesh, [Partial()], shape=())
+    out = {}
+    for name, divisor in (("by_2", 2.0), ("by_0", 0.0)):
+        with CommDebugMode() as comm:
+            quotient = keras.ops.divide_no_nan(partial, divisor)
+        out[name] = {
+            "partial": any(p.is_partial() for p in quotient.placements),
+            "comms": comm.get_total_counts(),
+            "value": float(quotient.full_tensor()),
+        }
+    keras.distribution.set_distribution(None)
+    return out
+
+
+def test_divide_no_nan_keeps_a_partial_loss_partial():
+    # The loss over a sharded batch stays a partial sum through its
+    # division by the sample count, to be reduced in the gradient bucket;
+    # a zero divisor keeps upstream's `where` (0, reduced at once).
+    results = run_on_ranks(_divide_no_nan_body, world_size=2)
+    assert results[0] == results[1]
+    by_2, by_0 = results[0]["by_2"], results[0]["by_0"]
+    assert by_2 == {"partial": True, "comms": 0, "value": 1.5}
+    assert not by_0["partial"] and by_0["value"] == 0.0

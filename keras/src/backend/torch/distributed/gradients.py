@@ -17,6 +17,9 @@ from keras.src.backend.torch.distributed import layouts
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
 
+if runtime.DTENSOR_AVAILABLE:
+    from torch.distributed.tensor import Partial
+
 BUCKET_BYTES = 25 * 1024 * 1024
 
 # Each optimizer's flat gradient buffers, kept from one step to the next:
@@ -66,8 +69,36 @@ def apply_gradients(apply_function, optimizer, grads, trainable_variables):
     return result
 
 
+def reduce_with_loss(optimizer, gradients, loss):
+    """Reduces a train step's gradients and its loss in one collective.
+
+    Under data parallelism the loss is a partial value (each process' share
+    of the global batch's loss); it is reduced in the gradients' first
+    bucket instead of by a collective of its own. Without a distribution,
+    or with nothing to reduce, the arguments come back as they are.
+
+    Args:
+        optimizer: the optimizer the gradients are for (its flat buffers
+            are reused).
+        gradients: list of gradients (`DTensor`, tensor or `None`).
+        loss: the step's loss.
+
+    Returns:
+        A tuple `(gradients, loss)`, reduced as `reduce_gradients` does.
+    """
+    if runtime.current_distribution() is None:
+        return gradients, loss
+    buffers = _GRADIENT_BUFFERS.setdefault(optimizer, {})
+    # The loss goes first: it is in the first bucket whatever its size.
+    reduced = reduce_gradients([loss.detach()] + list(gradients), buffers)
+    return reduced[1:], reduced[0]
+
+
 def reduce_gradients(gradients, buffers=None):
     """Turns partial-sum gradients into the replicated or sharded ones.
+
+    Partial sums and partial averages of one mesh and dtype share buckets:
+    each bucket is summed once, and an average's part is then divided.
 
     Args:
         gradients: list of gradients (`DTensor`, tensor or `None`).
@@ -83,7 +114,7 @@ def reduce_gradients(gradients, buffers=None):
     groups = {}
     for i, g in enumerate(gradients):
         if isinstance(g, DTensor) and any(p.is_partial() for p in g.placements):
-            key = (id(g.device_mesh), g.placements, g.dtype, g.device)
+            key = (id(g.device_mesh), _summed(g.placements), g.dtype, g.device)
             groups.setdefault(key, []).append(i)
     for key, indices in groups.items():
         if not _needs_reduction(gradients[indices[0]]):
@@ -102,6 +133,14 @@ def reduce_gradients(gradients, buffers=None):
             for i, g in zip(bucket, reduced):
                 gradients[i] = g
     return gradients
+
+
+def _summed(placements):
+    """`placements` with partial averages taken as partial sums."""
+    return tuple(
+        Partial("sum") if p.is_partial() and p.reduce_op == "avg" else p
+        for p in placements
+    )
 
 
 def _all_replicated(values):
@@ -151,39 +190,51 @@ def _relabel_reduced(gradient):
 
 
 def _all_reduce_bucket(gradients, flat):
-    """All-reduces gradients of one mesh, placement and dtype at once.
+    """All-reduces values of one mesh, summed placements and dtype at once.
 
     Args:
-        gradients: the bucket's `Partial` gradients.
+        gradients: the bucket's `Partial` values (sums or averages).
         flat: a 1-D tensor of their total local size to pack them into.
 
     Returns:
-        The reduced gradients, views of `flat`.
+        The reduced values, views of `flat`.
     """
     first = gradients[0]
-    mesh, placements = first.device_mesh, first.placements
+    mesh = first.device_mesh
     torch.cat([g.to_local().reshape(-1) for g in gradients], out=flat)
-    for mesh_dim, placement in enumerate(placements):
+    for mesh_dim, placement in enumerate(first.placements):
         if placement.is_partial() and mesh.size(mesh_dim) > 1:
-            dist.all_reduce(flat, group=mesh.get_group(mesh_dim))
-            if placement.reduce_op == "avg":
-                flat /= mesh.size(mesh_dim)
-    reduced_placements = layouts.reduced_placements(placements)
+            op = getattr(
+                dist.ReduceOp, _summed([placement])[0].reduce_op.upper()
+            )
+            dist.all_reduce(flat, op=op, group=mesh.get_group(mesh_dim))
     reduced, offset = [], 0
     for g in gradients:
         local = g.to_local()
         part = flat[offset : offset + local.numel()].view(local.shape)
         offset += local.numel()
+        divisor = _average_divisor(g)
+        if divisor > 1:
+            part /= divisor
         reduced.append(
             layouts.dtensor_from_local(
                 part,
                 mesh,
-                reduced_placements,
+                layouts.reduced_placements(g.placements),
                 shape=g.shape,
                 stride=g.stride(),
             )
         )
     return reduced
+
+
+def _average_divisor(value):
+    """The number of parts a partial average of `value` was summed over."""
+    divisor = 1
+    for mesh_dim, placement in enumerate(value.placements):
+        if placement.is_partial() and placement.reduce_op == "avg":
+            divisor *= value.device_mesh.size(mesh_dim)
+    return divisor
 
 
 def _buckets(indices, gradients):

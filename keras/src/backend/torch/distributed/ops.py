@@ -67,3 +67,37 @@ def dropout(inputs, rate):
     noise.bernoulli_(1 - rate)
     noise.div_(1 - rate)
     return inputs * layouts.replicate(noise, inputs.device_mesh)
+
+
+def is_partial_over_nonzero(numerator, divisor):
+    """Whether `numerator / divisor` can stay a partial value.
+
+    A loss reduced over a sharded batch is a partial sum (each process
+    holds its rows' share); divided by a replicated divisor with no zeros,
+    the quotient is the sum of the processes' quotients, so it can stay
+    partial and be reduced later together with the gradients (see
+    `gradients.reduce_with_loss`). `divide_no_nan`'s `where` would reduce
+    it at once. A divisor that has zeros keeps `divide_no_nan`'s own path.
+
+    Args:
+        numerator: a tensor.
+        divisor: a tensor.
+
+    Returns:
+        `True` if `numerator` is a partial `DTensor`, `divisor` is
+        replicated (or plain), and no element of `divisor` is zero.
+    """
+    if not isinstance(numerator, DTensor) or not any(
+        p.is_partial() and p.reduce_op in ("sum", "avg")
+        for p in numerator.placements
+    ):
+        return False
+    if torch.compiler.is_compiling():
+        # The zero check reads a value: a graph break in a compiled step.
+        return False
+    if isinstance(divisor, DTensor):
+        if not all(p.is_replicate() for p in divisor.placements):
+            return False
+        divisor = divisor.to_local()
+    # The same replicated value on every process: all take the same branch.
+    return not bool((divisor == 0).any())
