@@ -1,13 +1,15 @@
 """keras-hub causal LMs under ModelParallel with their own layout maps.
 
-Tiny Gemma (one key/value head: uneven on a model axis of 2) and Llama
-(kernels sharded over both mesh axes) causal LMs, built from configs (no
-downloaded weights), are fitted with keras-hub's own `CausalLM.fit` on
-numpy arrays (a `tf.data` pipeline with `map` and `prefetch` inside),
-then `generate()` greedily for a batch of prompts. On a (1, 2) and a
-(2, 2) ("batch", "model") mesh every process must give what one process
-gives: the losses and final weights (rtol 1e-4), the generated tokens
-(exactly); and the weights must be laid out as `get_layout_map` says.
+Tiny causal LMs built from configs (no downloaded weights) are fitted with
+keras-hub's own `CausalLM.fit` on numpy arrays (a `tf.data` pipeline with
+`map` and `prefetch` inside), then `generate()` greedily for a batch of
+prompts: Gemma (one key/value head: uneven on a model axis of 2) on a
+(1, 2) mesh, Llama (kernels sharded over both mesh axes) on a (2, 2)
+("batch", "model") mesh. Every process must give what one process gives:
+the losses and final weights (rtol 1e-4), the generated tokens (exactly);
+and the weights must be laid out as `get_layout_map` says.
+
+The ops those models needed are also checked without keras-hub.
 """
 
 import functools
@@ -129,4 +131,34 @@ def test_ops_on_sharded_operands():
         )
         np.testing.assert_array_equal(result["slice_update"], updated)
         np.testing.assert_array_equal(result["while_loop"], prompt + 3)
+    pm.assert_ranks_agree(per_rank)
+
+
+def _sharded_lookup(rank, world_size):
+    """An embedding sharded like keras-hub's, looked up by sharded ids."""
+    import keras
+    from keras import ops
+    from tests import distributions
+
+    distribution = distributions.use_model_parallel(
+        layout_rules={"embedding/embeddings": ("model", "batch")},
+        mesh_shape=(2, 2),
+    )
+    embedding = keras.layers.Embedding(16, 4, name="embedding")
+    embedding.build((None, 3))
+    ids = keras.distribution.distribute_tensor(
+        np.arange(12, dtype="int32").reshape(4, 3),
+        distribution.get_data_layout((4, 3)),
+    )
+    return {
+        "table": ops.convert_to_numpy(embedding.embeddings),
+        "lookup": ops.convert_to_numpy(embedding(ids)),
+    }
+
+
+def test_lookup_in_table_sharded_on_both_axes():
+    per_rank = run_on_ranks(_sharded_lookup, world_size=4)
+    ids = np.arange(12).reshape(4, 3)
+    for result in per_rank:
+        np.testing.assert_array_equal(result["lookup"], result["table"][ids])
     pm.assert_ranks_agree(per_rank)

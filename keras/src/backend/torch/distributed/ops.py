@@ -1,9 +1,10 @@
 """Ops that DTensor alone would not compute as one process does.
 
 DTensor convolves a sharded kernel wrongly, cannot contract unevenly
-sharded einsum operands nor update a sharded tensor in place by index, and
-draws random numbers per shard. The torch backend's convolution, einsum,
-`slice_update` and dropout hand their operands here first.
+sharded einsum operands nor update a sharded tensor in place by index,
+mis-reduces a sharded lookup with sharded indices, and draws random numbers
+per shard. The torch backend's convolution, einsum, `take`, `slice_update`
+and dropout hand their operands here first.
 """
 
 import functools
@@ -82,6 +83,31 @@ def _uneven(x, dim, num_shards):
     # DTensor's views cannot keep a dimension of size 1 sharded either,
     # even over a mesh axis of size 1 (where gathering costs nothing).
     return x.shape[dim] % num_shards or x.shape[dim] == 1
+
+
+def take_operands(x, indices):
+    """Lays out `take` operands the way DTensor can look them up.
+
+    A lookup in a table sharded on a mesh axis with indices sharded on the
+    same axis (Llama's and Gemma's embeddings on a 2D mesh, ids sharded on
+    the batch axis) leaves DTensor's masked partial sum with a mask of the
+    wrong shape (`IndexError` when it is reduced). The indices are gathered
+    along such axes: they are small.
+
+    Args:
+        x: the table.
+        indices: the indices.
+
+    Returns:
+        The pair `(x, indices)`.
+    """
+    if not isinstance(x, DTensor) or not isinstance(indices, DTensor):
+        return x, indices
+    placements = [
+        Replicate() if p.is_shard() and table.is_shard() else p
+        for p, table in zip(indices.placements, x.placements)
+    ]
+    return x, layouts.redistribute(indices, indices.device_mesh, placements)
 
 
 def on_replicated_operands(function):
