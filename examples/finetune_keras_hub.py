@@ -18,7 +18,8 @@ on a 2 x 2 mesh:
 
     ./run_multi_gpu.sh -n 4 examples/finetune_keras_hub.py
 
-or as one plain process:
+or as one plain process, without a distribution (the same losses and
+tokens):
 
     KERAS_BACKEND=torch python examples/finetune_keras_hub.py
 
@@ -148,16 +149,21 @@ def main():
     args = parse_args()
 
     keras.distribution.initialize()
-    distribution = make_distribution(
-        backbone_class(args.model), args.model_parallel
+    distribution = None
+    if len(keras.distribution.list_devices()) > 1:
+        distribution = make_distribution(
+            backbone_class(args.model), args.model_parallel
+        )
+        # Variables created from now on get their layouts from the LayoutMap.
+        keras.distribution.set_distribution(distribution)
+    is_chief = (
+        distribution is None
+        or keras.distribution.mesh_info()["process_id"] == 0
     )
-    # Variables created from now on get their layouts from the LayoutMap.
-    keras.distribution.set_distribution(distribution)
-    is_chief = keras.distribution.mesh_info()["process_id"] == 0
 
     keras.utils.set_random_seed(SEED)
     causal_lm = build_causal_lm(args.model)
-    if is_chief:
+    if distribution and is_chief:
         keras.distribution.sharding_summary(causal_lm, print_fn=print)
     causal_lm.compile(
         optimizer=keras.optimizers.Adam(learning_rate=3e-3),
@@ -184,7 +190,9 @@ def main():
         result = {
             "epoch_losses": history.history["loss"],
             "generated": tokens,
-            "mesh_shape": list(distribution.device_mesh.shape),
+            "mesh_shape": (
+                list(distribution.device_mesh.shape) if distribution else None
+            ),
         }
         print("RESULT " + json.dumps(result), flush=True)
 
