@@ -1,9 +1,9 @@
 """Tiny keras-hub causal LMs for the keras-hub tests (no downloaded weights).
 
 Shared by `tests/test_keras_hub.py` (the pytest process computes the
-single-process references) and its multi-rank bodies, and by
-`examples/finetune_keras_hub.py`'s test. The same `kind` gives the same
-data, initial weights and training on one process as on several.
+single-process references) and its multi-rank bodies. The same `kind`
+gives the same data, initial weights and training on one process as on
+several.
 
 Kinds:
     "gemma": `GemmaCausalLM`, 1 key/value head: sharded over a model axis
