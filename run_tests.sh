@@ -9,10 +9,14 @@ source "$(dirname "${BASH_SOURCE[0]}")/scripts/bootstrap.sh"
 bootstrap_venv
 cd "$REPO_ROOT"
 
-# The test tools are those of the `test` extra; pip skips them when present.
+# The test tools are those of the `test` extra, plus packages installed
+# without their dependencies; pip skips them when present.
 mapfile -t test_deps < <("$PY" -c 'import tomllib
 print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["test"]))')
 "$PY" -m pip install -q "${test_deps[@]}" >&2
+mapfile -t no_deps < <("$PY" -c 'import tomllib
+print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["tool"]["keras-torchdist"]["test-no-deps"]))')
+"$PY" -m pip install -q --no-deps "${no_deps[@]}" >&2
 
 # Our Python files only: the diffs to upstream files keep upstream's style.
 "$VENV/bin/ruff" format --check --quiet . || {

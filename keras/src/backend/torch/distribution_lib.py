@@ -236,6 +236,27 @@ def distribute_global_batch(data, distribution):
     return data_input.distribute_global_batch(data, distribution)
 
 
+def tf_dataset_adapter(dataset, class_weight=None, distribution=None):
+    """Makes the data adapter of a `tf.data.Dataset` under `distribution`.
+
+    Generic code asks for this capability: a dataset whose batch size
+    upstream's sharding cannot compute is read as global batches instead
+    of refused (see `keras.src.backend.torch.distributed.tf_data`).
+
+    Args:
+        dataset: a `tf.data.Dataset`.
+        class_weight: optional dict of class ids to weights.
+        distribution: the `keras.distribution.Distribution` in effect, or
+            `None`.
+
+    Returns:
+        A `TFDatasetAdapter`.
+    """
+    from keras.src.backend.torch.distributed import tf_data
+
+    return tf_data.tf_dataset_adapter(dataset, class_weight, distribution)
+
+
 def all_gather_variable(variable):
     """Returns the full value of a (possibly sharded) variable.
 

@@ -174,6 +174,31 @@ def replicated_plain_tensors():
         _replication_depth -= 1
 
 
+def loop_function(function):
+    """A `while_loop` body or condition, run under the distribution.
+
+    Loop bodies such as keras-hub's sampling loop mix layer outputs with
+    plain tensors outside any layer; as in layer calls, the plain tensors
+    are taken as replicated global values.
+
+    Args:
+        function: the loop's `cond` or `body`.
+
+    Returns:
+        `function` itself without a distribution, else a function that
+        calls it inside `replicated_plain_tensors`.
+    """
+    if runtime.current_distribution() is None:
+        return function
+
+    @functools.wraps(function)
+    def replicated_function(*args):
+        with replicated_plain_tensors():
+            return function(*args)
+
+    return replicated_function
+
+
 def check_replicated(values, name):
     """Raises if plain tensors in `values` differ between processes.
 

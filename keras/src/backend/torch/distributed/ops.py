@@ -1,12 +1,17 @@
 """Ops that DTensor alone would not compute as one process does.
 
-DTensor convolves a sharded kernel wrongly, and draws random numbers per
-shard. The torch backend's convolution and dropout hand their operands here
-first.
+DTensor convolves a sharded kernel wrongly, cannot contract unevenly
+sharded einsum operands nor update a sharded tensor in place by index,
+mis-reduces a sharded lookup with sharded indices, and draws random numbers
+per shard. The torch backend's convolution, einsum, `take`, `slice_update`
+and dropout hand their operands here first.
 """
+
+import functools
 
 import torch
 
+from keras.src import tree
 from keras.src.backend.torch.distributed import layouts
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
@@ -41,6 +46,105 @@ def conv_operands(inputs, kernel):
         ]
         inputs = layouts.redistribute(inputs, inputs.device_mesh, batch_only)
     return inputs, kernel
+
+
+def einsum_operands(operands):
+    """Lays out einsum operands the way DTensor can contract them.
+
+    DTensor computes an einsum through views, which cannot keep a dimension
+    sharded unevenly or a dimension of size 1 sharded (e.g. Gemma's single
+    key/value head on a model axis of 1 or 2): such dimensions are gathered
+    first. Gathering is differentiable:
+    gradients come back sharded like the operand.
+
+    Args:
+        operands: the einsum operands.
+
+    Returns:
+        The operands, as a list.
+    """
+    return [_gather_uneven_dims(x) for x in operands]
+
+
+def _gather_uneven_dims(x):
+    if not isinstance(x, DTensor):
+        return x
+    mesh = x.device_mesh
+    placements = [
+        Replicate() if p.is_shard() and _uneven(x, p.dim, mesh.size(i)) else p
+        for i, p in enumerate(x.placements)
+    ]
+    if placements == list(x.placements):
+        return x
+    return layouts.redistribute(x, mesh, placements)
+
+
+def _uneven(x, dim, num_shards):
+    # DTensor's views cannot keep a dimension of size 1 sharded either,
+    # even over a mesh axis of size 1 (where gathering costs nothing).
+    return x.shape[dim] % num_shards or x.shape[dim] == 1
+
+
+def take_operands(x, indices):
+    """Lays out `take` operands the way DTensor can look them up.
+
+    A lookup in a table sharded on a mesh axis with indices sharded on the
+    same axis (Llama's and Gemma's embeddings on a 2D mesh, ids sharded on
+    the batch axis) leaves DTensor's masked partial sum with a mask of the
+    wrong shape (`IndexError` when it is reduced). The indices are gathered
+    along such axes: they are small.
+
+    Args:
+        x: the table.
+        indices: the indices.
+
+    Returns:
+        The pair `(x, indices)`.
+    """
+    if not isinstance(x, DTensor) or not isinstance(indices, DTensor):
+        return x, indices
+    placements = [
+        Replicate() if p.is_shard() and table.is_shard() else p
+        for p, table in zip(indices.placements, x.placements)
+    ]
+    return x, layouts.redistribute(indices, indices.device_mesh, placements)
+
+
+def on_replicated_operands(function):
+    """Runs `function` on the global values of its `DTensor` arguments.
+
+    For in-place updates that DTensor cannot make on a sharded tensor, such
+    as `slice_update`'s `index_put_` on a batch-sharded prompt. The result
+    is laid out as the first argument was.
+
+    Args:
+        function: a function of tensors (possibly nested in lists).
+
+    Returns:
+        The wrapped function.
+    """
+
+    @functools.wraps(function)
+    def replicated_function(inputs, *args):
+        if not any(isinstance(x, DTensor) for x in tree.flatten(args)) and (
+            not isinstance(inputs, DTensor)
+        ):
+            return function(inputs, *args)
+        outputs = function(*tree.map_structure(_replicated, (inputs, *args)))
+        if not isinstance(inputs, DTensor):
+            return outputs
+        return layouts.redistribute(
+            outputs, inputs.device_mesh, inputs.placements
+        )
+
+    return replicated_function
+
+
+def _replicated(x):
+    if not isinstance(x, DTensor):
+        return x
+    mesh = x.device_mesh
+    return layouts.redistribute(x, mesh, [Replicate()] * mesh.ndim)
 
 
 def dropout(inputs, rate):
