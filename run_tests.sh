@@ -35,4 +35,5 @@ for arg in "$@"; do
 done
 
 export KERAS_BACKEND=torch
-exec "$PY" -m pytest "${targets[@]}" "$@"
+# The slowest tests are listed, so that CI logs show where the time goes.
+exec "$PY" -m pytest --durations=25 "${targets[@]}" "$@"

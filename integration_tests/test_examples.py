@@ -148,7 +148,11 @@ def _assert_losses_match(result, reference):
 
 
 def _summary_rows(stdout):
-    """Parses a printed sharding summary: {path: (rank, placements, local)}."""
+    """Parses a printed sharding summary.
+
+    Returns:
+        `{path: (rank, placements, local shape, layout rule)}`.
+    """
     rows = {}
     for line in stdout.splitlines():
         match = re.match(r"\[rank (\d+)\] (.*)$", line)
@@ -156,10 +160,10 @@ def _summary_rows(stdout):
             continue
         # Columns are separated by 2+ spaces; cells hold single spaces.
         cells = re.split(r"\s{2,}", match.group(2).strip())
-        if len(cells) != 5 or cells[0] == "path":
+        if len(cells) != 6 or cells[0] == "path":
             continue
-        path, _, placements, local_shape, _ = cells
-        rows[path] = (int(match.group(1)), placements, local_shape)
+        path, _, placements, local_shape, _, rule = cells
+        rows[path] = (int(match.group(1)), placements, local_shape, rule)
     return rows
 
 
@@ -167,12 +171,14 @@ def _check_megatron_layouts(stdout, model_parallel):
     """The summary (rank 0's only) shows the intended Megatron layouts."""
     rows = _summary_rows(stdout)
     assert rows, stdout
-    assert {rank for rank, _, _ in rows.values()} == {0}
+    assert {row[0] for row in rows.values()} == {0}
     # Mesh (batch, model): nothing is split along `batch`.
     for path, dim in MODEL_SHARDED_DIM.items():
         assert rows[path][1] == f"R, S({dim})", (path, rows[path])
+        assert rows[path][3] != "(no rule)", (path, rows[path])
     for path in REPLICATED:
         assert rows[path][1] == "R, R", (path, rows[path])
+        assert rows[path][3] == "(no rule)", (path, rows[path])
     # What this process stores: its share of the heads and MLP units.
     local_heads = NUM_HEADS // model_parallel
     head_dim = EMBED_DIM // NUM_HEADS
