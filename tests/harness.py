@@ -45,8 +45,10 @@ call and recycles the pool.
 
 What the workers look like
 --------------------------
-Each worker is started with the multiprocessing "spawn" context and,
-before importing torch, gets the environment `torchrun` would give it:
+Each worker is forked from a multiprocessing "forkserver" that has imported
+torch and keras once (`tests/worker_preload.py`, with `KERAS_BACKEND=torch`
+and one thread), so that starting a pool costs no imports; the worker then
+gets the environment `torchrun` would give it:
 `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `GROUP_RANK`,
 `MASTER_ADDR=127.0.0.1`, `MASTER_PORT`, plus `KERAS_BACKEND=torch`,
 `OMP_NUM_THREADS=1` and `GLOO_SOCKET_IFNAME=lo`. It then runs
@@ -107,6 +109,7 @@ import gc
 import importlib
 import math
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import pickle
 import shutil
@@ -122,9 +125,9 @@ from typing import Any
 from typing import Callable
 from typing import Sequence
 
-# NOTE: this module must not import torch or keras at module level. The
-# spawned workers import it to find `_worker_main`, and they must set
-# their environment before torch is imported.
+# NOTE: this module must not import torch or keras at module level: the
+# workers and the forkserver import it, and only `worker_preload` decides
+# the environment torch and keras are imported with.
 
 # Bound of a call that states none. Generous: the machine is small and
 # shared (4 ranks may share 2 cores), and a loaded run must not flake.
@@ -386,7 +389,7 @@ class _WorkerPool:
     def _start(self) -> None:
         start = time.monotonic()
         port = self._start_store()
-        context = multiprocessing.get_context("spawn")
+        context = _worker_context()
         sys_path = _worker_sys_path()
         for rank in range(self.world_size):
             parent_conn, child_conn = context.Pipe(duplex=True)
@@ -647,6 +650,26 @@ def _check_timeout(timeout: Any) -> float:
     return float(timeout)
 
 
+def _worker_context() -> multiprocessing.context.BaseContext:
+    """The forkserver context, its server preloading torch and keras."""
+    context = multiprocessing.get_context("forkserver")
+    package = __name__.rpartition(".")[0]
+    context.set_forkserver_preload([f"{package}.worker_preload".lstrip(".")])
+    # Python 3.11's forkserver does not take our `sys.path`, yet it must
+    # import the preload module and, in every worker, this one.
+    here = _REPO_ROOT if package else os.path.dirname(__file__)
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, saved]))
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
+    return context
+
+
 def _worker_sys_path() -> list[str]:
     # Workers must import the body's module exactly as the parent did
     # (pytest's "importlib" import mode does not touch sys.path, so add
@@ -848,14 +871,25 @@ def _redirect_output(log_path: str) -> None:
 
 def _die_with_parent(parent_pid: int) -> None:
     # If pytest itself is killed, the workers must not linger (they would
-    # sit in a collective up to PROCESS_GROUP_TIMEOUT first).
+    # sit in a collective up to PROCESS_GROUP_TIMEOUT first). Their parent
+    # is the forkserver, which exits when pytest does.
     if not sys.platform.startswith("linux"):
         return
+    server_pid = os.getppid()
     pr_set_pdeathsig = 1
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != parent_pid:  # The parent died before prctl.
+    # The server or pytest died before prctl.
+    if os.getppid() != server_pid or not _process_alive(parent_pid):
         os._exit(1)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _install_stack_dumps(stack_path: str) -> None:
