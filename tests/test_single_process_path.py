@@ -8,6 +8,7 @@ modules, only the hooks' own entry points may run, and they may call nothing
 but the check whether a distribution is set.
 """
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -152,8 +153,11 @@ def _loss_tracked_last(calls):
 
 
 def test_single_process_step_runs_upstream_code_path(pristine_root):
-    ours = _run()
-    upstream = _run(pythonpath=pristine_root)
+    # The two interpreters run at once.
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        ours = pool.submit(_run)
+        upstream = pool.submit(_run, pythonpath=pristine_root)
+        ours, upstream = ours.result(), upstream.result()
     assert upstream["calls"], "the profile recorded nothing"
     upstream_calls = _loss_tracked_last(upstream["calls"])
     assert not any("distributed" in c for c in upstream_calls)
