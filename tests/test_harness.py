@@ -382,13 +382,13 @@ if mode == "hang":
         with open(sys.argv[2], "w") as f:
             f.write(str(os.getpid()))
     time.sleep(600)
+if mode == "fail" and os.environ["RANK"] == "1":
+    raise RuntimeError("torchrun rank 1 failed on purpose")
 
 import torch, torch.distributed as dist
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
-if mode == "fail" and rank == 1:
-    raise RuntimeError("torchrun rank 1 failed on purpose")
 t = torch.tensor([float(rank + 1)])
 dist.all_reduce(t)
 print(f"rank {rank}: sum={t.item()} backend={os.environ['KERAS_BACKEND']}")
