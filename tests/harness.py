@@ -90,7 +90,8 @@ Every call is bounded, and its bound is stated in one place: its own
 Nothing else changes it (no module attribute, environment variable or
 pytest marker), so the call site tells the whole story. Starting a pool
 has its own limit (`MULTIRANK_STARTUP_TIMEOUT`, 180 s), not counted in
-the call's.
+the call's; the forkserver's own imports (before the first pool) are
+bounded only by pytest-timeout.
 
 Integration tests that need a real `torchrun` use `run_torchrun`, bounded
 the same way: its `timeout=` keyword (default 300 s).
