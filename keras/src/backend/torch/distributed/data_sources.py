@@ -275,8 +275,8 @@ class _PyDatasetShares(_SharedAdapter):
 
     Each epoch follows process 0's order of the batches (shuffled or not,
     as in one process). The processes read in rounds of N batches, each
-    its own one (with the dataset's workers, reading ahead, when it has
-    more than one), then every batch of the round is scattered from its
+    its own one (with the dataset's workers, or one thread, reading ahead),
+    then every batch of the round is scattered from its
     reader to the processes that hold its rows.
     """
 
@@ -342,9 +342,9 @@ class _PyDatasetShares(_SharedAdapter):
 class _ShareReader:
     """Reads one process' batches of a `PyDataset` pass, in order.
 
-    The first batch is read at once; the dataset's workers (when it has
-    more than one) start reading the others ahead only on `read_ahead()`,
-    so that Keras' peek at the first batch reads no more.
+    The first batch is read at once; the dataset's workers (at least one
+    thread) start reading the others ahead only on `read_ahead()`, so that
+    Keras' peek at the first batch reads no more.
     """
 
     def __init__(self, adapter, indices):
@@ -366,11 +366,15 @@ class _ShareReader:
 
     def read_ahead(self):
         rest = self._indices[self._read :]
-        if self._enqueuer or self._adapter.enqueuer is None or not rest:
+        if self._enqueuer or not rest:
             return
+        # Even a dataset of one worker, which one process reads between
+        # steps, is read here while the steps run: a process waits for
+        # every other's batch, so reading in line would add up its steps'
+        # time and its reading.
         self._enqueuer = OrderedEnqueuer(
             _Share(self._dataset, rest),
-            workers=self._dataset.workers,
+            workers=max(1, self._dataset.workers),
             use_multiprocessing=self._dataset.use_multiprocessing,
             max_queue_size=self._dataset.max_queue_size,
         )
