@@ -7,8 +7,6 @@ far below one bucket, so the bodies shrink the buckets to one variable
 each: every bucket but the last is then reduced during the backward pass.
 """
 
-import pytest
-
 from tests import distributions
 from tests import parity_models as pm
 from tests.harness import run_on_ranks
@@ -32,11 +30,11 @@ def _fit_body(rank, world_size, kind):
     return _with_one_variable_buckets(pm.fit_run, kind, "dp")
 
 
-@pytest.mark.parametrize("kind", ["mlp", "attention", "batchnorm"])
-def test_overlapped_buckets_train_like_one_process(kind):
+def test_overlapped_buckets_train_like_one_process():
     """Losses, metrics, weights and optimizer state = one process'."""
-    per_rank = run_on_ranks(_fit_body, world_size=2, args=(kind,))
-    reference = pm.run_single(pm.fit_run, kind, "single")
+    # A bucket per variable: all but the last launched during backward.
+    per_rank = run_on_ranks(_fit_body, world_size=2, args=("attention",))
+    reference = pm.run_single(pm.fit_run, "attention", "single")
     for rank, result in enumerate(per_rank):
         pm.assert_close(result, reference, f"rank {rank}")
     pm.assert_ranks_agree(per_rank)
