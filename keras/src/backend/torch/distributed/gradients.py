@@ -290,7 +290,8 @@ def overlapped_reduction(model):
     trainable variables launch each bucket's all-reduce asynchronously once
     its gradients are accumulated; a bucket whose gradients cannot be
     reduced together (not all partial sums of one mesh axis and dtype) is
-    left to `reduce_with_loss`. Does nothing with fewer than two buckets.
+    left to `reduce_with_loss`. Only variables on a 1-D mesh (data
+    parallelism) take part; does nothing with fewer than two buckets.
 
     Args:
         model: the model whose train step runs in the block.
@@ -298,10 +299,14 @@ def overlapped_reduction(model):
     Yields:
         Nothing.
     """
+    # Data parallelism only (a 1-D mesh): on a model-parallel mesh the
+    # backward pass runs collectives of its own, which these would race.
     variables = [
         v
         for v in getattr(model, "trainable_weights", ())
-        if isinstance(v.value, DTensor) and v.value.requires_grad
+        if isinstance(v.value, DTensor)
+        and v.value.requires_grad
+        and v.value.device_mesh.ndim == 1
     ]
     optimizer = getattr(model, "optimizer", None)
     buckets = _reverse_buckets(variables)
