@@ -88,14 +88,29 @@ def ideal_collectives(kind, impl, ref):
     gradient. The MLP's input is data: 1. The transformer's two sub-blocks
     start with a LayerNorm whose weights need the gradient of its output:
     2 forward + 2 backward = 4. Data parallelism: one all-reduce per 25 MiB
-    bucket of gradients. A rank training alone: none.
+    bucket of gradients (`native_ddp`'s setting); Keras `DataParallel`
+    overlaps its buckets with the backward pass, in DDP's default sizes:
+    in reverse order, the first bucket 1 MiB, then 25 MiB. A rank training
+    alone: none.
     """
     if "_local_" in impl:
         return 0
     if impl.startswith(("keras_mp", "native_tp")):
         return 1 if kind == "mlp" else 4
+    if impl.startswith("keras_dp"):
+        return _overlapped_buckets([v.nbytes for v in ref.values()])
     grad_bytes = sum(v.nbytes for v in ref.values())
     return max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
+
+
+def _overlapped_buckets(sizes):
+    """Buckets of `sizes` in reverse order, the first of 1 MiB at least."""
+    count, size = 0, 0
+    for nbytes in reversed(sizes):
+        size += nbytes
+        if size >= (DDP_BUCKET_BYTES if count else MIB):
+            count, size = count + 1, 0
+    return count + (1 if size else 0)
 
 
 # ------------------------------------------------------------ state bytes

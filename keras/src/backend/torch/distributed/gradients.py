@@ -5,14 +5,27 @@ autograd as partial sums (`Partial` DTensors). Left so, every optimizer op
 that reads one would all-reduce it again; here each is all-reduced once, in
 buckets of about `BUCKET_BYTES`, as DDP does, and the optimizer issues no
 collectives.
+
+In Keras' own train step the buckets are all-reduced while the backward
+pass runs, as DDP's reducer does (`overlapped_reduction`): the variables
+are grouped in reverse order, the order in which the backward pass
+produces their gradients, the first bucket small; a bucket's all-reduce is
+launched asynchronously as soon as its last gradient is accumulated. The
+last bucket is complete only when the backward pass ends: it is reduced
+with the loss in `reduce_with_loss`, after the others are waited for, so a
+step issues one collective per bucket.
 """
 
+import contextlib
+import datetime
+import functools
 import weakref
 
 import torch
 import torch.distributed as dist
 
 from keras.src.backend.common.stateless_scope import StatelessScope
+from keras.src.backend.torch.distributed import health
 from keras.src.backend.torch.distributed import layouts
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
@@ -21,6 +34,9 @@ if runtime.DTENSOR_AVAILABLE:
     from torch.distributed.tensor import Partial
 
 BUCKET_BYTES = 25 * 1024 * 1024
+# The first bucket of an overlapped reduction is small, as DDP's (1 MiB):
+# its all-reduce starts early in the backward pass.
+FIRST_BUCKET_BYTES = 1024 * 1024
 
 # Each optimizer's flat gradient buffers, kept from one step to the next:
 # allocated anew, they would cost fresh memory pages every step.
@@ -88,6 +104,7 @@ def reduce_with_loss(optimizer, gradients, loss):
     """
     if runtime.current_distribution() is None:
         return gradients, loss
+    gradients = _finish_overlapped(gradients)
     buffers = _GRADIENT_BUFFERS.setdefault(optimizer, {})
     # The loss goes first: it is in the first bucket whatever its size.
     reduced = reduce_gradients([loss.detach()] + list(gradients), buffers)
@@ -204,10 +221,19 @@ def _all_reduce_bucket(gradients, flat):
     torch.cat([g.to_local().reshape(-1) for g in gradients], out=flat)
     for mesh_dim, placement in enumerate(first.placements):
         if placement.is_partial() and mesh.size(mesh_dim) > 1:
-            op = getattr(
-                dist.ReduceOp, _summed([placement])[0].reduce_op.upper()
+            dist.all_reduce(
+                flat, op=_reduce_op(placement), group=mesh.get_group(mesh_dim)
             )
-            dist.all_reduce(flat, op=op, group=mesh.get_group(mesh_dim))
+    return _unpack_bucket(gradients, flat)
+
+
+def _reduce_op(placement):
+    return getattr(dist.ReduceOp, _summed([placement])[0].reduce_op.upper())
+
+
+def _unpack_bucket(gradients, flat):
+    """The reduced values of a bucket's `gradients`, views of `flat`."""
+    mesh = gradients[0].device_mesh
     reduced, offset = [], 0
     for g in gradients:
         local = g.to_local()
@@ -248,3 +274,160 @@ def _buckets(indices, gradients):
             bucket, size = [], 0
     if bucket:
         yield bucket
+
+
+# The reduction of the train step running now, if it overlaps the backward
+# pass (see `overlapped_reduction`).
+_overlapped = {"reduction": None}
+
+
+@contextlib.contextmanager
+def overlapped_reduction(model):
+    """All-reduces gradient buckets as the backward pass produces them.
+
+    Entered around Keras' own train step (one backward pass, then
+    `reduce_with_loss`), which takes the reduced buckets. Hooks on the
+    trainable variables launch each bucket's all-reduce asynchronously once
+    its gradients are accumulated; a bucket whose gradients cannot be
+    reduced together (not all partial sums of one mesh axis and dtype) is
+    left to `reduce_with_loss`. Only variables on a 1-D mesh (data
+    parallelism) take part; does nothing with fewer than two buckets.
+
+    Args:
+        model: the model whose train step runs in the block.
+
+    Yields:
+        Nothing.
+    """
+    # Data parallelism only (a 1-D mesh): on a model-parallel mesh the
+    # backward pass runs collectives of its own, which these would race.
+    variables = [
+        v
+        for v in getattr(model, "trainable_weights", ())
+        if isinstance(v.value, DTensor)
+        and v.value.requires_grad
+        and v.value.device_mesh.ndim == 1
+    ]
+    optimizer = getattr(model, "optimizer", None)
+    buckets = _reverse_buckets(variables)
+    if optimizer is None or len(buckets) < 2:
+        yield
+        return
+    reduction = _OverlappedReduction(optimizer, buckets)
+    handles = [
+        v.value.register_post_accumulate_grad_hook(
+            functools.partial(reduction.gradient_ready, b, i)
+        )
+        for b, bucket in enumerate(buckets[:-1])
+        for i, v in enumerate(bucket)
+    ]
+    _overlapped["reduction"] = reduction
+    try:
+        yield
+        # Launched but not taken (the step did not reduce its gradients):
+        # waited for, so that every process leaves the step in step.
+        reduction.wait_all()
+    finally:
+        _overlapped["reduction"] = None
+        for handle in handles:
+            handle.remove()
+
+
+def _reverse_buckets(variables):
+    """`variables` in reverse order, in buckets of DDP's sizes."""
+    buckets, bucket, size = [], [], 0
+    for v in reversed(variables):
+        local = v.value.to_local()
+        bucket.append(v)
+        size += local.numel() * local.element_size()
+        cap = BUCKET_BYTES if buckets else FIRST_BUCKET_BYTES
+        if size >= cap:
+            buckets.append(bucket)
+            bucket, size = [], 0
+    if bucket:
+        buckets.append(bucket)
+    return buckets
+
+
+class _OverlappedReduction:
+    """The buckets of one train step, launched as their gradients arrive."""
+
+    def __init__(self, optimizer, buckets):
+        self.buffers = _GRADIENT_BUFFERS.setdefault(optimizer, {})
+        self.arrived = [[None] * len(bucket) for bucket in buckets]
+        # (gradients, flat buffer, work) of each launched bucket.
+        self.launched = []
+
+    def gradient_ready(self, bucket_index, position, parameter):
+        arrived = self.arrived[bucket_index]
+        arrived[position] = parameter.grad
+        if all(g is not None for g in arrived):
+            with torch.no_grad():
+                self._launch(bucket_index, arrived)
+
+    def _launch(self, bucket_index, gradients):
+        mesh_dim = _single_reduction_dim(gradients)
+        if mesh_dim is None:
+            return  # Left to `reduce_with_loss`.
+        first = gradients[0]
+        key = ("overlapped", bucket_index, first.dtype, first.device)
+        flat = _flat_buffer(self.buffers, key, gradients)
+        torch.cat([g.to_local().reshape(-1) for g in gradients], out=flat)
+        work = dist.all_reduce(
+            flat,
+            op=_reduce_op(first.placements[mesh_dim]),
+            group=first.device_mesh.get_group(mesh_dim),
+            async_op=True,
+        )
+        self.launched.append((gradients, flat, work))
+
+    def wait_all(self):
+        """Waits for the launched buckets; maps each gradient to its sum."""
+        timeout = datetime.timedelta(seconds=health.current_timeout())
+        reduced = {}
+        for gradients, flat, work in self.launched:
+            work.wait(timeout)
+            for g, r in zip(gradients, _unpack_bucket(gradients, flat)):
+                reduced[id(g)] = (g, r)
+        self.launched = []
+        return reduced
+
+
+def _single_reduction_dim(gradients):
+    """The mesh axis a bucket is reduced over, or `None` if it cannot be.
+
+    A bucket is reduced by one asynchronous all-reduce when its gradients
+    share a mesh, placements and dtype, and are partial over exactly one
+    mesh axis of more than one process.
+    """
+    first = gradients[0]
+    if not isinstance(first, DTensor):
+        return None
+    for g in gradients:
+        if not (
+            isinstance(g, DTensor)
+            and g.device_mesh is first.device_mesh
+            and g.placements == first.placements
+            and g.dtype == first.dtype
+        ):
+            return None
+    mesh = first.device_mesh
+    dims = [
+        d
+        for d, p in enumerate(first.placements)
+        if p.is_partial() and mesh.size(d) > 1
+    ]
+    return dims[0] if len(dims) == 1 else None
+
+
+def _finish_overlapped(gradients):
+    """`gradients` with those reduced during the backward pass replaced."""
+    reduction = _overlapped["reduction"]
+    if reduction is None:
+        return gradients
+    reduced = reduction.wait_all()
+    result = []
+    for g in gradients:
+        entry = reduced.get(id(g))
+        result.append(entry[1] if entry and entry[0] is g else g)
+    return result

@@ -19,6 +19,7 @@ from keras.src.backend.common.masking import get_keras_mask
 from keras.src.backend.common.masking import set_keras_mask
 from keras.src.backend.torch.distributed import layout_rules
 from keras.src.backend.torch.distributed import layouts
+from keras.src.backend.torch.distributed import local_rows
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
 
@@ -58,6 +59,7 @@ def call_layer(call_function, layer, *args, **kwargs):
     Returns:
         The outputs of the layer.
     """
+    global _call_depth
     distribution = runtime.current_distribution()
     # Inside `torch.compile` the step function has entered the context
     # already: dynamo cannot trace the context manager itself.
@@ -65,11 +67,16 @@ def call_layer(call_function, layer, *args, **kwargs):
         return call_function(layer, *args, **kwargs)
     if _replication_depth == 0 and os.environ.get(CHECK_REPLICATION_ENV) == "1":
         check_replicated((args, kwargs), "layer call input")
+    if _call_depth == 0:
+        # A model of per-sample layers under data parallelism.
+        outputs = local_rows.call(call_function, layer, args, kwargs)
+        if outputs is not None:
+            layout_rules.check_model(layer, distribution)
+            return outputs
     mesh = distribution.device_mesh.backend_mesh
     args, kwargs = tree.map_structure(
         functools.partial(layouts.replicate, mesh=mesh), (args, kwargs)
     )
-    global _call_depth
     _call_depth += 1
     try:
         with replicated_plain_tensors():

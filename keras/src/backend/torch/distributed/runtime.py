@@ -5,6 +5,7 @@ process group (gloo on CPU; NCCL, with gloo for CPU tensors, on GPU).
 """
 
 import atexit
+import contextlib
 import datetime
 import gc
 import logging
@@ -38,16 +39,33 @@ logger = logging.getLogger("keras.distribution")
 # state per thread, but hooks also run on threads that never set it (CUDA
 # autograd runs the backward pass on device threads).
 _process_distribution = None
+# How many `distribution_suspended` blocks are open.
+_suspended_depth = 0
 
 
 def current_distribution():
     """Returns the distribution in effect, also on threads that never set it.
 
     Returns:
-        A `keras.distribution.Distribution`, or `None`.
+        A `keras.distribution.Distribution`, or `None` (also while
+        `distribution_suspended`).
     """
+    if _suspended_depth:
+        return None
     distribution = global_state.get_global_attribute("distribution")
     return distribution if distribution is not None else _process_distribution
+
+
+@contextlib.contextmanager
+def distribution_suspended():
+    """Code in the block runs as without a distribution: on plain tensors
+    that are one process' values (see `local_rows`)."""
+    global _suspended_depth
+    _suspended_depth += 1
+    try:
+        yield
+    finally:
+        _suspended_depth -= 1
 
 
 def set_process_distribution(distribution):

@@ -2,8 +2,9 @@
 
 Each step receives the global batch, distributes it (see `data_input`) and
 runs with plain tensors taken as replicated global values (see
-`layer_call`). A compiled step that torch cannot compile falls back to the
-eager one.
+`layer_call`). Keras' own eager train step all-reduces its gradient
+buckets while its backward pass runs (see `gradients`). A compiled step
+that torch cannot compile falls back to the eager one.
 """
 
 import functools
@@ -12,6 +13,7 @@ import warnings
 import torch
 
 from keras.src.backend.torch.distributed import data_input
+from keras.src.backend.torch.distributed import gradients
 from keras.src.backend.torch.distributed import health
 from keras.src.backend.torch.distributed import layer_call
 from keras.src.backend.torch.distributed import layouts
@@ -51,6 +53,10 @@ def wrap_step_function(step_function, eager_step_function, model):
         nonlocal step_function, unchecked
         data = data_input.distribute_global_batch(data, distribution)
         with layer_call.replicated_plain_tensors():
+            if step_function is eager_step_function and kind == "train":
+                if _default_train_step(model):
+                    with gradients.overlapped_reduction(model):
+                        return step_function(data)
             if not unchecked:
                 return step_function(data)
             unchecked = False
@@ -69,6 +75,14 @@ def _step_kind(step_function):
         if f"make_{kind}_function" in step_function.__qualname__:
             return kind
     return "distributed"
+
+
+def _default_train_step(model):
+    """Whether `model` trains with Keras' own step: one backward pass, then
+    `gradients.reduce_with_loss`, which takes the overlapped buckets."""
+    from keras.src.backend.torch.trainer import TorchTrainer
+
+    return type(model).train_step is TorchTrainer.train_step
 
 
 class _CompileFailed(Exception):

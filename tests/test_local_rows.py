@@ -1,0 +1,58 @@
+"""Data-parallel models of per-sample layers called on the local rows.
+
+Under `DataParallel`, a model made only of per-sample layers runs its
+forward and backward passes on each process' rows as plain tensors
+(`local_rows`); everything that reduces over the batch (the loss, the
+metrics, batch normalization) keeps the global batch. These tests check
+which models take that path and that they train as one process does.
+"""
+
+from tests import parity_models as pm
+from tests.harness import run_on_ranks
+
+
+def _counting_local_calls(function, *args):
+    """`(function(*args), number of model calls made on the local rows)`."""
+    from keras.src.backend.torch.distributed import local_rows
+
+    calls = []
+    call = local_rows.call
+
+    def counting_call(*call_args):
+        outputs = call(*call_args)
+        calls.append(outputs is not None)
+        return outputs
+
+    local_rows.call = counting_call
+    try:
+        result = function(*args)
+    finally:
+        local_rows.call = call
+    return result, sum(calls)
+
+
+def _fit_body(rank, world_size, kinds):
+    return [_counting_local_calls(pm.fit_run, kind, "dp") for kind in kinds]
+
+
+def test_per_sample_model_runs_on_local_rows_like_one_process():
+    # Embedding, MultiHeadAttention, LayerNormalization, Dense, `x + y`,
+    # GlobalAveragePooling1D. (The parity zoo also runs "mlp" and
+    # "binary" on this path.)
+    per_rank = run_on_ranks(_fit_body, world_size=2, args=(["attention"],))
+    per_rank = [results[0] for results in per_rank]
+    reference = pm.run_single(pm.fit_run, "attention", "single")
+    for rank, (result, local_calls) in enumerate(per_rank):
+        pm.assert_close(result, reference, f"rank {rank}")
+        # fit: 3 train steps a epoch, then validation, 2 epochs.
+        assert local_calls >= 6, local_calls
+    pm.assert_ranks_agree([r for r, _ in per_rank])
+
+
+def test_batch_coupled_models_run_on_dtensor():
+    # Batch statistics; a dropout mask drawn over the global batch. Their
+    # parity with one process is checked in test_training_parity.
+    kinds = ["batchnorm", "dropout"]
+    per_rank = run_on_ranks(_fit_body, world_size=2, args=(kinds,))
+    for results in per_rank:
+        assert [local_calls for _, local_calls in results] == [0, 0]

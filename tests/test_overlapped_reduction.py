@@ -1,0 +1,94 @@
+"""Gradient buckets all-reduced during the backward pass (DDP's reducer).
+
+Under `DataParallel`, Keras' train step launches each gradient bucket's
+all-reduce as soon as the backward pass has accumulated the bucket's
+gradients, and waits for them before the optimizer. The test models are
+far below one bucket, so the bodies shrink the buckets to one variable
+each: every bucket but the last is then reduced during the backward pass.
+"""
+
+from tests import distributions
+from tests import parity_models as pm
+from tests.harness import run_on_ranks
+
+
+def _with_one_variable_buckets(function, *args, **kwargs):
+    """`function(*args, **kwargs)` with a bucket per variable."""
+    from keras.src.backend.torch.distributed import gradients
+
+    saved = gradients.FIRST_BUCKET_BYTES, gradients.BUCKET_BYTES
+    # Below any variable's size, above the loss' (4 bytes): the loss
+    # still shares the last bucket.
+    gradients.FIRST_BUCKET_BYTES = gradients.BUCKET_BYTES = 5
+    try:
+        return function(*args, **kwargs)
+    finally:
+        gradients.FIRST_BUCKET_BYTES, gradients.BUCKET_BYTES = saved
+
+
+def _fit_body(rank, world_size, kind):
+    return _with_one_variable_buckets(pm.fit_run, kind, "dp")
+
+
+def test_overlapped_buckets_train_like_one_process():
+    """Losses, metrics, weights and optimizer state = one process'."""
+    # A bucket per variable: all but the last launched during backward.
+    per_rank = run_on_ranks(_fit_body, world_size=2, args=("attention",))
+    reference = pm.run_single(pm.fit_run, "attention", "single")
+    for rank, result in enumerate(per_rank):
+        pm.assert_close(result, reference, f"rank {rank}")
+    pm.assert_ranks_agree(per_rank)
+
+
+def _launch_order_body(rank, world_size):
+    import numpy as np
+    import torch.distributed as dist
+
+    import keras
+
+    distributions.use_setting("dp")
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16, activation="relu", name="fc1"),
+            keras.layers.Dense(16, activation="relu", name="fc2"),
+            keras.layers.Dense(4, name="fc3"),
+        ]
+    )
+    model.compile(optimizer="adam", loss="mse")
+    rng = np.random.RandomState(0)
+    x = rng.rand(8, 8).astype("float32")
+    y = rng.rand(8, 4).astype("float32")
+    events = []
+    # fc1's kernel gradient is the last one the backward pass produces.
+    first = model.get_layer("fc1").kernel.value
+    handle = first.register_post_accumulate_grad_hook(
+        lambda _: events.append("backward ends")
+    )
+    all_reduce = dist.all_reduce
+
+    def recording_all_reduce(tensor, *args, **kwargs):
+        events.append(("all_reduce", bool(kwargs.get("async_op"))))
+        return all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = recording_all_reduce
+    try:
+        loss = _with_one_variable_buckets(model.train_on_batch, x, y)
+    finally:
+        dist.all_reduce = all_reduce
+        handle.remove()
+        keras.distribution.set_distribution(None)
+    return {"events": events, "loss": float(loss)}
+
+
+def test_buckets_are_launched_during_the_backward_pass():
+    results = run_on_ranks(_launch_order_body, world_size=2)
+    assert results[0] == results[1]
+    events = results[0]["events"]
+    end = events.index("backward ends")
+    # 6 variables, a bucket each: fc3's and fc2's 4 buckets and fc1's bias
+    # are launched, asynchronously, before the backward pass ends; fc1's
+    # kernel, the last bucket, after it, together with the loss.
+    assert events[:end] == [("all_reduce", True)] * 5
+    assert events[end + 1 :] == [("all_reduce", False)]
