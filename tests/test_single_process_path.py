@@ -48,7 +48,7 @@ ALLOWED_DISTRIBUTION_FRAMES = {
     "variables.py:to_global_value",
     "ops.py:conv_operands",
     "ops.py:dropout",
-    "ops.py:is_partial_over_nonzero",
+    "ops.py:divide_no_nan_partial",
     "runtime.py:current_distribution",
 }
 

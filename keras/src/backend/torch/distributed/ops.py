@@ -173,35 +173,52 @@ def dropout(inputs, rate):
     return inputs * layouts.replicate(noise, inputs.device_mesh)
 
 
-def is_partial_over_nonzero(numerator, divisor):
-    """Whether `numerator / divisor` can stay a partial value.
+def divide_no_nan_partial(numerator, divisor):
+    """`divide_no_nan` of a partial value, kept partial.
 
     A loss reduced over a sharded batch is a partial sum (each process
-    holds its rows' share); divided by a replicated divisor with no zeros,
-    the quotient is the sum of the processes' quotients, so it can stay
-    partial and be reduced later together with the gradients (see
-    `gradients.reduce_with_loss`). `divide_no_nan`'s `where` would reduce
-    it at once. A divisor that has zeros keeps `divide_no_nan`'s own path.
+    holds its rows' share). `where(d == 0, 0, x / d)` is linear in `x`, so
+    computed on each process' share it sums to the quotient of the whole:
+    the quotient stays partial, to be reduced later with the gradients (see
+    `gradients.reduce_with_loss`), with no look at the divisor's values and
+    no collective. On `DTensor`s, `divide_no_nan`'s `where` would reduce it
+    at once.
 
     Args:
         numerator: a tensor.
         divisor: a tensor.
 
     Returns:
-        `True` if `numerator` is a partial `DTensor`, `divisor` is
-        replicated (or plain), and no element of `divisor` is zero.
+        The quotient, a `DTensor` placed like `numerator`; `None` unless
+        `numerator` is a `DTensor` partial (sum or average) on some mesh
+        axes and replicated on the others, and `divisor` is a constant
+        replicated on the same mesh (or a plain tensor).
     """
-    if not isinstance(numerator, DTensor) or not any(
-        p.is_partial() and p.reduce_op in ("sum", "avg")
-        for p in numerator.placements
+    if not isinstance(numerator, DTensor) or divisor.requires_grad:
+        return None
+    placements = numerator.placements
+    if not any(_is_linear_partial(p) for p in placements) or not all(
+        _is_linear_partial(p) or p.is_replicate() for p in placements
     ):
-        return False
-    if torch.compiler.is_compiling():
-        # The zero check reads a value: a graph break in a compiled step.
-        return False
+        return None
     if isinstance(divisor, DTensor):
-        if not all(p.is_replicate() for p in divisor.placements):
-            return False
+        if divisor.device_mesh != numerator.device_mesh or not all(
+            p.is_replicate() for p in divisor.placements
+        ):
+            return None
         divisor = divisor.to_local()
-    # The same replicated value on every process: all take the same branch.
-    return not bool((divisor == 0).any())
+    # Each share's gradient is the whole quotient's gradient.
+    part = numerator.to_local(
+        grad_placements=[
+            Replicate() if p.is_partial() else p for p in placements
+        ]
+    )
+    safe_divisor = torch.where(divisor == 0, torch.ones_like(divisor), divisor)
+    quotient = torch.where(divisor == 0, 0, torch.divide(part, safe_divisor))
+    return DTensor.from_local(
+        quotient, numerator.device_mesh, placements, run_check=False
+    )
+
+
+def _is_linear_partial(placement):
+    return placement.is_partial() and placement.reduce_op in ("sum", "avg")
