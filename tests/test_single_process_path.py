@@ -40,6 +40,7 @@ HOOK_FRAMES = {
 # hook's entry point, and the check it starts with.
 ALLOWED_DISTRIBUTION_FRAMES = {
     "steps.py:distributed_step",
+    "steps.py:metric_predictions",
     "layer_call.py:call_layer",
     "gradients.py:apply_gradients",
     "gradients.py:reduce_with_loss",

@@ -3,8 +3,15 @@
 Each step receives the global batch, distributes it (see `data_input`) and
 runs with plain tensors taken as replicated global values (see
 `layer_call`). Keras' own eager train step all-reduces its gradient
-buckets while its backward pass runs (see `gradients`). A compiled step
-that torch cannot compile falls back to the eager one.
+buckets while its backward pass runs (see `gradients`).
+
+A compiled step (`jit_compile=True`) is compiled whole by `torch.compile`,
+with the graph breaks Keras' step has anyway (at `loss.backward()`). Two
+things make that work on DTensors: the loss and metrics are built before
+the first compiled call (dynamo cannot trace their lazy build), and the
+metrics read predictions detached from the autograd graph (see
+`metric_predictions`). A step that torch still cannot compile falls back
+to the eager one, with a warning.
 """
 
 import functools
@@ -12,12 +19,14 @@ import warnings
 
 import torch
 
+from keras.src import tree
 from keras.src.backend.torch.distributed import data_input
 from keras.src.backend.torch.distributed import gradients
 from keras.src.backend.torch.distributed import health
 from keras.src.backend.torch.distributed import layer_call
 from keras.src.backend.torch.distributed import layouts
 from keras.src.backend.torch.distributed import runtime
+from keras.src.backend.torch.distributed.runtime import DTensor
 
 
 def wrap_step_function(step_function, eager_step_function, model):
@@ -33,12 +42,19 @@ def wrap_step_function(step_function, eager_step_function, model):
         A function of the same signature. Without a distribution it calls
         `step_function` as it is. Under one, it distributes the batch and
         runs the step with plain tensors taken as replicated global values;
-        if the compiled step fails on its first call, it warns once,
+        a compiled step is compiled anew with static shapes (see
+        `compile_step`). Where a variable or a batch is sharded unevenly,
+        the step runs eagerly: compiled code assumes equal shards (torch
+        2.13). If the compiled step fails on its first call, it warns once,
         restores the state the attempt may have changed, and runs eagerly
-        from then on.
+        from then on. All processes take the same path, as they decide on
+        global shapes.
     """
     # A compiled step is checked on its first call.
     unchecked = step_function is not eager_step_function
+    distributed_function = eager_step_function
+    if unchecked:
+        distributed_function = compile_step(eager_step_function)
     kind = _step_kind(eager_step_function)
 
     @functools.wraps(eager_step_function)
@@ -50,23 +66,70 @@ def wrap_step_function(step_function, eager_step_function, model):
             return run(data, distribution)
 
     def run(data, distribution):
-        nonlocal step_function, unchecked
+        nonlocal distributed_function, unchecked
+        if unchecked:
+            # Built eagerly, on the global batch: traced, the lazy build of
+            # the loss and metrics breaks dynamo.
+            model._symbolic_build(data_batch=data[0])
+            if not _evenly_sharded(model.variables):
+                _warn_eager("some of its variables are sharded unevenly")
+                distributed_function = eager_step_function
+                unchecked = False
         data = data_input.distribute_global_batch(data, distribution)
         with layer_call.replicated_plain_tensors():
-            if step_function is eager_step_function and kind == "train":
-                if _default_train_step(model):
-                    with gradients.overlapped_reduction(model):
-                        return step_function(data)
+            if distributed_function is eager_step_function or (
+                not _evenly_sharded(data)
+            ):
+                return _eager_step(eager_step_function, model, kind, data)
             if not unchecked:
-                return step_function(data)
+                return distributed_function(data)
             unchecked = False
             try:
-                return _first_compiled_step(step_function, model, data)
+                return _first_compiled_step(distributed_function, model, data)
             except _CompileFailed:
-                step_function = eager_step_function
-                return eager_step_function(data)
+                distributed_function = eager_step_function
+                return _eager_step(eager_step_function, model, kind, data)
 
     return distributed_step
+
+
+def compile_step(step_function):
+    """`torch.compile` of a step that runs on `DTensor`s.
+
+    Shapes are static: the batches of a step have one shape (the last, if
+    ragged, one more), and a dynamic shape reaches DTensor's own Python
+    code as a symbol that dynamo cannot make a constant (torch 2.13), as
+    the backward pass rebuilds `DTensor` gradients.
+
+    Args:
+        step_function: the eager step function.
+
+    Returns:
+        The compiled function.
+    """
+    return torch.compile(step_function, dynamic=False)
+
+
+def metric_predictions(y_pred):
+    """The predictions a train step gives its metrics, after the loss.
+
+    Under a distribution they are detached: compiled, the forward part of
+    the step would otherwise return them as outputs that require gradients
+    but get none from `loss.backward()`, and AOTAutograd fails on the
+    missing `DTensor` gradient ("Expected a DTensor tangent but got a
+    plain Tensor"). Metrics take no gradients, so the values are the same.
+
+    Args:
+        y_pred: the model's outputs (a nested structure of tensors).
+
+    Returns:
+        `y_pred` itself without a distribution, else its detached tensors.
+    """
+    if runtime.current_distribution() is None:
+        return y_pred
+    return tree.map_structure(
+        lambda x: x.detach() if isinstance(x, torch.Tensor) else x, y_pred
+    )
 
 
 def _step_kind(step_function):
@@ -97,17 +160,37 @@ def _first_compiled_step(compiled_step_function, model, data):
         return compiled_step_function(data)
     except Exception as e:  # torch.compile raises errors of many types.
         reason = " ".join(str(e).split())[:240]
-        warnings.warn(
-            "`jit_compile=True`: torch.compile could not compile a step of "
-            f"this distributed model ({type(e).__name__}: {reason}). "
-            "Running the step eagerly instead.",
-            stacklevel=3,
-        )
+        _warn_eager(f"{type(e).__name__}: {reason}")
         with torch.no_grad():
             for variable, value in zip(state, saved):
                 variable.assign(value)
         model.zero_grad()
         raise _CompileFailed() from e
+
+
+def _warn_eager(reason):
+    warnings.warn(
+        "`jit_compile=True`: torch.compile could not compile a step of "
+        f"this distributed model ({reason}). Running the step eagerly "
+        "instead.",
+        stacklevel=4,
+    )
+
+
+def _evenly_sharded(values):
+    """Whether every `DTensor` in `values` splits into equal shards."""
+    for x in tree.flatten(values):
+        x = getattr(x, "value", x)
+        if not isinstance(x, DTensor):
+            continue
+        parts = {}
+        for mesh_dim, placement in enumerate(x.placements):
+            if placement.is_shard():
+                size = x.device_mesh.size(mesh_dim)
+                parts[placement.dim] = parts.get(placement.dim, 1) * size
+        if any(x.shape[dim] % n for dim, n in parts.items()):
+            return False
+    return True
 
 
 def _step_state(model):
@@ -118,3 +201,11 @@ def _step_state(model):
         state += list(optimizer.variables)
     unique = {id(v): v for v in state}
     return list(unique.values())
+
+
+def _eager_step(step_function, model, kind, data):
+    """Runs an eager step; Keras' own train step reduces during backward."""
+    if kind == "train" and _default_train_step(model):
+        with gradients.overlapped_reduction(model):
+            return step_function(data)
+    return step_function(data)
