@@ -19,7 +19,6 @@ import contextlib
 import functools
 import io
 import os
-import warnings
 
 import numpy as np
 import pytest
@@ -746,50 +745,3 @@ def test_unseeded_dropout_masks_agree_on_replicas(setting):
         np.testing.assert_allclose(
             rows[0][kept], 2 * expected_rows[kept], rtol=1e-6
         )
-
-
-# --------------------------------------------------------------------------
-# 11. jit_compile=True
-# --------------------------------------------------------------------------
-
-
-def _run_jit(setting):
-    """fit with jit_compile=True; returns the result and the warnings."""
-    distributions.use_setting(setting, layout_rules=pm.LAYOUT_RULES["mlp"])
-    model = pm.build_model("mlp", jit_compile=True)
-    x, y = pm.make_data("mlp", num_samples=22)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        history = model.fit(
-            x, y, batch_size=8, epochs=2, shuffle=False, verbose=0
-        )
-    result = pm.fit_result(model, history)
-    result["jit_warnings"] = [
-        (w.category.__name__, str(w.message))
-        for w in caught
-        if "jit_compile" in str(w.message)
-    ]
-    return result
-
-
-def test_jit_compile_fit_parity():
-    """Compiled (or, after one warning, eager) steps = eager one process."""
-    per_rank = _on_ranks("dp", _run_jit, "dp")
-    reference = _reference(
-        pm.fit_run,
-        "mlp",
-        "single",
-        num_samples=22,
-        batch_size=8,
-        epochs=2,
-        validation=False,
-    )
-    for result in per_rank:
-        assert len(result["jit_warnings"]) <= 1, result["jit_warnings"]
-        for category, message in result["jit_warnings"]:
-            assert category == "UserWarning" and "eager" in message
-        pm.assert_close(result["history"], reference["history"], "history")
-        pm.assert_close(result["state"], reference["state"], "state")
-        assert result["value_types"] == ["float"]
-    # Every rank took the same path (compiled, or fell back).
-    assert len({len(r["jit_warnings"]) for r in per_rank}) == 1
