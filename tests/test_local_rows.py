@@ -56,3 +56,43 @@ def test_batch_coupled_models_run_on_dtensor():
     per_rank = run_on_ranks(_fit_body, world_size=2, args=(kinds,))
     for results in per_rank:
         assert [local_calls for _, local_calls in results] == [0, 0]
+
+
+def _batch_centered_fit(rank=None, world_size=None):
+    """Fits Dense layers around `x - mean(x over the batch)`.
+
+    The mean is an op of the functional graph, not a layer: computed on a
+    process' rows alone it would differ from one process.
+    """
+    import numpy as np
+
+    import keras
+    from keras import ops
+    from tests import distributions
+
+    distributions.use_setting("dp" if rank is not None else "single")
+    keras.utils.set_random_seed(pm.SEED)
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(4, name="hidden")(inputs)
+    centered = hidden - ops.mean(hidden, axis=0, keepdims=True)
+    outputs = keras.layers.Dense(2, name="out")(centered)
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer="sgd", loss="mse")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 5)).astype("float32")
+    y = rng.normal(size=(16, 2)).astype("float32")
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    weights = [np.array(w.numpy()) for w in model.weights]
+    return {"loss": history.history["loss"], "weights": weights}
+
+
+def _batch_centered_body(rank, world_size):
+    return _counting_local_calls(_batch_centered_fit, rank, world_size)
+
+
+def test_batch_reducing_op_between_layers_runs_on_dtensor():
+    per_rank = run_on_ranks(_batch_centered_body, world_size=2)
+    reference = pm.run_single(_batch_centered_fit)
+    for rank, (result, local_calls) in enumerate(per_rank):
+        assert local_calls == 0, local_calls
+        pm.assert_close(result, reference, f"rank {rank}")

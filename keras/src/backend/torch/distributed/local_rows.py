@@ -117,12 +117,17 @@ def _batch_sharding(values):
 def _per_sample(layer):
     """Whether every layer in `layer` treats each sample on its own."""
     for sublayer in layer._flatten_layers(include_self=True, recursive=True):
-        cls = type(sublayer)
-        if (
-            f"{cls.__module__}.{cls.__qualname__}"
-            not in _PER_SAMPLE_CLASS_NAMES
-        ):
+        if _class_name(sublayer) not in _PER_SAMPLE_CLASS_NAMES:
             return False
+        # A functional graph also runs ops that are not layers (`x + y`,
+        # or a mean over the batch).
+        for operation in getattr(sublayer, "operations", ()):
+            name = _class_name(operation)
+            if (
+                name not in _PER_SAMPLE_CLASS_NAMES
+                and name not in _ELEMENTWISE_OPERATION_NAMES
+            ):
+                return False
         if not sublayer.built or sublayer.activity_regularizer is not None:
             return False
         # Dropout draws one mask over the global batch.
