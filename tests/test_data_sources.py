@@ -302,3 +302,35 @@ def test_loader_workers_fetch_own_rows_and_train_as_one_process():
         [*range(4, 8), *range(12, 16), *range(19, 22)],
     ]
     assert [r[1] for r in per_rank] == own_rows
+
+
+class _FailingDataset(_CountingDataset):
+    """Fails on the second batch (rows 8-15, read ahead on both ranks)."""
+
+    def __getitem__(self, index):
+        if index >= BATCH:
+            raise RuntimeError(f"sample {index} is corrupt")
+        return super().__getitem__(index)
+
+
+def _failing_read_body(rank, world_size):
+    import torch
+
+    distributions.use_setting("dp")
+    model = pm.build_model("mlp")
+    x, y = pm.make_data("mlp", num_samples=NUM_SAMPLES)
+    loader = torch.utils.data.DataLoader(
+        _FailingDataset(x, y), batch_size=BATCH, shuffle=False
+    )
+    try:
+        model.fit(loader, epochs=1, verbose=0)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_error_while_reading_ahead_is_raised_by_fit():
+    """A sample that fails to load, read by the read-ahead thread."""
+    errors = run_on_ranks(_failing_read_body, world_size=2, timeout=120)
+    assert errors[0] is not None and "sample 8 is corrupt" in errors[0]
+    assert errors[1] is not None and "sample 12 is corrupt" in errors[1]

@@ -7,8 +7,9 @@ read in parts are read in parts instead:
 - A map-style `torch.utils.data.DataLoader` with a batch sampler: every
   process draws the global batches of indices from the loader's own batch
   sampler (the order one process would see) and fetches only the samples
-  of its rows, with the loader's own workers and `collate_fn`. Processes
-  that share rows (along the other mesh axes) fetch the same samples.
+  of its rows, with the loader's own workers and `collate_fn` (without
+  workers, one thread reads ahead). Processes that share rows (along the
+  other mesh axes) fetch the same samples.
 - A finite `keras.utils.PyDataset`, which returns whole batches: batch `i`
   of each epoch's order is read on process `i % N`, with the dataset's own
   workers, and each batch's rows are sent to the processes that hold them.
@@ -20,6 +21,8 @@ Other sources (generators, iterable datasets, infinite `PyDataset`s) and
 
 import collections
 import pickle
+import queue
+import threading
 import zlib
 
 import numpy as np
@@ -171,16 +174,37 @@ class _DataLoaderRows(_SharedAdapter):
     def _batches(self):
         # Now, as `iter(loader)` would: it draws the workers' base seed.
         batches = iter(self._loader)
-        # Set by `iter(self._loader)`: the sizes of the batches it yields.
-        return self._global_batches(batches, self._sampler.sizes)
+        # The loader's workers read ahead; without workers, one thread
+        # does: a process waits for every other's rows at each step, so
+        # reading in line would add up its steps' time and its reading.
+        reader = _ReadAhead(batches, enabled=self._loader.num_workers == 0)
+        return self._global_batches(reader, self._sampler.drawn)
 
-    def _global_batches(self, batches, sizes):
-        for rows in batches:
-            global_size, local_size = sizes.popleft()
-            if local_size == 0:
-                rows = _take_rows(rows, 0, 0)
-            _check_rows(rows, local_size)
-            yield self._global_batch(rows, global_size)
+    def _global_batches(self, reader, drawn):
+        """Checks the order the processes drew, on this (the step's) thread.
+
+        On the first batch (and the number of batches) and on all batches
+        when the pass ends: two collectives per pass, which every process
+        makes at the same point.
+        """
+        first, digest = True, 0
+        try:
+            for rows in reader:
+                global_size, local_size, indices, digest = drawn.popleft()
+                if first:
+                    _check_same_order(indices, [_length(self._sampler), digest])
+                if local_size == 0:
+                    rows = _take_rows(rows, 0, 0)
+                _check_rows(rows, local_size)
+                yield self._global_batch(rows, global_size)
+                if first:
+                    # Resumed: more than Keras' peek at the first batch.
+                    reader.start()
+                    first = False
+        finally:
+            reader.close()
+        # Two ints, as the first check: every gather has the same size.
+        _check_same_order("the whole epoch", [-1, digest])
 
 
 class _ProcessRowsSampler(torch.utils.data.Sampler):
@@ -190,32 +214,32 @@ class _ProcessRowsSampler(torch.utils.data.Sampler):
     in one process. A process with no rows of a batch (a last batch
     smaller than the number of batch shards) fetches its first sample and
     drops it, to know the structure of an empty part.
+
+    Each batch drawn is recorded in `drawn` (its global and local sizes, its
+    indices and a digest of the pass so far), for the checks that
+    `_DataLoaderRows` makes on the step's thread.
     """
 
     def __init__(self, batch_sampler, rows):
         self._batch_sampler = batch_sampler
         self._rows = rows
-        self.sizes = collections.deque()
+        self.drawn = collections.deque()
 
     def __len__(self):
         return len(self._batch_sampler)
 
     def __iter__(self):
-        self.sizes = collections.deque()
-        return self._indices(self.sizes)
+        self.drawn = collections.deque()
+        return self._indices(self.drawn)
 
-    def _indices(self, sizes):
+    def _indices(self, drawn):
         digest = 0
-        for i, indices in enumerate(self._batch_sampler):
+        for indices in self._batch_sampler:
             indices = list(indices)
             digest = zlib.crc32(repr(indices).encode(), digest)
-            if i == 0:
-                _check_same_order(indices, [_length(self), digest])
             start, stop = self._rows.of(len(indices))
-            sizes.append((len(indices), stop - start))
+            drawn.append((len(indices), stop - start, indices, digest))
             yield indices[start:stop] if stop > start else indices[:1]
-        # Two ints, as the first check: every gather has the same size.
-        _check_same_order("the whole epoch", [-1, digest])
 
 
 def _length(sampler):
@@ -226,12 +250,7 @@ def _length(sampler):
 
 
 def _check_same_order(drawn, digest):
-    """Raises unless every process drew the same batches.
-
-    Checked on the first batch of each pass (and the number of batches),
-    and on all batches when the pass ends: two collectives per pass, which
-    every process makes at the same point.
-    """
+    """Raises unless every process drew the same batches."""
     digests = all_gather_ints(digest, None)
     if any(other != digest for other in digests):
         raise ValueError(
@@ -265,6 +284,68 @@ def _loader_with_sampler(loader, batch_sampler):
         persistent_workers=loader.persistent_workers,
         pin_memory_device=loader.pin_memory_device,
     )
+
+
+class _ReadAhead:
+    """Reads an iterator's items ahead on one thread once `start()`ed.
+
+    Until then it reads in line, so that Keras' peek at the first batch
+    reads no more. Items come in order; an error raised while reading is
+    raised by the `next` that would have returned the item.
+    """
+
+    def __init__(self, iterator, enabled, depth=2):
+        self._iterator = iterator
+        self._enabled = enabled
+        self._items = queue.Queue(maxsize=depth)
+        self._stopping = threading.Event()
+        self._thread = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._thread is None:
+            return next(self._iterator)
+        item = self._items.get()
+        if isinstance(item, _Raised):
+            raise item.error
+        return item
+
+    def start(self):
+        if self._enabled and self._thread is None:
+            self._thread = threading.Thread(target=self._read, daemon=True)
+            self._thread.start()
+
+    def close(self):
+        """Stops reading; returns once the thread no longer reads."""
+        if self._thread is not None:
+            self._stopping.set()
+            self._thread.join()
+
+    def _read(self):
+        try:
+            for item in self._iterator:
+                if not self._put(item):
+                    return
+            self._put(_Raised(StopIteration()))
+        except BaseException as e:
+            self._put(_Raised(e))
+
+    def _put(self, item):
+        # Polls only while the queue is full, to see `close()`.
+        while not self._stopping.is_set():
+            try:
+                self._items.put(item, timeout=0.05)
+            except queue.Full:
+                continue
+            return True
+        return False
+
+
+class _Raised:
+    def __init__(self, error):
+        self.error = error
 
 
 # ------------------------------------------------------------ PyDataset
