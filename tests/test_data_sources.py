@@ -334,3 +334,41 @@ def test_error_while_reading_ahead_is_raised_by_fit():
     errors = run_on_ranks(_failing_read_body, world_size=2, timeout=120)
     assert errors[0] is not None and "sample 8 is corrupt" in errors[0]
     assert errors[1] is not None and "sample 12 is corrupt" in errors[1]
+
+
+class _EpochShiftedPyDataset(_CountingPyDataset):
+    """Batches that change at each `on_epoch_end` (as a reshuffle would)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.epochs_ended = 0
+
+    def on_epoch_end(self):
+        self.epochs_ended += 1
+
+    def __getitem__(self, index):
+        x, y = super().__getitem__(index)
+        return x, y + 0.5 * self.epochs_ended
+
+
+def _epoch_within_pass(setting):
+    """5 batches a pass, 3 steps an epoch: epochs end within passes."""
+    distributions.use_setting(setting)
+    model = pm.build_model("mlp")
+    x, y = pm.make_data("mlp", num_samples=5 * BATCH)
+    dataset = _EpochShiftedPyDataset(x, y, BATCH)
+    history = model.fit(
+        dataset, epochs=4, steps_per_epoch=3, shuffle=False, verbose=0
+    )
+    return pm.fit_result(model, history)
+
+
+def _epoch_within_pass_body(rank, world_size):
+    return _epoch_within_pass("dp")
+
+
+def test_epoch_end_within_a_pass_reads_the_rest_anew():
+    """What was read ahead before `on_epoch_end` is read again after it."""
+    per_rank = run_on_ranks(_epoch_within_pass_body, world_size=2)
+    reference = pm.run_single(_epoch_within_pass, "single")
+    _assert_parity(per_rank, reference)

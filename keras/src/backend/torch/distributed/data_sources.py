@@ -364,6 +364,7 @@ class _PyDatasetShares(_SharedAdapter):
     def __init__(self, adapter, distribution):
         super().__init__(adapter, distribution)
         self._dataset = adapter.py_dataset
+        self._reader = None
 
     def get_torch_dataloader(self):
         # Wrapped as `PyDatasetAdapter` wraps its batches (the `DTensor`s
@@ -375,16 +376,23 @@ class _PyDatasetShares(_SharedAdapter):
         self._dataset.on_epoch_begin()
 
     def on_epoch_end(self):
+        if self._reader is not None:
+            # An epoch of `steps_per_epoch` ended within a pass, which the
+            # next epoch goes on with: what was read ahead is read again
+            # after `on_epoch_end`, as one process reads it.
+            self._reader.rewind()
         self._dataset.on_epoch_end()
 
     def _batches(self):
         order = _process_zero_order(self._epoch_order())
         rank, size = runtime.rank(), runtime.world_size()
-        reader = _ShareReader(self._adapter, order[rank::size])
+        reader = self._reader = _ShareReader(self._adapter, order[rank::size])
         try:
             for first in range(0, len(order), size):
                 own = reader.next() if first + rank < len(order) else None
                 for src in range(min(size, len(order) - first)):
+                    if src == rank and reader.stale:
+                        own = reader.reread()
                     batch = own if src == rank else None
                     rows, global_size = self._scatter_rows(batch, src)
                     # Tensors as `PyDatasetAdapter` gives them to torch.
@@ -394,6 +402,8 @@ class _PyDatasetShares(_SharedAdapter):
                     reader.read_ahead()
         finally:
             reader.close()
+            if self._reader is reader:
+                self._reader = None
 
     def _epoch_order(self):
         order = list(range(self._dataset.num_batches))
@@ -435,15 +445,29 @@ class _ShareReader:
         self._read = 0
         self._enqueuer = None
         self._batches = None
+        # The last batch `next()` returned was read before `rewind()`.
+        self.stale = False
 
     def next(self):
         index = self._indices[self._read]
         self._read += 1
+        self.stale = False
         if self._batches is not None:
             batch = next(self._batches)
         else:
             batch = self._dataset[index]
         return self._adapter._standardize_batch(batch)
+
+    def reread(self):
+        """Reads the last batch `next()` returned again, in line."""
+        self.stale = False
+        batch = self._dataset[self._indices[self._read - 1]]
+        return self._adapter._standardize_batch(batch)
+
+    def rewind(self):
+        """Drops what was read ahead; the next batches are read anew."""
+        self.close()
+        self.stale = self._read > 0
 
     def read_ahead(self):
         rest = self._indices[self._read :]
@@ -467,8 +491,10 @@ class _ShareReader:
             return
         # With every batch read there is nothing to wait for: draining
         # the queue would wait out its 0.1 s poll at each epoch's end.
+        # Otherwise it is joined: no read overlaps what comes next.
         done = self._read == len(self._indices)
         self._enqueuer.stop(drain_queue_and_join=not done)
+        self._enqueuer = self._batches = None
 
 
 class _Share(PyDataset):
