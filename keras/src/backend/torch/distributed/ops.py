@@ -214,11 +214,11 @@ def _shard_local_attention(query, key, value, args, kwargs):
     """Whether attention splits into one per shard: `DTensor` operands laid
     out alike, sharded evenly on batch (0) or heads (2) only, no mask or
     bias."""
+    if not all(isinstance(x, DTensor) for x in (query, key, value)):
+        return False
     if args or kwargs.get("mask") is not None:
         return False
     if kwargs.get("bias") is not None:
-        return False
-    if not all(isinstance(x, DTensor) for x in (query, key, value)):
         return False
     mesh, placements = query.device_mesh, query.placements
     for x in (key, value):
