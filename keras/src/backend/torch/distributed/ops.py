@@ -4,7 +4,8 @@ DTensor convolves a sharded kernel wrongly, cannot contract unevenly
 sharded einsum operands nor update a sharded tensor in place by index,
 mis-reduces a sharded lookup with sharded indices, and draws random numbers
 per shard. The torch backend's convolution, einsum, `take`, `slice_update`
-and dropout hand their operands here first.
+and dropout hand their operands here first; its attention runs here shard
+by shard.
 """
 
 import functools
@@ -171,6 +172,67 @@ def dropout(inputs, rate):
     noise.bernoulli_(1 - rate)
     noise.div_(1 - rate)
     return inputs * layouts.replicate(noise, inputs.device_mesh)
+
+
+def local_attention(function):
+    """Runs `dot_product_attention` on each process' shards of its operands.
+
+    Attention is computed per batch row and per head, so operands sharded
+    only on those dimensions are attended shard by shard, as tensor
+    parallelism does, with no collective. On `DTensor`s DTensor would
+    instead decompose the math kernel into views that it cannot shard
+    under `torch.compile` (torch 2.13). Upstream's flash attention probe
+    (`SDPAParams`) is skipped there too: dynamo cannot trace it, and
+    torch's own kernel choice takes the flash kernel first where it can
+    run. Other operands (a mask or bias, a partial or uneven layout) go to
+    `function` as they are.
+
+    Args:
+        function: the backend's `dot_product_attention`.
+
+    Returns:
+        The wrapped function.
+    """
+
+    @functools.wraps(function)
+    def attention(query, key, value, *args, **kwargs):
+        if not _shard_local_attention(query, key, value, args, kwargs):
+            return function(query, key, value, *args, **kwargs)
+        if kwargs.get("flash_attention") is None:
+            kwargs["flash_attention"] = False
+        output = function(
+            query.to_local(), key.to_local(), value.to_local(), **kwargs
+        )
+        return DTensor.from_local(
+            output, query.device_mesh, query.placements, run_check=False
+        )
+
+    return attention
+
+
+def _shard_local_attention(query, key, value, args, kwargs):
+    """Whether attention splits into one per shard: `DTensor` operands laid
+    out alike, sharded evenly on batch (0) or heads (2) only, no mask or
+    bias."""
+    if not all(isinstance(x, DTensor) for x in (query, key, value)):
+        return False
+    if args or kwargs.get("mask") is not None:
+        return False
+    if kwargs.get("bias") is not None:
+        return False
+    mesh, placements = query.device_mesh, query.placements
+    for x in (key, value):
+        if x.device_mesh != mesh or x.placements != placements:
+            return False
+    for mesh_dim, placement in enumerate(placements):
+        if placement.is_replicate():
+            continue
+        if not placement.is_shard() or placement.dim not in (0, 2):
+            return False
+        size = mesh.size(mesh_dim)
+        if any(x.shape[placement.dim] % size for x in (query, key, value)):
+            return False
+    return True
 
 
 def divide_no_nan_partial(numerator, divisor):
