@@ -10,7 +10,8 @@ transformer block (`parity_models`' attention model: Keras'
 `MultiHeadAttention`, heads sharded, and a feed-forward MLP whose hidden
 layer splits evenly over 2 ranks); its embedding table stays replicated
 (a sharded one is not yet right compiled: see benchmarks/README.md). A
-model with an unevenly sharded variable runs eagerly, after one warning.
+model with an unevenly sharded variable, or a sharded embedding table,
+runs eagerly, after one warning.
 (A batch that splits unevenly runs eagerly too; a compiled fit ending on
 one costs a second compilation, over a minute on CI's 2 cores, so these
 fits use whole batches.)
@@ -30,6 +31,7 @@ NUM_SAMPLES = {"dp": 16, "mp": 16}
 
 # The attention model's layouts but for its embedding table's.
 LAYOUT_RULES = {
+    "sharded_embedding": pm.LAYOUT_RULES["attention"],
     "attention": {
         k: v
         for k, v in pm.LAYOUT_RULES["attention"].items()
@@ -39,11 +41,12 @@ LAYOUT_RULES = {
 }
 
 
-def _fit(kind, setting, num_samples, jit_compile):
+def _fit(kind, setting, num_samples, jit_compile, rules=None):
     """Fits model `kind`; the result, `jit_compile` warnings, graphs."""
+    rules = rules or kind
     from torch._dynamo.utils import counters
 
-    distributions.use_setting(setting, layout_rules=LAYOUT_RULES[kind])
+    distributions.use_setting(setting, layout_rules=LAYOUT_RULES[rules])
     model = pm.build_model(kind, jit_compile=jit_compile)
     x, y = pm.make_data(kind, num_samples=num_samples)
     graphs = counters["stats"]["unique_graphs"]
@@ -64,13 +67,13 @@ def _fit_body(rank, world_size, *args):
     return _fit(*args)
 
 
-def _check(kind, setting):
+def _check(kind, setting, rules=None):
     """Per-rank results of the compiled fit, checked against one process."""
     num_samples = NUM_SAMPLES[setting]
     per_rank = run_on_ranks(
         _fit_body,
         world_size=2,
-        args=(kind, setting, num_samples, True),
+        args=(kind, setting, num_samples, True, rules),
         timeout=400,
     )
     reference = pm.run_single(_fit, kind, "single", num_samples, False)
@@ -96,4 +99,13 @@ def test_uneven_variable_shards_run_eagerly():
     for result in _check("mlp", "mp"):
         assert len(result["jit_warnings"]) == 1, result["jit_warnings"]
         assert "sharded unevenly" in result["jit_warnings"][0]
+        assert result["graphs"] == 0
+
+
+def test_sharded_embedding_table_runs_eagerly():
+    """The attention model with its embedding table sharded: one warning
+    that names the table, eager steps, parity."""
+    for result in _check("attention", "mp", rules="sharded_embedding"):
+        assert len(result["jit_warnings"]) == 1, result["jit_warnings"]
+        assert "embed/embeddings" in result["jit_warnings"][0]
         assert result["graphs"] == 0

@@ -71,8 +71,9 @@ def wrap_step_function(step_function, eager_step_function, model):
             # Built eagerly, on the global batch: traced, the lazy build of
             # the loss and metrics breaks dynamo.
             model._symbolic_build(data_batch=data[0])
-            if not _evenly_sharded(model.variables):
-                _warn_eager("some of its variables are sharded unevenly")
+            reason = _eager_reason(model)
+            if reason is not None:
+                _warn_eager(reason)
                 distributed_function = eager_step_function
                 unchecked = False
         data = data_input.distribute_global_batch(data, distribution)
@@ -175,6 +176,39 @@ def _warn_eager(reason):
         "instead.",
         stacklevel=4,
     )
+
+
+def _eager_reason(model):
+    """Why a compiled step of `model` must run eagerly, or `None`."""
+    if not _evenly_sharded(model.variables):
+        return "some of its variables are sharded unevenly"
+    table = _sharded_embedding(model)
+    if table is not None:
+        # Found by `tests/test_jit_compile.py`: the compiled step's loss
+        # differs from the eager step's by about 4e-4 from the first step
+        # (torch 2.13); the cause is not known yet.
+        return (
+            f"the embedding table `{table}` is sharded, and a compiled "
+            "lookup in a sharded table does not give the eager step's "
+            "numbers yet; a replicated table compiles"
+        )
+    return None
+
+
+def _sharded_embedding(model):
+    """The path of a sharded `Embedding` table of `model`, or `None`."""
+    from keras.src.layers.core.embedding import Embedding
+
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        if not isinstance(layer, Embedding):
+            continue
+        table = layer.embeddings
+        value = table.value
+        if isinstance(value, DTensor) and any(
+            p.is_shard() for p in value.placements
+        ):
+            return table.path
+    return None
 
 
 def _evenly_sharded(values):
