@@ -63,8 +63,7 @@ def apply_gradients(apply_function, optimizer, grads, trainable_variables):
     """
     if runtime.current_distribution() is None:
         return apply_function(grads, trainable_variables)
-    buffers = _GRADIENT_BUFFERS.setdefault(optimizer, {})
-    grads = reduce_gradients(grads, buffers=buffers)
+    grads = reduce_gradients(grads, buffers=_buffers(optimizer))
     variables = trainable_variables
     if variables is None:
         variables = optimizer._trainable_variables
@@ -105,10 +104,22 @@ def reduce_with_loss(optimizer, gradients, loss):
     if runtime.current_distribution() is None:
         return gradients, loss
     gradients = _finish_overlapped(gradients)
-    buffers = _GRADIENT_BUFFERS.setdefault(optimizer, {})
     # The loss goes first: it is in the first bucket whatever its size.
-    reduced = reduce_gradients([loss.detach()] + list(gradients), buffers)
+    reduced = reduce_gradients(
+        [loss.detach()] + list(gradients), _buffers(optimizer)
+    )
     return reduced[1:], reduced[0]
+
+
+def _buffers(optimizer):
+    """The optimizer's kept flat buffers; none in a compiled step.
+
+    Compiled, the buffers are the graph's own: a dict filled on the first
+    step would fail a guard on the second and compile the step again.
+    """
+    if torch.compiler.is_compiling():
+        return None
+    return _GRADIENT_BUFFERS.setdefault(optimizer, {})
 
 
 def reduce_gradients(gradients, buffers=None):

@@ -83,7 +83,7 @@ def wrap_step_function(step_function, eager_step_function, model):
             ):
                 return _eager_step(eager_step_function, model, kind, data)
             if not unchecked:
-                return distributed_function(data)
+                return _compiled_step(distributed_function, model, data)
             unchecked = False
             try:
                 return _first_compiled_step(distributed_function, model, data)
@@ -153,12 +153,26 @@ class _CompileFailed(Exception):
     pass
 
 
+def _compiled_step(compiled_step_function, model, data):
+    """Runs the compiled step and drops the gradients it leaves.
+
+    The step's `zero_grad()` finds no gradients on the first step and the
+    last step's on the next ones: a guard that failed on the second step
+    and compiled the whole step again. Dropped, every step starts as the
+    first did (and the gradients' memory is free between steps).
+    """
+    try:
+        return compiled_step_function(data)
+    finally:
+        model.zero_grad(set_to_none=True)
+
+
 def _first_compiled_step(compiled_step_function, model, data):
     """Runs the compiled step; undoes what it changed if it fails."""
     state = _step_state(model)
     saved = [v.value.detach().clone() for v in state]
     try:
-        return compiled_step_function(data)
+        return _compiled_step(compiled_step_function, model, data)
     except Exception as e:  # torch.compile raises errors of many types.
         reason = " ".join(str(e).split())[:240]
         _warn_eager(f"{type(e).__name__}: {reason}")
