@@ -42,6 +42,7 @@ def test_overlapped_buckets_train_like_one_process():
 
 def _launch_order_body(rank, world_size):
     import numpy as np
+    import torch
     import torch.distributed as dist
 
     import keras
@@ -61,11 +62,12 @@ def _launch_order_body(rank, world_size):
     x = rng.rand(8, 8).astype("float32")
     y = rng.rand(8, 4).astype("float32")
     events = []
-    # fc1's kernel gradient is the last one the backward pass produces.
-    first = model.get_layer("fc1").kernel.value
-    handle = first.register_post_accumulate_grad_hook(
-        lambda _: events.append("backward ends")
-    )
+    backward = torch.Tensor.backward
+
+    def recording_backward(tensor, *args, **kwargs):
+        backward(tensor, *args, **kwargs)
+        events.append("backward ends")
+
     all_reduce = dist.all_reduce
 
     def recording_all_reduce(tensor, *args, **kwargs):
@@ -73,11 +75,12 @@ def _launch_order_body(rank, world_size):
         return all_reduce(tensor, *args, **kwargs)
 
     dist.all_reduce = recording_all_reduce
+    torch.Tensor.backward = recording_backward
     try:
         loss = _with_one_variable_buckets(model.train_on_batch, x, y)
     finally:
         dist.all_reduce = all_reduce
-        handle.remove()
+        torch.Tensor.backward = backward
         keras.distribution.set_distribution(None)
     return {"events": events, "loss": float(loss)}
 

@@ -43,13 +43,15 @@ ALLOWED_DISTRIBUTION_FRAMES = {
     "steps.py:metric_predictions",
     "layer_call.py:call_layer",
     "gradients.py:apply_gradients",
-    "gradients.py:reduce_with_loss",
+    "step_reduction.py:reduce_with_loss",
+    "local_state.py:local_metric_state",
+    "local_loss.py:local_compiled_loss",
     "variables.py:match_layout",
     "variables.py:operand_like",
     "variables.py:to_global_value",
     "ops.py:conv_operands",
     "ops.py:dropout",
-    "ops.py:divide_no_nan_partial",
+    "ops.py:divide_no_nan_local",
     "runtime.py:current_distribution",
 }
 

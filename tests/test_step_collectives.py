@@ -42,7 +42,8 @@ def _step_collectives_body(rank, world_size, setting, kind):
     from torch.distributed.tensor.debug import CommDebugMode
 
     import keras
-    from keras.src.backend.torch.distributed import gradients
+    import keras.src.backend.torch.trainer as torch_trainer
+    from keras.src.backend.torch.distributed import step_reduction
 
     distributions.use_setting(setting, layout_rules=LAYOUT_RULES)
     model = _model(kind)
@@ -51,33 +52,66 @@ def _step_collectives_body(rank, world_size, setting, kind):
     x = rng.rand(BATCH, DIM).astype("float32")
     y = rng.rand(BATCH, DIM).astype("float32")
     model.train_on_batch(x, y)  # Builds the optimizer.
+    # A step, with the gradients its reduction takes and gives.
+    weights = model.trainable_weights
+    taken, given = {}, []
+    reduce_with_loss = torch_trainer.reduce_with_loss
+
+    def recording_reduce_with_loss(optimizer, gradients, loss):
+        # Under data parallelism the weights enter as plain leaves, whose
+        # gradients are each process' partial sums (see `local_leaf`).
+        reduction = step_reduction._active["reduction"]
+        leaves = {} if reduction is None else reduction.leaf_of
+        for w, g in zip(weights, gradients):
+            leaf = leaves.get(id(w))
+            if leaf is not None:
+                taken[w.path] = ("leaf", float(leaf.grad.sum()))
+            else:
+                partial = any(p.is_partial() for p in g.placements)
+                taken[w.path] = ("dtensor", partial)
+        result = reduce_with_loss(optimizer, gradients, loss)
+        given.extend(result[0])
+        return result
+
+    torch_trainer.reduce_with_loss = recording_reduce_with_loss
+    try:
+        model.train_on_batch(x, y)
+    finally:
+        torch_trainer.reduce_with_loss = reduce_with_loss
+    reduced, given = given, [float(_local_sum(g)) for g in given]
     with CommDebugMode() as step:
         model.train_on_batch(x, y)
-    # The step leaves its raw gradients in `.grad`.
-    weights = model.trainable_weights
-    partial = [
-        w.path
-        for w in weights
-        if any(p.is_partial() for p in w.value.grad.placements)
-    ]
-    # The update alone, on the step's gradients reduced beforehand.
-    grads = gradients.reduce_gradients([w.value.grad for w in weights])
+    # The update alone, on reduced gradients.
     with CommDebugMode() as update:
-        model.optimizer.apply(grads, weights)
+        model.optimizer.apply(reduced, weights)
     keras.distribution.set_distribution(None)
     return {
         "step": {str(k): v for k, v in step.get_comm_counts().items()},
         "update": update.get_total_counts(),
-        "partial_gradients": partial,
+        "taken": taken,
+        "given": given,
     }
+
+
+def _local_sum(x):
+    return (x.to_local() if hasattr(x, "to_local") else x).sum()
 
 
 def _counts(setting, kind):
     results = run_on_ranks(
         _step_collectives_body, world_size=2, args=(setting, kind)
     )
+    taken = [r.pop("taken") for r in results]
+    given = [r.pop("given") for r in results]
     assert results[0] == results[1]
-    return results[0]
+    return {**results[0], "taken": taken, "given": given}
+
+
+def _partial_gradients(taken):
+    """Paths of the weights whose gradient the reduction took partial."""
+    return sorted(
+        path for path, (kind, value) in taken.items() if kind == "leaf" or value
+    )
 
 
 def test_model_parallel_mlp_step_all_reduces_once():
@@ -87,7 +121,7 @@ def test_model_parallel_mlp_step_all_reduces_once():
     assert counts["update"] == 0
     # The batch axis of the (1, 2) mesh splits nothing: the batch is laid
     # out replicated, so no gradient is a partial sum over it.
-    assert counts["partial_gradients"] == []
+    assert _partial_gradients(counts["taken"][0]) == []
 
 
 def test_model_parallel_block_all_reduces_once_each_way():
@@ -97,7 +131,7 @@ def test_model_parallel_block_all_reduces_once_each_way():
     counts = _counts("mp", "block")
     assert counts["step"] == {"c10d_functional.all_reduce": 2}
     assert counts["update"] == 0
-    assert counts["partial_gradients"] == []
+    assert _partial_gradients(counts["taken"][0]) == []
 
 
 def test_data_parallel_step_reduces_the_loss_in_the_gradient_bucket():
@@ -107,9 +141,9 @@ def test_data_parallel_step_reduces_the_loss_in_the_gradient_bucket():
     counts = _counts("dp", "block")
     assert counts["step"] == {"c10d.allreduce_": 1}
     assert counts["update"] == 0
-    # Each weight's gradient is a sum over the batch parts, reduced in the
-    # bucket.
-    assert sorted(counts["partial_gradients"]) == [
+    # Each weight's gradient is a sum over the batch parts, taken as a plain
+    # leaf's gradient (each process' part), reduced in the bucket.
+    assert _partial_gradients(counts["taken"][0]) == [
         "fc1/bias",
         "fc1/kernel",
         "fc2/bias",
@@ -117,6 +151,10 @@ def test_data_parallel_step_reduces_the_loss_in_the_gradient_bucket():
         "norm/beta",
         "norm/gamma",
     ]
+    # The parts differ from process to process; the reduced sums agree.
+    rank0, rank1 = counts["taken"]
+    assert all(rank0[path] != rank1[path] for path in rank0)
+    assert counts["given"][0] == counts["given"][1]
 
 
 def _divide_no_nan_body(rank, world_size):

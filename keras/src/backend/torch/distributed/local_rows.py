@@ -19,6 +19,7 @@ from keras.src.backend.common.masking import set_keras_mask
 from keras.src.backend.common.stateless_scope import StatelessScope
 from keras.src.backend.torch.distributed import layouts
 from keras.src.backend.torch.distributed import runtime
+from keras.src.backend.torch.distributed import step_reduction
 from keras.src.backend.torch.distributed.runtime import DTensor
 
 if runtime.DTENSOR_AVAILABLE:
@@ -44,6 +45,8 @@ _PER_SAMPLE_CLASS_NAMES = (
     "keras.src.models.functional.Functional",
     "keras.src.models.sequential.Sequential",
 )
+# Where an output of a call on the local rows keeps its local tensor.
+_LOCAL_OUTPUT_ATTRIBUTE = "_keras_local_output"
 # Operations other than layers that a functional model may run (`x + y`).
 _ELEMENTWISE_OPERATION_NAMES = (
     "keras.src.ops.numpy.Add",
@@ -75,7 +78,7 @@ def call(call_function, layer, args, kwargs):
     local_args, local_kwargs = tree.map_structure(_to_local, (args, kwargs))
     with runtime.distribution_suspended():
         with StatelessScope(
-            state_mapping=[(v, _local_weight(v.value)) for v in variables]
+            state_mapping=[(v, _local_weight(v)) for v in variables]
         ):
             outputs = call_function(layer, *local_args, **local_kwargs)
     leaves = [x for x in tree.flatten(outputs) if x is not None]
@@ -149,11 +152,19 @@ def _replicated_on(value, mesh):
     )
 
 
-def _local_weight(value):
-    """A replicated weight's local value; its gradient a partial sum."""
-    if value.requires_grad:
-        return value.to_local(grad_placements=[Partial()])
-    return value.to_local()
+def _local_weight(variable):
+    """A replicated weight's local value; its gradient a partial sum.
+
+    In Keras' own train step a trainable weight enters as a plain leaf
+    (see `step_reduction.local_leaf`), else through DTensor.
+    """
+    value = variable.value
+    if not value.requires_grad:
+        return value.to_local()
+    leaf = step_reduction.local_leaf(variable)
+    if leaf is not None:
+        return leaf
+    return value.to_local(grad_placements=[Partial()])
 
 
 def _to_local(x):
@@ -171,10 +182,18 @@ def _is_local_batch(x, local_rows):
     )
 
 
+def local_output(x):
+    """The plain tensor of this process' rows that a batch-sharded output
+    of a call on the local rows was made of (in the autograd graph of the
+    call), or `None` if `x` is not such an output."""
+    return getattr(x, _LOCAL_OUTPUT_ATTRIBUTE, None)
+
+
 def _to_global(x, mesh, global_rows):
     """A local output as the batch-sharded global value, with its mask."""
     mask = get_keras_mask(x)
     output = _sharded(x, mesh, global_rows)
+    setattr(output, _LOCAL_OUTPUT_ATTRIBUTE, x)
     if mask is not None:
         set_keras_mask(output, _sharded(mask, mesh, global_rows))
     return output

@@ -235,16 +235,18 @@ def _shard_local_attention(query, key, value, args, kwargs):
     return True
 
 
-def divide_no_nan_partial(numerator, divisor):
-    """`divide_no_nan` of a partial value, kept partial.
+def divide_no_nan_local(numerator, divisor):
+    """`divide_no_nan` computed on each process' values where that is exact.
 
     A loss reduced over a sharded batch is a partial sum (each process
     holds its rows' share). `where(d == 0, 0, x / d)` is linear in `x`, so
     computed on each process' share it sums to the quotient of the whole:
     the quotient stays partial, to be reduced later with the gradients (see
-    `gradients.reduce_with_loss`), with no look at the divisor's values and
+    `step_reduction.reduce_with_loss`), with no look at the divisor's values and
     no collective. On `DTensor`s, `divide_no_nan`'s `where` would reduce it
-    at once.
+    at once. A replicated numerator (a metric's total, divided by its
+    count) is divided on the local values as well: the same numbers,
+    without DTensor's dispatch of the four ops.
 
     Args:
         numerator: a tensor.
@@ -252,16 +254,14 @@ def divide_no_nan_partial(numerator, divisor):
 
     Returns:
         The quotient, a `DTensor` placed like `numerator`; `None` unless
-        `numerator` is a `DTensor` partial (sum or average) on some mesh
-        axes and replicated on the others, and `divisor` is a constant
-        replicated on the same mesh (or a plain tensor).
+        `numerator` is a `DTensor` partial (sum or average) or replicated
+        on each mesh axis, and `divisor` is a constant replicated on the
+        same mesh (or a plain tensor).
     """
     if not isinstance(numerator, DTensor) or divisor.requires_grad:
         return None
     placements = numerator.placements
-    if not any(_is_linear_partial(p) for p in placements) or not all(
-        _is_linear_partial(p) or p.is_replicate() for p in placements
-    ):
+    if not all(_is_linear_partial(p) or p.is_replicate() for p in placements):
         return None
     if isinstance(divisor, DTensor):
         if divisor.device_mesh != numerator.device_mesh or not all(

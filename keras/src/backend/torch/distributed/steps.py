@@ -21,11 +21,11 @@ import torch
 
 from keras.src import tree
 from keras.src.backend.torch.distributed import data_input
-from keras.src.backend.torch.distributed import gradients
 from keras.src.backend.torch.distributed import health
 from keras.src.backend.torch.distributed import layer_call
 from keras.src.backend.torch.distributed import layouts
 from keras.src.backend.torch.distributed import runtime
+from keras.src.backend.torch.distributed import step_reduction
 from keras.src.backend.torch.distributed.runtime import DTensor
 
 
@@ -114,7 +114,7 @@ def compile_step(step_function):
 def metric_predictions(y_pred):
     """The predictions a train step gives its metrics, after the loss.
 
-    Under a distribution they are detached: compiled, the forward part of
+    Compiled under a distribution they are detached: the forward part of
     the step would otherwise return them as outputs that require gradients
     but get none from `loss.backward()`, and AOTAutograd fails on the
     missing `DTensor` gradient ("Expected a DTensor tangent but got a
@@ -124,9 +124,13 @@ def metric_predictions(y_pred):
         y_pred: the model's outputs (a nested structure of tensors).
 
     Returns:
-        `y_pred` itself without a distribution, else its detached tensors.
+        `y_pred` itself unless compiled under a distribution, else its
+        detached tensors.
     """
-    if runtime.current_distribution() is None:
+    if (
+        runtime.current_distribution() is None
+        or not torch.compiler.is_compiling()
+    ):
         return y_pred
     return tree.map_structure(
         lambda x: x.detach() if isinstance(x, torch.Tensor) else x, y_pred
@@ -143,7 +147,7 @@ def _step_kind(step_function):
 
 def _default_train_step(model):
     """Whether `model` trains with Keras' own step: one backward pass, then
-    `gradients.reduce_with_loss`, which takes the overlapped buckets."""
+    `step_reduction.reduce_with_loss`, which takes the overlapped buckets."""
     from keras.src.backend.torch.trainer import TorchTrainer
 
     return type(model).train_step is TorchTrainer.train_step
@@ -254,6 +258,6 @@ def _step_state(model):
 def _eager_step(step_function, model, kind, data):
     """Runs an eager step; Keras' own train step reduces during backward."""
     if kind == "train" and _default_train_step(model):
-        with gradients.overlapped_reduction(model):
+        with step_reduction.overlapped_reduction(model):
             return step_function(data)
     return step_function(data)

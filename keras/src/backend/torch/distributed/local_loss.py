@@ -1,0 +1,174 @@
+"""A per-sample loss computed on each process' rows, as plain tensors.
+
+Under data parallelism a per-sample model returns batch-sharded outputs
+computed on each process' rows (see `local_rows`). A compiled loss that
+treats each sample on its own and sums over the batch ("sum_over_batch_size")
+is, on the global batch, the sum of every process' rows' weighted values
+divided by the global number of values. Each process computes its share of
+that sum on its plain local tensors, divides it by the global count, and
+returns it as a partial sum, which the train step reduces with the
+gradients (see `step_reduction.reduce_with_loss`); the backward pass then
+runs on plain tensors from the loss down to the weights. Through DTensor
+the loss and its backward were about 15 dispatched ops a step. Anything
+else (a custom or batch-wide loss, several outputs, masks, regularization
+losses, an overridden `compute_loss`) runs through DTensor as before.
+"""
+
+from keras.src import ops
+from keras.src import tree
+from keras.src.backend.common.masking import get_keras_mask
+from keras.src.backend.torch.distributed import local_rows
+from keras.src.backend.torch.distributed import runtime
+from keras.src.backend.torch.distributed.runtime import DTensor
+
+if runtime.DTENSOR_AVAILABLE:
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor import Shard
+
+# Built-in loss functions that reduce each sample over its own (last) axes
+# only: `keras.src.losses.losses.<name>`.
+_PER_SAMPLE_FUNCTION_NAMES = (
+    "binary_crossentropy",
+    "binary_focal_crossentropy",
+    "categorical_crossentropy",
+    "categorical_focal_crossentropy",
+    "categorical_hinge",
+    "cosine_similarity",
+    "hinge",
+    "huber",
+    "kl_divergence",
+    "log_cosh",
+    "mean_absolute_error",
+    "mean_absolute_percentage_error",
+    "mean_squared_error",
+    "mean_squared_logarithmic_error",
+    "poisson",
+    "sparse_categorical_crossentropy",
+    "squared_hinge",
+)
+
+
+def local_compiled_loss(model, y, y_pred, sample_weight):
+    """The train step's compiled loss, computed on the local rows.
+
+    Args:
+        model: the model being trained.
+        y: the targets, batch-sharded `DTensor`s.
+        y_pred: the model's outputs.
+        sample_weight: the sample weights, or `None`.
+
+    Returns:
+        The loss as a `DTensor`, each process' share a partial sum; `None`
+        where this cannot be shown to give DTensor's numbers (the caller
+        then computes the loss as Keras does).
+    """
+    if runtime.current_distribution() is None:
+        return None
+    entry = _single_compiled_loss(model, y, y_pred)
+    if entry is None:
+        return None
+    _, loss_fn, loss_weight, _ = entry
+    local_y_pred = local_rows.local_output(y_pred)
+    if (
+        local_y_pred is None
+        or y is None
+        or not _sharded_like(y_pred, [y, sample_weight])
+        or get_keras_mask(y_pred) is not None
+        or model.losses
+    ):
+        return None
+    with runtime.distribution_suspended():
+        share = _loss_share(
+            loss_fn,
+            y.to_local(),
+            local_y_pred,
+            None if sample_weight is None else sample_weight.to_local(),
+            global_rows=y_pred.shape[0],
+        )
+        if share is None:
+            return None
+        share = ops.cast(share, model._compile_loss.dtype)
+        if loss_weight is not None:
+            share = ops.multiply(share, loss_weight)
+    return DTensor.from_local(
+        share, y_pred.device_mesh, [Partial()], run_check=False
+    )
+
+
+def _single_compiled_loss(model, y, y_pred):
+    """The one `(path, loss, weight, name)` of the model's compiled loss,
+    if Keras' own `compute_loss` computes it on one output, else `None`."""
+    from keras.src.trainers.compile_utils import CompileLoss
+    from keras.src.trainers.trainer import Trainer
+
+    compile_loss = getattr(model, "_compile_loss", None)
+    if (
+        type(compile_loss) is not CompileLoss
+        or not compile_loss.built
+        or type(model).compute_loss is not Trainer.compute_loss
+        or type(model)._compute_loss is not Trainer._compute_loss
+        or tree.is_nested(y)
+        or tree.is_nested(y_pred)
+        or len(compile_loss._flat_losses) != 1
+    ):
+        return None
+    entry = compile_loss._flat_losses[0]
+    if entry.path or not _per_sample_loss(entry.loss):
+        return None
+    return entry
+
+
+def _per_sample_loss(loss):
+    """Whether `loss` is a built-in per-sample loss, summed over the batch."""
+    from keras.src.losses.loss import Loss
+    from keras.src.losses.losses import LossFunctionWrapper
+
+    fn = getattr(loss, "fn", None)
+    return (
+        isinstance(loss, LossFunctionWrapper)
+        and type(loss).call is LossFunctionWrapper.call
+        and type(loss).__call__ is Loss.__call__
+        and loss.reduction == "sum_over_batch_size"
+        and getattr(fn, "__module__", None) == "keras.src.losses.losses"
+        and getattr(fn, "__name__", None) in _PER_SAMPLE_FUNCTION_NAMES
+        and loss._fn_kwargs.get("axis", -1) == -1
+    )
+
+
+def _sharded_like(y_pred, values):
+    """Whether each of `values` (or `None`) is sharded on the batch as
+    `y_pred`, the output of a call on the local rows, is."""
+    for x in values:
+        if x is None:
+            continue
+        if not (
+            isinstance(x, DTensor)
+            and x.device_mesh == y_pred.device_mesh
+            and tuple(x.placements) == (Shard(0),)
+            and x.ndim > 0
+            and x.shape[0] == y_pred.shape[0]
+        ):
+            return False
+    return True
+
+
+def _loss_share(loss, y_true, y_pred, sample_weight, global_rows):
+    """A process' share of `loss` of the global batch (see `Loss.__call__`:
+    the same calls, on this process' rows), or `None` if it is not the
+    per-sample values' sum over the global count of values."""
+    from keras.src.losses.loss import reduce_weighted_values
+
+    y_true = ops.convert_to_tensor(y_true, dtype=loss.dtype)
+    y_pred = ops.convert_to_tensor(y_pred, dtype=loss.dtype)
+    values = loss.call(y_true, y_pred)
+    if (
+        get_keras_mask(values) is not None
+        or values.ndim == 0
+        or values.shape[0] != y_pred.shape[0]
+    ):
+        return None
+    weighted_sum = reduce_weighted_values(
+        values, sample_weight=sample_weight, reduction="sum", dtype=loss.dtype
+    )
+    global_count = values.numel() // values.shape[0] * global_rows
+    return weighted_sum / global_count

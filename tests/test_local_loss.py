@@ -1,0 +1,133 @@
+"""A per-sample compiled loss computed on each process' rows.
+
+Under `DataParallel`, when the model ran on the local rows (`local_rows`)
+and its compiled loss is a built-in per-sample loss summed over the batch,
+each process computes its share of the global loss on its own rows
+(`local_loss`): its weighted sum over the global count of values. These
+tests check the numbers against one process (uneven batch parts, sample
+weights, loss weights, a ragged last batch) and which losses take the path.
+"""
+
+import pytest
+
+from tests import parity_models as pm
+from tests.harness import run_on_ranks
+
+NUM_SAMPLES = 22
+
+
+def _counting_local_losses(function, *args, **kwargs):
+    """`(function(...), number of losses computed on the local rows)`."""
+    from keras.src.backend.torch.distributed import local_loss
+
+    shares = []
+    loss_share = local_loss._loss_share
+
+    def counting_loss_share(*share_args, **share_kwargs):
+        share = loss_share(*share_args, **share_kwargs)
+        shares.append(share is not None)
+        return share
+
+    local_loss._loss_share = counting_loss_share
+    try:
+        result = function(*args, **kwargs)
+    finally:
+        local_loss._loss_share = loss_share
+    return result, sum(shares)
+
+
+def _loss(name):
+    import keras
+    from keras import ops
+
+    if name == "sparse_logits":
+        return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    if name == "batch_mean":
+        # Not a built-in loss: computed through DTensor on the global batch.
+        return lambda y, p: ops.mean(ops.square(y - p)) * ops.ones_like(y)
+    return name
+
+
+def _fit(rank=None, world_size=None, *, loss, batch_size, options=()):
+    import numpy as np
+
+    import keras
+    from tests import distributions
+
+    distributions.use_setting("dp" if rank is not None else "single")
+    keras.utils.set_random_seed(pm.SEED)
+    regularizer = None
+    if "regularizer" in options:
+        regularizer = keras.regularizers.L2(0.5)
+    model = keras.Sequential(
+        [
+            keras.Input((5,)),
+            keras.layers.Dense(8, activation="relu", name="hidden"),
+            keras.layers.Dense(3, name="out", kernel_regularizer=regularizer),
+        ]
+    )
+    loss_weights = 0.5 if "loss_weight" in options else None
+    model.compile(optimizer="adam", loss=_loss(loss), loss_weights=loss_weights)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(NUM_SAMPLES, 5)).astype("float32")
+    if loss == "sparse_logits":
+        y = rng.integers(0, 3, size=(NUM_SAMPLES,))
+    else:
+        y = rng.normal(size=(NUM_SAMPLES, 3)).astype("float32")
+    sample_weight = None
+    if "sample_weight" in options:
+        sample_weight = rng.uniform(0.5, 2.0, NUM_SAMPLES).astype("float32")
+    history = model.fit(
+        x,
+        y,
+        sample_weight=sample_weight,
+        batch_size=batch_size,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+    )
+    weights = [np.array(w.numpy()) for w in model.weights]
+    return {"loss": history.history["loss"], "weights": weights}
+
+
+def _fit_body(rank, world_size, kwargs):
+    return _counting_local_losses(_fit, rank, world_size, **kwargs)
+
+
+def _check(kwargs):
+    """Fits on 2 processes and alone; returns the local losses per rank."""
+    per_rank = run_on_ranks(_fit_body, world_size=2, args=(kwargs,))
+    reference = pm.run_single(_fit, **kwargs)
+    for rank, (result, _) in enumerate(per_rank):
+        pm.assert_close(result, reference, f"rank {rank}")
+    pm.assert_ranks_agree([result for result, _ in per_rank])
+    return [local_losses for _, local_losses in per_rank]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        # Batches of 7 split 4 + 3; the last batch of 1 row leaves a
+        # process without rows and runs on DTensor.
+        dict(loss="mse", batch_size=7, options=("sample_weight",)),
+        dict(loss="sparse_logits", batch_size=8, options=("loss_weight",)),
+    ],
+    ids=["mse-uneven-weighted", "sparse-logits-loss-weight"],
+)
+def test_per_sample_loss_on_local_rows_like_one_process(kwargs):
+    local_losses = _check(kwargs)
+    # 2 epochs of 3 batches each split over both processes (the ragged
+    # last batch of 1 row, if any, is not).
+    assert local_losses == [6, 6]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(loss="batch_mean", batch_size=8),
+        dict(loss="mse", batch_size=8, options=("regularizer",)),
+    ],
+    ids=["custom-loss", "regularization-loss"],
+)
+def test_other_losses_run_on_dtensor(kwargs):
+    assert _check(kwargs) == [0, 0]
