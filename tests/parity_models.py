@@ -23,6 +23,8 @@ Model kinds (all take a few hundred weights at most):
         compiled with count metrics (TruePositives) and accuracy.
     "unseeded_dropout": Dropout(0.5) without a seed on the (replicated)
         inputs -> Dense(31, relu) -> Dense(3); for the RNG tests only.
+    "embedding": Embedding (its table sharded on the features) ->
+        GlobalAveragePooling1D -> Dense; for the compile cache test only.
 
 Settings are those of `tests.distributions.use_setting`: "single" (no
 distribution), "dp" (DataParallel on all ranks), "mp" (ModelParallel on a
@@ -36,8 +38,8 @@ import numpy as np
 from tests import distributions
 
 SEED = 1234
-# The kinds of the parity zoo (all settings); "binary" and
-# "unseeded_dropout" serve single tests.
+# The kinds of the parity zoo (all settings); "binary",
+# "unseeded_dropout" and "embedding" serve single tests.
 MODEL_KINDS = ("mlp", "cnn", "attention", "lstm", "batchnorm", "dropout")
 NUM_CLASSES = 3
 RTOL = 1e-4
@@ -53,6 +55,7 @@ _INPUTS = {
     "dropout": ((5,), "regression"),
     "binary": ((5,), "binary"),
     "unseeded_dropout": ((5,), "regression"),
+    "embedding": ((6,), "tokens"),
 }
 VOCAB_SIZE = 16
 
@@ -230,6 +233,16 @@ def _unseeded_dropout():
     return _functional(inputs, outputs, "unseeded_dropout")
 
 
+def _embedding():
+    from keras import layers
+
+    inputs = layers.Input(_INPUTS["embedding"][0], dtype="int32")
+    x = layers.Embedding(VOCAB_SIZE, 8, name="embed")(inputs)
+    x = layers.GlobalAveragePooling1D(name="pool")(x)
+    outputs = layers.Dense(NUM_CLASSES, name="out")(x)
+    return _functional(inputs, outputs, "embedding")
+
+
 def _functional(inputs, outputs, name):
     import keras
 
@@ -245,6 +258,7 @@ _BUILDERS = {
     "dropout": _dropout,
     "binary": _binary,
     "unseeded_dropout": _unseeded_dropout,
+    "embedding": _embedding,
 }
 
 
@@ -290,6 +304,7 @@ LAYOUT_RULES = {
 }
 LAYOUT_RULES["binary"] = LAYOUT_RULES["mlp"]
 LAYOUT_RULES["unseeded_dropout"] = LAYOUT_RULES["mlp"]
+LAYOUT_RULES["embedding"] = {"embed/embeddings": (None, "model")}
 
 
 def variable_layout_keys(kind):

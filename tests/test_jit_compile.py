@@ -6,12 +6,15 @@ checks that no step fell back to eager (no `jit_compile` warning), that
 dynamo compiled graphs during the fit (its compile counter grew), and that
 losses, metrics, final weights and optimizer state equal those of the same
 model fit eagerly in one process (rtol 1e-4). The compiled fits train a
-transformer block (`parity_models`' attention model: Keras'
-`MultiHeadAttention`, heads sharded, and a feed-forward MLP whose hidden
-layer splits evenly over 2 ranks); its embedding table stays replicated
-(a sharded one is not yet right compiled: see benchmarks/README.md). A
-model with an unevenly sharded variable, or a sharded embedding table,
-runs eagerly, after one warning.
+transformer block (`parity_models`' attention model: an `Embedding` table
+sharded on its features under ModelParallel, Keras' `MultiHeadAttention`,
+heads sharded, and a feed-forward MLP whose hidden layer splits evenly
+over 2 ranks). DTensor compiles a different graph on each rank (it cuts a
+replicated tensor to the rank's shard), so one case fits twice: the
+second fit compiles from the on-disk cache that both ranks wrote, as a
+second run on the same machine does, and must still run each rank's own
+graph (see `steps._rank_cache_key`). A model with an unevenly
+sharded variable runs eagerly, after one warning.
 (A batch that splits unevenly runs eagerly too; a compiled fit ending on
 one costs a second compilation, over a minute on CI's 2 cores, so these
 fits use whole batches.)
@@ -29,24 +32,11 @@ from tests.harness import run_on_ranks
 NUM_SAMPLES = {"dp": 16, "mp": 16}
 
 
-# The attention model's layouts but for its embedding table's.
-LAYOUT_RULES = {
-    "sharded_embedding": pm.LAYOUT_RULES["attention"],
-    "attention": {
-        k: v
-        for k, v in pm.LAYOUT_RULES["attention"].items()
-        if k != "embed/embeddings"
-    },
-    "mlp": pm.LAYOUT_RULES["mlp"],
-}
-
-
-def _fit(kind, setting, num_samples, jit_compile, rules=None):
+def _fit(kind, setting, num_samples, jit_compile):
     """Fits model `kind`; the result, `jit_compile` warnings, graphs."""
-    rules = rules or kind
     from torch._dynamo.utils import counters
 
-    distributions.use_setting(setting, layout_rules=LAYOUT_RULES[rules])
+    distributions.use_setting(setting, layout_rules=pm.LAYOUT_RULES[kind])
     model = pm.build_model(kind, jit_compile=jit_compile)
     x, y = pm.make_data(kind, num_samples=num_samples)
     graphs = counters["stats"]["unique_graphs"]
@@ -67,45 +57,83 @@ def _fit_body(rank, world_size, *args):
     return _fit(*args)
 
 
-def _check(kind, setting, rules=None):
-    """Per-rank results of the compiled fit, checked against one process."""
-    num_samples = NUM_SAMPLES[setting]
-    per_rank = run_on_ranks(
-        _fit_body,
-        world_size=2,
-        args=(kind, setting, num_samples, True, rules),
-        timeout=400,
-    )
-    reference = pm.run_single(_fit, kind, "single", num_samples, False)
+def _check(kind, setting, per_rank, fit=""):
+    """Checks per-rank fit results against one process."""
+    reference = pm.run_single(_fit, kind, "single", NUM_SAMPLES[setting], False)
     for result in per_rank:
-        pm.assert_close(result["history"], reference["history"], "history")
-        pm.assert_close(result["state"], reference["state"], "state")
+        pm.assert_close(result["history"], reference["history"], fit)
+        pm.assert_close(result["state"], reference["state"], fit)
         assert result["value_types"] == ["float"]
     pm.assert_ranks_agree([r["state"] for r in per_rank])
-    return per_rank
 
 
 @pytest.mark.parametrize("setting", ["dp", "mp"])
 def test_compiled_fit_parity(setting):
     """A transformer block compiled on every rank (no fallback), and equal
     to one process."""
-    for result in _check("attention", setting):
+    per_rank = run_on_ranks(
+        _fit_body,
+        world_size=2,
+        args=("attention", setting, NUM_SAMPLES[setting], True),
+        timeout=400,
+    )
+    _check("attention", setting, per_rank)
+    for result in per_rank:
         assert result["jit_warnings"] == []
         assert result["graphs"] > 0
 
 
+def _fit_twice_body(rank, world_size, kind, setting):
+    """Two compiled fits; the second compiles from the on-disk cache (the
+    ranks share it) that the first wrote or found."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    import keras
+
+    results = []
+    for _ in range(2):
+        # Both ranks' cache entries are written before either loads one.
+        torch.distributed.barrier()
+        keras.backend.clear_session()
+        torch._dynamo.reset()
+        hits = counters["aot_autograd"]["autograd_cache_hit"]
+        result = _fit(kind, setting, NUM_SAMPLES[setting], True)
+        hits = counters["aot_autograd"]["autograd_cache_hit"] - hits
+        result["cache_hits"] = hits
+        results.append(result)
+    return results
+
+
+def test_compiled_fit_from_compile_cache():
+    """A sharded embedding table, then a Dense layer whose replicated
+    kernel each rank cuts to its own rows: compiled again from the cache
+    both ranks wrote, each rank runs its own graph, equal to one process."""
+    per_rank = run_on_ranks(
+        _fit_twice_body,
+        world_size=2,
+        args=("embedding", "mp"),
+        timeout=400,
+    )
+    for fit, fits in zip(("first", "second"), zip(*per_rank)):
+        _check("embedding", "mp", fits, f"{fit} fit")
+    for first, second in per_rank:
+        for result in (first, second):
+            assert result["jit_warnings"] == []
+            assert result["graphs"] > 0
+        assert second["cache_hits"] > 0
+
+
 def test_uneven_variable_shards_run_eagerly():
     """A 31-unit layer on 2 ranks: one warning, eager steps, parity."""
-    for result in _check("mlp", "mp"):
+    per_rank = run_on_ranks(
+        _fit_body,
+        world_size=2,
+        args=("mlp", "mp", NUM_SAMPLES["mp"], True),
+        timeout=400,
+    )
+    _check("mlp", "mp", per_rank)
+    for result in per_rank:
         assert len(result["jit_warnings"]) == 1, result["jit_warnings"]
         assert "sharded unevenly" in result["jit_warnings"][0]
-        assert result["graphs"] == 0
-
-
-def test_sharded_embedding_table_runs_eagerly():
-    """The attention model with its embedding table sharded: one warning
-    that names the table, eager steps, parity."""
-    for result in _check("attention", "mp", rules="sharded_embedding"):
-        assert len(result["jit_warnings"]) == 1, result["jit_warnings"]
-        assert "embed/embeddings" in result["jit_warnings"][0]
         assert result["graphs"] == 0

@@ -11,9 +11,11 @@ things make that work on DTensors: the loss and metrics are built before
 the first compiled call (dynamo cannot trace their lazy build), and the
 metrics read predictions detached from the autograd graph (see
 `metric_predictions`). A step that torch still cannot compile falls back
-to the eager one, with a warning.
+to the eager one, with a warning. Compiled steps are cached on disk for
+each rank apart (see `compile_step`).
 """
 
+import contextlib
 import functools
 import warnings
 
@@ -102,13 +104,23 @@ def compile_step(step_function):
     code as a symbol that dynamo cannot make a constant (torch 2.13), as
     the backward pass rebuilds `DTensor` gradients.
 
+    Its compiled code is cached on disk under a key of this rank's own
+    (see `_rank_cache_key`).
+
     Args:
         step_function: the eager step function.
 
     Returns:
         The compiled function.
     """
-    return torch.compile(step_function, dynamic=False)
+    compiled_function = torch.compile(step_function, dynamic=False)
+
+    @functools.wraps(step_function)
+    def compiled_step(data):
+        with _rank_cache_key():
+            return compiled_function(data)
+
+    return compiled_step
 
 
 def metric_predictions(y_pred):
@@ -135,6 +147,30 @@ def metric_predictions(y_pred):
     return tree.map_structure(
         lambda x: x.detach() if isinstance(x, torch.Tensor) else x, y_pred
     )
+
+
+def _rank_cache_key():
+    """Keys torch's on-disk compile caches by this process' rank.
+
+    Traced through DTensor, a step compiles to a different graph on each
+    rank: a replicated tensor that meets a sharded one is cut to this
+    rank's shard, a slice whose offset is a constant of the graph. The
+    AOTAutograd cache keys a graph by its `DTensor` inputs' mesh and
+    placements, the same on every rank (torch 2.13), so a rank that finds
+    another rank's entry (written by an earlier run on the same machine, or
+    a moment earlier in this one) runs that rank's slices: wrong numbers,
+    no error (pytorch/pytorch issue 188390). A rank of its own in
+    `cache_key_tag` keeps the entries apart. (A torch without the tag keyed
+    a `DTensor` by its storage address, which no other process shares.)
+
+    Returns:
+        A context manager.
+    """
+    config = getattr(torch.compiler, "config", None)
+    tag = getattr(config, "cache_key_tag", None)
+    if tag is None:
+        return contextlib.nullcontext()
+    return config.patch(cache_key_tag=f"{tag}keras-rank-{runtime.rank()}")
 
 
 def _step_kind(step_function):
@@ -200,32 +236,6 @@ def _eager_reason(model):
     """Why a compiled step of `model` must run eagerly, or `None`."""
     if not _evenly_sharded(model.variables):
         return "some of its variables are sharded unevenly"
-    table = _sharded_embedding(model)
-    if table is not None:
-        # Found by `tests/test_jit_compile.py`: the compiled step's loss
-        # differs from the eager step's by about 4e-4 from the first step
-        # (torch 2.13); the cause is not known yet.
-        return (
-            f"the embedding table `{table}` is sharded, and a compiled "
-            "lookup in a sharded table does not give the eager step's "
-            "numbers yet; a replicated table compiles"
-        )
-    return None
-
-
-def _sharded_embedding(model):
-    """The path of a sharded `Embedding` table of `model`, or `None`."""
-    from keras.src.layers.core.embedding import Embedding
-
-    for layer in model._flatten_layers(include_self=False, recursive=True):
-        if not isinstance(layer, Embedding):
-            continue
-        table = layer.embeddings
-        value = table.value
-        if isinstance(value, DTensor) and any(
-            p.is_shard() for p in value.placements
-        ):
-            return table.path
     return None
 
 
