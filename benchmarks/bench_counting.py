@@ -6,7 +6,6 @@ than that live with their runners (`keras_runners.keras_collectives`,
 `native_runners.ddp_collectives`).
 """
 
-import math
 import re
 
 from torch import nn
@@ -87,20 +86,16 @@ def ideal_collectives(kind, impl, ref):
     gradient of the column-parallel layer's input) where that input needs a
     gradient. The MLP's input is data: 1. The transformer's two sub-blocks
     start with a LayerNorm whose weights need the gradient of its output:
-    2 forward + 2 backward = 4. Data parallelism: one all-reduce per 25 MiB
-    bucket of gradients (`native_ddp`'s setting); Keras `DataParallel`
-    overlaps its buckets with the backward pass, in DDP's default sizes:
-    in reverse order, the first bucket 1 MiB, then 25 MiB. A rank training
-    alone: none.
+    2 forward + 2 backward = 4. Data parallelism: one all-reduce per bucket
+    of gradients, in DDP's default sizes (`native_ddp`'s, and Keras
+    `DataParallel`'s): in reverse order, the first bucket 1 MiB, then
+    25 MiB. A rank training alone: none.
     """
     if "_local_" in impl:
         return 0
     if impl.startswith(("keras_mp", "native_tp")):
         return 1 if kind == "mlp" else 4
-    if impl.startswith("keras_dp"):
-        return _overlapped_buckets([v.nbytes for v in ref.values()])
-    grad_bytes = sum(v.nbytes for v in ref.values())
-    return max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
+    return _overlapped_buckets([v.nbytes for v in ref.values()])
 
 
 def _overlapped_buckets(sizes):

@@ -13,6 +13,7 @@ from bench_runner import Runner
 
 import keras
 from keras.src.backend.torch.distributed import gradients
+from keras.src.backend.torch.distributed import step_reduction
 
 
 def keras_distribution(impl, kind, relayout_outputs):
@@ -83,8 +84,16 @@ def keras_runner(kind, impl, shapes, ref, data, ctx, args):
 def keras_collectives(model, train_function, batch):
     """Collectives of a whole Keras step, its gradient reduction, and of
     the optimizer update alone (after the gradients were reduced)."""
-    step = count_collectives(lambda: train_function(batch), [model])
-    # The step leaves its raw (possibly `Partial`) gradients in `.grad`.
+    # Counted with the weights entering the step through DTensor, not as
+    # plain leaves (`step_reduction.local_leaf`): the same buckets and
+    # collectives, and the step leaves its raw (possibly `Partial`)
+    # gradients in `.grad` for the counts below.
+    local_leaf = step_reduction.local_leaf
+    step_reduction.local_leaf = lambda variable: None
+    try:
+        step = count_collectives(lambda: train_function(batch), [model])
+    finally:
+        step_reduction.local_leaf = local_leaf
     weights = model.trainable_weights
     grads = [v.value.grad for v in weights]
     reduced = []
