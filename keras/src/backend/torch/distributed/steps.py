@@ -3,7 +3,7 @@
 Each step receives the global batch, distributes it (see `data_input`) and
 runs with plain tensors taken as replicated global values (see
 `layer_call`). Keras' own eager train step all-reduces its gradient
-buckets while its backward pass runs (see `gradients`).
+buckets while its backward pass runs (see `step_reduction`).
 
 A compiled step (`jit_compile=True`) is compiled whole by `torch.compile`,
 with the graph breaks Keras' step has anyway (at `loss.backward()`). Two
