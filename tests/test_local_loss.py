@@ -48,13 +48,26 @@ def _loss(name):
     return name
 
 
-def _fit(rank=None, world_size=None, *, loss, batch_size, options=()):
+# Megatron's MLP: the output is replicated after the row-parallel layer.
+MODEL_PARALLEL_RULES = {
+    "hidden/kernel": (None, "model"),
+    "hidden/bias": ("model",),
+    "out/kernel": ("model", None),
+}
+
+
+def _fit(
+    rank=None, world_size=None, *, loss, batch_size, options=(), setting="dp"
+):
     import numpy as np
 
     import keras
     from tests import distributions
 
-    distributions.use_setting("dp" if rank is not None else "single")
+    if rank is None:
+        distributions.use_setting("single")
+    else:
+        distributions.use_setting(setting, layout_rules=MODEL_PARALLEL_RULES)
     keras.utils.set_random_seed(pm.SEED)
     regularizer = None
     if "regularizer" in options:
@@ -111,13 +124,18 @@ def _check(kwargs):
         # process without rows and runs on DTensor.
         dict(loss="mse", batch_size=7, options=("sample_weight",)),
         dict(loss="sparse_logits", batch_size=8, options=("loss_weight",)),
+        # Outputs replicated under ModelParallel: the whole loss on every
+        # process.
+        dict(
+            loss="mse", batch_size=8, options=("sample_weight",), setting="mp"
+        ),
     ],
-    ids=["mse-uneven-weighted", "sparse-logits-loss-weight"],
+    ids=["mse-uneven-weighted", "sparse-logits-loss-weight", "mp-replicated"],
 )
 def test_per_sample_loss_on_local_rows_like_one_process(kwargs):
     local_losses = _check(kwargs)
     # 2 epochs of 3 batches each split over both processes (the ragged
-    # last batch of 1 row, if any, is not).
+    # last batch of 1 row, if any, is not), or replicated.
     assert local_losses == [6, 6]
 
 

@@ -18,7 +18,6 @@ import torch.distributed as dist
 from keras.src.backend.torch.distributed import layouts
 from keras.src.backend.torch.distributed import local_state
 from keras.src.backend.torch.distributed import runtime
-from keras.src.backend.torch.distributed.local_state import all_replicated
 from keras.src.backend.torch.distributed.runtime import DTensor
 
 if runtime.DTENSOR_AVAILABLE:
@@ -59,7 +58,9 @@ def apply_gradients(apply_function, optimizer, grads, trainable_variables):
     if variables is None:
         variables = optimizer._trainable_variables
     state = list(optimizer.variables) + list(variables)
-    if not (optimizer.built and all_replicated(state + list(grads))):
+    if not (
+        optimizer.built and local_state.all_replicated(state + list(grads))
+    ):
         return apply_function(grads, trainable_variables)
     with torch.no_grad(), local_state.on_local_values(state):
         return apply_function(

@@ -9,9 +9,12 @@ that sum on its plain local tensors, divides it by the global count, and
 returns it as a partial sum, which the train step reduces with the
 gradients (see `step_reduction.reduce_with_loss`); the backward pass then
 runs on plain tensors from the loss down to the weights. Through DTensor
-the loss and its backward were about 15 dispatched ops a step. Anything
-else (a custom or batch-wide loss, several outputs, masks, regularization
-losses, an overridden `compute_loss`) runs through DTensor as before.
+the loss and its backward were about 15 dispatched ops a step. Outputs
+replicated on every process (a model-parallel model's, after its
+row-parallel layer) with replicated targets are computed on as plain
+tensors too: each process computes the whole loss. Anything else (a custom
+or batch-wide loss, several outputs, masks, regularization losses, an
+overridden `compute_loss`) runs through DTensor as before.
 """
 
 from keras.src import ops
@@ -23,6 +26,7 @@ from keras.src.backend.torch.distributed.runtime import DTensor
 
 if runtime.DTENSOR_AVAILABLE:
     from torch.distributed.tensor import Partial
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor import Shard
 
 # Built-in loss functions that reduce each sample over its own (last) axes
@@ -49,18 +53,19 @@ _PER_SAMPLE_FUNCTION_NAMES = (
 
 
 def local_compiled_loss(model, y, y_pred, sample_weight):
-    """The train step's compiled loss, computed on the local rows.
+    """The train step's compiled loss, computed on local tensors.
 
     Args:
         model: the model being trained.
-        y: the targets, batch-sharded `DTensor`s.
+        y: the targets.
         y_pred: the model's outputs.
         sample_weight: the sample weights, or `None`.
 
     Returns:
-        The loss as a `DTensor`, each process' share a partial sum; `None`
-        where this cannot be shown to give DTensor's numbers (the caller
-        then computes the loss as Keras does).
+        The loss as a `DTensor`: each process' share a partial sum for
+        outputs of a call on the local rows, replicated for replicated
+        outputs; `None` where this cannot be shown to give DTensor's
+        numbers (the caller then computes the loss as Keras does).
     """
     if runtime.current_distribution() is None:
         return None
@@ -68,14 +73,10 @@ def local_compiled_loss(model, y, y_pred, sample_weight):
     if entry is None:
         return None
     _, loss_fn, loss_weight, _ = entry
-    local_y_pred = local_rows.local_output(y_pred)
-    if (
-        local_y_pred is None
-        or y is None
-        or not _sharded_like(y_pred, [y, sample_weight])
-        or get_keras_mask(y_pred) is not None
-        or model.losses
-    ):
+    if y is None or get_keras_mask(y_pred) is not None:
+        return None
+    local_y_pred, placements = _local_prediction(y_pred, [y, sample_weight])
+    if local_y_pred is None or model.losses:
         return None
     with runtime.distribution_suspended():
         share = _loss_share(
@@ -91,8 +92,22 @@ def local_compiled_loss(model, y, y_pred, sample_weight):
         if loss_weight is not None:
             share = ops.multiply(share, loss_weight)
     return DTensor.from_local(
-        share, y_pred.device_mesh, [Partial()], run_check=False
+        share, y_pred.device_mesh, placements, run_check=False
     )
+
+
+def _local_prediction(y_pred, batch):
+    """`(local tensor of y_pred, placements of the loss)`, or `(None, None)`
+    unless `y_pred` comes from a call on the local rows and `batch` is
+    sharded like it, or `y_pred` and `batch` are replicated."""
+    local_y_pred = local_rows.local_output(y_pred)
+    if local_y_pred is not None and _sharded_like(y_pred, batch):
+        return local_y_pred, [Partial()]
+    if _replicated_like(y_pred, batch):
+        # Every process' gradient of the loss is the whole gradient.
+        placements = [Replicate()] * y_pred.device_mesh.ndim
+        return y_pred.to_local(grad_placements=placements), placements
+    return None, None
 
 
 def _single_compiled_loss(model, y, y_pred):
@@ -147,6 +162,21 @@ def _sharded_like(y_pred, values):
             and tuple(x.placements) == (Shard(0),)
             and x.ndim > 0
             and x.shape[0] == y_pred.shape[0]
+        ):
+            return False
+    return True
+
+
+def _replicated_like(y_pred, values):
+    """Whether `y_pred` and each of `values` (or `None`) are `DTensor`s
+    replicated on `y_pred`'s mesh."""
+    for x in [y_pred] + list(values):
+        if x is None:
+            continue
+        if not (
+            isinstance(x, DTensor)
+            and x.device_mesh == y_pred.device_mesh
+            and all(p.is_replicate() for p in x.placements)
         ):
             return False
     return True
