@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from keras.src.backend.torch.distributed import gradients as gradients_lib
 from keras.src.backend.torch.distributed import health
+from keras.src.backend.torch.distributed import local_state
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
 
@@ -166,7 +167,9 @@ def _reverse_buckets(variables):
     """`variables` in reverse order, in buckets of DDP's sizes."""
     buckets, bucket, size = [], [], 0
     for v in reversed(variables):
-        local = v.value.to_local()
+        # Sizes only: no autograd node for the local view.
+        with torch.no_grad():
+            local = v.value.to_local()
         bucket.append(v)
         size += local.numel() * local.element_size()
         cap = (
@@ -232,7 +235,10 @@ class _OverlappedReduction:
         first = gradients[0]
         key = ("overlapped", bucket_index, first.dtype, first.device)
         flat = gradients_lib.flat_buffer(self.buffers, key, gradients)
-        torch.cat([_local(g).reshape(-1) for g in gradients], out=flat)
+        torch.cat(
+            [local_state.local_value(g).reshape(-1) for g in gradients],
+            out=flat,
+        )
         work = dist.all_reduce(flat, op=op, group=group, async_op=True)
         self.launched.append((bucket_index, gradients, flat, work))
 
@@ -348,15 +354,11 @@ class _OverlappedReduction:
             leaf.grad = None
 
 
-def _local(x):
-    return x.to_local() if isinstance(x, DTensor) else x
-
-
 def _views(flat, values):
     """Views of `flat` shaped as each of `values` (their local parts)."""
     views, offset = [], 0
     for x in values:
-        local = _local(x)
+        local = local_state.local_value(x)
         views.append(flat[offset : offset + local.numel()].view(local.shape))
         offset += local.numel()
     return views
