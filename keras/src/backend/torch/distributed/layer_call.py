@@ -17,6 +17,7 @@ from keras.src import tree
 from keras.src.backend.common.keras_tensor import KerasTensor
 from keras.src.backend.common.masking import get_keras_mask
 from keras.src.backend.common.masking import set_keras_mask
+from keras.src.backend.torch.distributed import fallback
 from keras.src.backend.torch.distributed import layout_rules
 from keras.src.backend.torch.distributed import layouts
 from keras.src.backend.torch.distributed import local_rows
@@ -79,7 +80,7 @@ def call_layer(call_function, layer, *args, **kwargs):
     )
     _call_depth += 1
     try:
-        with replicated_plain_tensors():
+        with replicated_plain_tensors(), fallback.dtensor_fallback():
             outputs = call_function(layer, *args, **kwargs)
     finally:
         _call_depth -= 1
@@ -200,7 +201,7 @@ def loop_function(function):
 
     @functools.wraps(function)
     def replicated_function(*args):
-        with replicated_plain_tensors():
+        with replicated_plain_tensors(), fallback.dtensor_fallback():
             return function(*args)
 
     return replicated_function

@@ -23,6 +23,7 @@ import torch
 
 from keras.src import tree
 from keras.src.backend.torch.distributed import data_input
+from keras.src.backend.torch.distributed import fallback
 from keras.src.backend.torch.distributed import health
 from keras.src.backend.torch.distributed import layer_call
 from keras.src.backend.torch.distributed import layouts
@@ -266,8 +267,12 @@ def _step_state(model):
 
 
 def _eager_step(step_function, model, kind, data):
-    """Runs an eager step; Keras' own train step reduces during backward."""
-    if kind == "train" and _default_train_step(model):
-        with step_reduction.overlapped_reduction(model):
-            return step_function(data)
-    return step_function(data)
+    """Runs an eager step; Keras' own train step reduces during backward.
+
+    Ops that DTensor refuses, forward or backward, are computed on global
+    values (see `fallback`)."""
+    with fallback.dtensor_fallback():
+        if kind == "train" and _default_train_step(model):
+            with step_reduction.overlapped_reduction(model):
+                return step_function(data)
+        return step_function(data)

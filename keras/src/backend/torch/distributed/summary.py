@@ -6,6 +6,7 @@ call it on its own (from a debugger, or on rank 0 only).
 
 import numpy as np
 
+from keras.src.backend.torch.distributed import fallback
 from keras.src.backend.torch.distributed import layout_rules
 from keras.src.backend.torch.distributed import layouts
 from keras.src.backend.torch.distributed import runtime
@@ -68,7 +69,10 @@ def sharding_summary(model, print_fn=None):
         model: a Keras model or layer (anything with `.variables`).
         print_fn: if given, called with a formatted table, one line per
             variable, prefixed with this process' rank; variables that no
-            layout rule matched say `(no rule)`.
+            layout rule matched say `(no rule)`. The table ends with the
+            ops that DTensor could not compute on their operands' layout
+            so far, which ran on gathered global values: how often, and
+            the bytes gathered (see `fallback.fallback_counts`).
 
     Returns:
         A list of dicts, one per variable: `path`, `dtype`, `global_shape`,
@@ -136,4 +140,19 @@ def _format_rows(rows):
     ]
     total = sum(r["local_bytes"] for r in rows)
     lines.append(f"{prefix}total bytes on this process: {total}")
+    lines.extend(prefix + line for line in _fallback_lines())
     return "\n".join(lines)
+
+
+def _fallback_lines():
+    """The ops DTensor refused so far, each computed on global values."""
+    counts = fallback.fallback_counts()
+    if not counts:
+        return []
+    lines = ["ops computed on global values (DTensor refused their layout):"]
+    for name, count in sorted(counts.items()):
+        lines.append(
+            f"  {name}: {count.calls} calls, {count.gathered_bytes} bytes "
+            f"gathered ({count.reason})"
+        )
+    return lines

@@ -1,0 +1,284 @@
+"""Ops DTensor cannot compute, computed on global values instead.
+
+DTensor computes an op on shards only where it has a sharding strategy
+for it and accepts the placements its operands have. Where it has none
+(`avg_pool2d_backward`), or refuses what it gets (an `unbind` along a
+sharded dimension, a view that would split an uneven shard, an in-place
+op on a partial sum), it raises, and in a Keras model that is a crash in
+the middle of a training step, often in the backward pass. JAX's GSPMD
+never refuses: a layout moves numbers, and every op works on every
+sharding.
+
+Here every op on `DTensor`s that runs inside a layer call or a step goes
+through one torch dispatch mode. DTensor computes the op as usual; only
+if it refuses, the op's `DTensor` operands are gathered to their global
+values, the op runs on plain tensors as one process runs it, and each
+result is laid out again: like an operand of the same shape (its
+partial sums reduced), else replicated. An in-place op writes its result
+back into its operand in the operand's own layout. The numbers are one
+process'; the price is the gathers, which `fallback_counts` records op by
+op (`keras.distribution.sharding_summary` prints them).
+
+Why a dispatch mode, and not `register_sharding`: a strategy registered
+with `torch.distributed.tensor.experimental.register_sharding` replaces
+DTensor's own strategy for that op, so it cannot mend an op DTensor
+handles in most layouts (views, `unbind`) without losing its sharded
+cases; and it must name every op in advance, while the ops a model meets
+depend on its layers and layouts (backward ops included). The mode sees
+every op as it runs, forward and backward alike (the autograd engine runs
+the backward pass under the modes of the thread that started it), and
+changes nothing where DTensor computes.
+
+DTensor decides whether it can compute an op from its operands' global
+shapes and placements, the same on every process, before it
+communicates: so every process falls back on the same ops, in the same
+order, and the gathers pair up.
+"""
+
+import contextlib
+import dataclasses
+import functools
+import threading
+
+import torch
+
+from keras.src.backend.torch.distributed import runtime
+from keras.src.backend.torch.distributed.runtime import DTensor
+
+if runtime.DTENSOR_AVAILABLE:
+    from torch.distributed.tensor import Replicate
+
+    # The documented base class of torch dispatch modes ("Extending
+    # PyTorch: Extending all torch API with Modes").
+    from torch.utils._python_dispatch import TorchDispatchMode
+else:  # pragma: no cover - torch without DTensor has no distribution.
+    TorchDispatchMode = object
+
+# Errors DTensor raises when it cannot compute an op on the placements it
+# got: no strategy (`NotImplementedError`), a refused placement
+# (`RuntimeError`, `ValueError`), and an assertion in its propagation.
+_REFUSALS = (NotImplementedError, RuntimeError, ValueError, AssertionError)
+
+_state = threading.local()
+
+
+@dataclasses.dataclass
+class FallbackCount:
+    """How often an op fell back, and what it gathered.
+
+    Attributes:
+        calls: how many times the op was computed on global values.
+        gathered_bytes: the bytes of the global values this process
+            assembled from other processes' shards and partial sums.
+        reason: the first line of DTensor's error, the first time.
+    """
+
+    calls: int = 0
+    gathered_bytes: int = 0
+    reason: str = ""
+
+
+_counts = {}
+_counts_lock = threading.Lock()
+
+
+def fallback_counts():
+    """The ops this process computed on global values, so far.
+
+    Returns:
+        A dict from the op's name (`"aten.avg_pool2d_backward.default"`) to
+        a copy of its `FallbackCount`.
+    """
+    with _counts_lock:
+        return {k: dataclasses.replace(v) for k, v in _counts.items()}
+
+
+def reset_fallback_counts():
+    """Forgets the ops counted by `fallback_counts`."""
+    with _counts_lock:
+        _counts.clear()
+
+
+@contextlib.contextmanager
+def dtensor_fallback():
+    """Computes ops that DTensor refuses on global values, in this thread.
+
+    Entered around eager layer calls and steps; nested entries do nothing
+    more. Not under `torch.compile`: dynamo traces DTensor's refusal as a
+    graph break and the step then runs eagerly, under the mode.
+
+    Yields:
+        None.
+    """
+    if getattr(_state, "active", False) or torch.compiler.is_compiling():
+        yield
+        return
+    _state.active = True
+    try:
+        with _FallbackMode():
+            yield
+    finally:
+        _state.active = False
+
+
+class _FallbackMode(TorchDispatchMode):
+    """Runs each op as DTensor does, on global values where it refuses."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not any(issubclass(t, DTensor) for t in types):
+            return func(*args, **kwargs)
+        if any(
+            not isinstance(x, DTensor)
+            for x in _mutated_operands(func, args, kwargs)
+        ):
+            # A plain tensor updated with a `DTensor` (`total += loss`):
+            # DTensor would write into it, then refuse to return it.
+            return _on_global_values(func, args, kwargs, None)
+        try:
+            return func(*args, **kwargs)
+        except torch.distributed.DistError:
+            raise
+        except _REFUSALS as e:
+            refusal = e
+        return _on_global_values(func, args, kwargs, refusal)
+
+
+def _on_global_values(func, args, kwargs, refusal):
+    """`func` computed on the global values of its `DTensor` operands."""
+    operands = [x for x in _leaves((args, kwargs)) if isinstance(x, DTensor)]
+    mesh = operands[0].device_mesh
+    gathered = {}
+
+    def global_value(x):
+        if not isinstance(x, DTensor):
+            return x
+        if id(x) not in gathered:
+            gathered[id(x)] = x.full_tensor()
+        return gathered[id(x)]
+
+    global_args, global_kwargs = _map_leaves(global_value, (args, kwargs))
+    try:
+        outputs = func(*global_args, **global_kwargs)
+    except Exception as e:
+        # The op fails on plain tensors too: its own error is the one to
+        # show, with DTensor's for context.
+        raise e from refusal
+    _count(func, refusal, operands)
+    mutated = _mutated_operands(func, args, kwargs)
+    for operand in mutated:
+        if isinstance(operand, DTensor):
+            _write_back(operand, gathered[id(operand)])
+    if mutated and len(mutated) == len(_leaves(outputs)):
+        # An in-place op returns the operands it wrote into; a plain one
+        # holds the global value, as plain tensors do here.
+        return mutated[0] if len(mutated) == 1 else tuple(mutated)
+    return _map_leaves(
+        lambda y: (
+            _laid_out(y, mesh, operands) if isinstance(y, torch.Tensor) else y
+        ),
+        outputs,
+    )
+
+
+def _laid_out(value, mesh, operands):
+    """`value` as a `DTensor`: laid out like the first operand of its shape
+    (its partial sums reduced), else replicated."""
+    placements = [Replicate()] * mesh.ndim
+    for x in operands:
+        if x.shape == value.shape and x.device_mesh == mesh:
+            placements = [
+                Replicate() if p.is_partial() else p for p in x.placements
+            ]
+            break
+    replicated = DTensor.from_local(
+        value, mesh, [Replicate()] * mesh.ndim, run_check=False
+    )
+    if all(p.is_replicate() for p in placements):
+        return replicated
+    # From replicated to sharded is a local slice: no communication.
+    return replicated.redistribute(mesh, placements)
+
+
+def _write_back(operand, value):
+    """Writes a global `value` into `operand`'s shards, in its layout."""
+    mesh = operand.device_mesh
+    replicated = DTensor.from_local(
+        value, mesh, [Replicate()] * mesh.ndim, run_check=False
+    )
+    laid_out = replicated.redistribute(mesh, operand.placements)
+    with torch.no_grad():
+        operand.to_local().copy_(laid_out.to_local())
+
+
+def _mutated_operands(func, args, kwargs):
+    """The tensor arguments that `func` writes into."""
+    mutated = []
+    for position, name in _written_arguments(func):
+        value = args[position] if position < len(args) else kwargs.get(name)
+        mutated.extend(x for x in _leaves(value) if torch.is_tensor(x))
+    return mutated
+
+
+@functools.lru_cache(maxsize=None)
+def _written_arguments(func):
+    """`(position, name)` of each argument `func`'s schema writes into."""
+    return tuple(
+        (i, argument.name)
+        for i, argument in enumerate(func._schema.arguments)
+        if argument.alias_info is not None and argument.alias_info.is_write
+    )
+
+
+def _count(func, refusal, operands):
+    name = str(func)
+    gathered_bytes = sum(_gathered_bytes(x) for x in operands)
+    with _counts_lock:
+        count = _counts.setdefault(name, FallbackCount())
+        first = count.calls == 0
+        count.calls += 1
+        count.gathered_bytes += gathered_bytes
+        if first:
+            count.reason = _first_line(refusal)
+    if first:
+        runtime.log_debug(
+            "DTensor cannot compute %s on these placements (%s): computed "
+            "on global values, gathering %d bytes",
+            name,
+            count.reason,
+            gathered_bytes,
+        )
+
+
+def _gathered_bytes(x):
+    """The bytes of `x`'s global value that this process does not hold."""
+    held = x.to_local().numel()
+    if any(p.is_partial() for p in x.placements):
+        held = 0
+    return (x.numel() - held) * x.element_size()
+
+
+def _first_line(error):
+    if error is None:
+        return "a plain tensor updated in place with a DTensor"
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text[:200]}"
+
+
+def _leaves(value):
+    if isinstance(value, (list, tuple)):
+        return [leaf for x in value for leaf in _leaves(x)]
+    if isinstance(value, dict):
+        return [leaf for x in value.values() for leaf in _leaves(x)]
+    return [value]
+
+
+def _map_leaves(function, value):
+    if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
+        mapped = [_map_leaves(function, x) for x in value]
+        return (
+            type(value)(mapped) if isinstance(value, list) else (tuple(mapped))
+        )
+    if isinstance(value, dict):
+        return {k: _map_leaves(function, x) for k, x in value.items()}
+    return function(value)

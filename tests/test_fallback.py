@@ -1,0 +1,195 @@
+"""Ops DTensor refuses are computed on global values (`fallback`).
+
+Each body runs the same op on 2 gloo ranks under `dtensor_fallback()` and
+returns global values, which the parent compares with the op computed on
+plain tensors in one process. The op counts say which ops fell back.
+"""
+
+import numpy as np
+import torch
+
+from tests.harness import run_on_ranks
+
+
+def _mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (2,))
+
+
+def _fallback():
+    from keras.src.backend.torch.distributed import fallback
+
+    fallback.reset_fallback_counts()
+    return fallback
+
+
+def _pool_input():
+    return (
+        torch.arange(4 * 3 * 6 * 6, dtype=torch.float32)
+        .reshape(4, 3, 6, 6)
+        .sin()
+    )
+
+
+def _avg_pool_body(rank, world_size):
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import distribute_tensor
+
+    fallback = _fallback()
+    x = distribute_tensor(_pool_input(), _mesh(), [Shard(0)])
+    x.requires_grad_()
+    with fallback.dtensor_fallback():
+        y = torch.nn.functional.avg_pool2d(x, 2)
+        (y * y).sum().backward()
+    counts = fallback.fallback_counts()
+    return {
+        "grad": x.grad.full_tensor().numpy(),
+        "grad_placements": [str(p) for p in x.grad.placements],
+        "counts": {k: (v.calls, v.gathered_bytes) for k, v in counts.items()},
+    }
+
+
+def test_op_without_a_strategy_in_the_backward_pass():
+    x = _pool_input().requires_grad_()
+    y = torch.nn.functional.avg_pool2d(x, 2)
+    (y * y).sum().backward()
+    per_rank = run_on_ranks(_avg_pool_body, world_size=2)
+    for result in per_rank:
+        np.testing.assert_allclose(result["grad"], x.grad.numpy(), rtol=1e-6)
+        # Laid out again like the op's input: batch-sharded.
+        assert result["grad_placements"] == ["S(0)"]
+        calls, gathered = result["counts"]["aten.avg_pool2d_backward.default"]
+        # Half of the input and of the output gradient came from the other
+        # rank (4 bytes per float).
+        assert calls == 1
+        assert gathered == (x.numel() + y.numel()) // 2 * 4
+    assert len(per_rank[0]["counts"]) == 1
+
+
+def _unbind_body(rank, world_size):
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import distribute_tensor
+
+    fallback = _fallback()
+    x = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    xd = distribute_tensor(x, _mesh(), [Shard(0)])
+    with fallback.dtensor_fallback():
+        rows = torch.unbind(xd, 0)
+    return {
+        "rows": [r.full_tensor().numpy() for r in rows],
+        "counts": sorted(fallback.fallback_counts()),
+    }
+
+
+def test_refused_placement_unbind_along_the_sharded_dim():
+    expected = torch.arange(24, dtype=torch.float32).reshape(4, 6).numpy()
+    for result in run_on_ranks(_unbind_body, world_size=2):
+        np.testing.assert_array_equal(np.stack(result["rows"]), expected)
+        assert result["counts"] == ["aten.unbind.int"]
+
+
+def _in_place_body(rank, world_size):
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Partial
+
+    fallback = _fallback()
+    mesh = _mesh()
+    # Each rank holds a share of [1, 2, 3] + [10, 20, 30].
+    local = torch.tensor([1.0, 2.0, 3.0]) * (10.0 if rank else 1.0)
+    partial = DTensor.from_local(local, mesh, [Partial("sum")])
+    total = torch.zeros(3)
+    with fallback.dtensor_fallback():
+        partial.mul_(2.0)
+        # A plain (replicated) tensor updated with a DTensor, as Keras'
+        # regularizers do (`regularization += ...`): once, not per rank.
+        total += partial
+    return {
+        "partial": partial.full_tensor().numpy(),
+        "placements": [str(p) for p in partial.placements],
+        "total": total.numpy(),
+        "total_is_plain": type(total) is torch.Tensor,
+    }
+
+
+def test_in_place_ops_keep_their_operand_and_its_layout():
+    for result in run_on_ranks(_in_place_body, world_size=2):
+        np.testing.assert_allclose(result["partial"], [22.0, 44.0, 66.0])
+        assert result["placements"] == ["P(sum)"]
+        np.testing.assert_allclose(result["total"], [22.0, 44.0, 66.0])
+        assert result["total_is_plain"]
+
+
+def _computable_body(rank, world_size):
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import distribute_tensor
+
+    fallback = _fallback()
+    mesh = _mesh()
+    a = distribute_tensor(torch.ones(4, 6), mesh, [Shard(0)])
+    b = distribute_tensor(torch.ones(6, 2), mesh, [Replicate()])
+    with fallback.dtensor_fallback():
+        c = (a @ b).relu().sum()
+    return float(c.full_tensor()), fallback.fallback_counts()
+
+
+def test_nothing_falls_back_where_dtensor_computes():
+    for value, counts in run_on_ranks(_computable_body, world_size=2):
+        assert value == 48.0
+        assert counts == {}
+
+
+def _own_error_body(rank, world_size):
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import distribute_tensor
+
+    fallback = _fallback()
+    x = distribute_tensor(torch.ones(4, 4), _mesh(), [Shard(0)])
+    try:
+        with fallback.dtensor_fallback():
+            torch.diagonal(x, dim1=0, dim2=0)
+    except RuntimeError as e:
+        return type(e.__cause__).__name__, str(e)
+    return None
+
+
+def test_an_op_that_fails_on_plain_tensors_raises_its_own_error():
+    for result in run_on_ranks(_own_error_body, world_size=2):
+        assert result is not None
+        cause, message = result
+        # torch's own message, with DTensor's refusal as its cause, on
+        # every rank (no rank waits for the others in a gather).
+        assert "diagonal dimensions cannot be identical" in message
+        assert cause in ("NotImplementedError", "RuntimeError")
+
+
+def _keras_summary_body(rank, world_size):
+    import keras
+    from keras.src.backend.torch.distributed import fallback
+
+    fallback.reset_fallback_counts()
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential(
+        [
+            keras.Input((6, 6, 2)),
+            # A layer with weights first: pooling gets a backward pass.
+            keras.layers.Dense(2),
+            keras.layers.AveragePooling2D(2),
+            keras.layers.Flatten(),
+            keras.layers.Dense(1),
+        ]
+    )
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.ones((8, 6, 6, 2), "float32")
+    model.fit(x, np.ones((8, 1), "float32"), batch_size=8, verbose=0)
+    lines = []
+    keras.distribution.sharding_summary(model, print_fn=lines.append)
+    return lines[0]
+
+
+def test_sharding_summary_lists_the_ops_that_fell_back():
+    text = run_on_ranks(_keras_summary_body, world_size=2)[0]
+    assert "ops computed on global values" in text
+    assert "aten.avg_pool2d_backward.default: 1 calls" in text
