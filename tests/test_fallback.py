@@ -169,16 +169,26 @@ def _keras_summary_body(rank, world_size):
     from keras.src.backend.torch.distributed import fallback
 
     fallback.reset_fallback_counts()
-    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    # Model parallel: under DataParallel this model runs on the local rows.
+    mesh = keras.distribution.DeviceMesh(
+        (1, 2), ["batch", "model"], keras.distribution.list_devices()
+    )
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*dense/kernel"] = (None, "model")
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(
+            layout_map=layout_map, batch_dim_name="batch"
+        )
+    )
     keras.utils.set_random_seed(1)
     model = keras.Sequential(
         [
             keras.Input((6, 6, 2)),
             # A layer with weights first: pooling gets a backward pass.
-            keras.layers.Dense(2),
+            keras.layers.Dense(2, name="dense"),
             keras.layers.AveragePooling2D(2),
             keras.layers.Flatten(),
-            keras.layers.Dense(1),
+            keras.layers.Dense(1, name="head"),
         ]
     )
     model.compile(optimizer="sgd", loss="mse")

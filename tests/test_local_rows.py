@@ -3,7 +3,8 @@
 Under `DataParallel`, a model made only of per-sample layers runs its
 forward and backward passes on each process' rows as plain tensors
 (`local_rows`); everything that reduces over the batch (the loss, the
-metrics, batch normalization) keeps the global batch. These tests check
+metrics) keeps the global batch, and batch normalization's moments are
+all-reduced. These tests check
 which models take that path and that they train as one process does.
 """
 
@@ -49,13 +50,27 @@ def test_per_sample_model_runs_on_local_rows_like_one_process():
     pm.assert_ranks_agree([r for r, _ in per_rank])
 
 
-def test_batch_coupled_models_run_on_dtensor():
-    # Batch statistics; a dropout mask drawn over the global batch. Their
-    # parity with one process is checked in test_training_parity.
-    kinds = ["batchnorm", "dropout"]
-    per_rank = run_on_ranks(_fit_body, world_size=2, args=(kinds,))
+def test_batch_normalization_runs_on_local_rows_with_global_moments():
+    # Its moments over the batch are all-reduced (`batch_moments`); its
+    # moving statistics are written back. Parity (weights, moving
+    # statistics included) with one process is checked here and in
+    # test_training_parity.
+    per_rank = run_on_ranks(_fit_body, world_size=2, args=(["batchnorm"],))
+    reference = pm.run_single(pm.fit_run, "batchnorm", "single")
+    for rank, results in enumerate(per_rank):
+        result, local_calls = results[0]
+        pm.assert_close(result, reference, f"rank {rank}")
+        assert local_calls >= 6, local_calls
+
+
+def test_models_drawing_random_numbers_run_on_dtensor():
+    # A dropout mask is drawn over the global batch. The first call on the
+    # local rows advances the seed generator: it is dropped and the model
+    # runs through DTensor from then on. Parity with one process is
+    # checked in test_training_parity.
+    per_rank = run_on_ranks(_fit_body, world_size=2, args=(["dropout"],))
     for results in per_rank:
-        assert [local_calls for _, local_calls in results] == [0, 0]
+        assert [local_calls for _, local_calls in results] == [0]
 
 
 def _batch_centered_fit(rank=None, world_size=None):

@@ -1,17 +1,39 @@
 """Data-parallel model calls on each process' own rows, as plain tensors.
 
 When every weight is replicated and the batch is sharded, a layer whose
-call treats each sample on its own (a Dense layer, a layer normalization,
-attention within a sample) computes on a process' rows exactly what DTensor
-computes on them, without DTensor's dispatch on every op. A model made only
-of such layers is called on the local rows as plain tensors: the weights
-enter as their local values with partial-sum gradients (torch's
-`local_map`), and the outputs leave as batch-sharded DTensors, so the loss,
-the metrics and anything else that reduces over the batch still see the
-global batch and keep one process' numbers. Any other model (batch
-normalization, dropout, a subclassed `call`, an activity regularizer...)
-runs through DTensor as before.
+call treats each sample on its own (a Dense or convolution layer, pooling,
+a recurrent layer, attention within a sample) computes on a process' rows
+exactly what DTensor computes on them, without DTensor's dispatch on every
+op. A model made only of Keras' own layers is called on the local rows as
+plain tensors: the weights enter as their local values with partial-sum
+gradients (torch's `local_map`), and the outputs leave as batch-sharded
+DTensors, so the loss, the metrics and anything else that reduces over the
+batch still see the global batch and keep one process' numbers.
+
+What couples the samples of a batch inside the model is made global by
+one mechanism each:
+
+- moments over the batch axis (`BatchNormalization` in training) are
+  computed from sums all-reduced across processes (`batch_moments`), as
+  torch's `SyncBatchNorm` does; the moving statistics a layer updates are
+  written back to its variables;
+- a model whose call draws random numbers (it advances a layer's
+  `SeedGenerator`: dropout, noise, augmentation) runs through DTensor from
+  its first such call on, which draws one process' numbers for the
+  global batch; so does a model with a layer that adds an activity
+  regularization loss (taken over the global batch), or runs code the
+  project cannot classify (a `Lambda`, a wrapped torch module, a class
+  defined outside Keras).
 """
+
+import contextlib
+import functools
+import math
+import threading
+import weakref
+
+import torch
+import torch.distributed.nn.functional as dist_functional
 
 from keras.src import tree
 from keras.src.backend.common.masking import get_keras_mask
@@ -26,24 +48,10 @@ if runtime.DTENSOR_AVAILABLE:
     from torch.distributed.tensor import Partial
     from torch.distributed.tensor import Shard
 
-# Layer classes whose call treats each sample on its own (exact classes: a
-# subclass may override `call`).
-_PER_SAMPLE_CLASS_NAMES = (
-    "keras.src.layers.core.dense.Dense",
-    "keras.src.layers.core.embedding.Embedding",
-    "keras.src.layers.core.einsum_dense.EinsumDense",
-    "keras.src.layers.core.identity.Identity",
-    "keras.src.layers.core.input_layer.InputLayer",
-    "keras.src.layers.normalization.layer_normalization.LayerNormalization",
-    "keras.src.layers.activations.activation.Activation",
-    "keras.src.layers.activations.relu.ReLU",
-    "keras.src.layers.activations.softmax.Softmax",
-    "keras.src.layers.merging.add.Add",
-    "keras.src.layers.pooling.global_average_pooling1d.GlobalAveragePooling1D",
-    "keras.src.layers.regularization.dropout.Dropout",
-    "keras.src.layers.attention.multi_head_attention.MultiHeadAttention",
-    "keras.src.models.functional.Functional",
-    "keras.src.models.sequential.Sequential",
+# Layers of Keras' own that run code of the user's.
+_USER_CODE_CLASS_NAMES = (
+    "keras.src.layers.core.lambda_layer.Lambda",
+    "keras.src.utils.torch_utils.TorchModuleWrapper",
 )
 # Where an output of a call on the local rows keeps its local tensor.
 _LOCAL_OUTPUT_ATTRIBUTE = "_keras_local_output"
@@ -52,7 +60,21 @@ _ELEMENTWISE_OPERATION_NAMES = (
     "keras.src.ops.numpy.Add",
     "keras.src.ops.numpy.Subtract",
     "keras.src.ops.numpy.Multiply",
+    "keras.src.ops.numpy.Divide",
+    "keras.src.ops.numpy.TrueDivide",
+    "keras.src.ops.numpy.Maximum",
+    "keras.src.ops.numpy.Minimum",
+    "keras.src.ops.numpy.Negative",
+    "keras.src.ops.numpy.Absolute",
+    "keras.src.ops.numpy.Square",
+    "keras.src.ops.numpy.Exp",
+    "keras.src.ops.numpy.Tanh",
 )
+# The local call running in this thread: `(process group, global rows)`.
+_local_call = threading.local()
+# Models whose call drew random numbers (dropout, noise, augmentation):
+# they run through DTensor, which draws them for the global batch.
+_draws_random_numbers = weakref.WeakSet()
 
 
 def call(call_function, layer, args, kwargs):
@@ -69,24 +91,97 @@ def call(call_function, layer, args, kwargs):
         be shown to be per-sample (the caller then calls it with DTensors).
     """
     sharding = _batch_sharding((args, kwargs))
-    if sharding is None or not _per_sample(layer):
+    if sharding is None or layer in _draws_random_numbers:
+        return None
+    if not _per_sample(layer):
         return None
     mesh, global_rows, local_rows = sharding
     variables = list(layer.variables)
     if not all(_replicated_on(v.value, mesh) for v in variables):
         return None
     local_args, local_kwargs = tree.map_structure(_to_local, (args, kwargs))
-    with runtime.distribution_suspended():
-        with StatelessScope(
-            state_mapping=[(v, _local_weight(v)) for v in variables]
-        ):
+    mapping = [(v, _local_weight(v)) for v in variables]
+    with runtime.distribution_suspended(), _in_local_call(mesh, global_rows):
+        with StatelessScope(state_mapping=mapping) as scope:
+            entered = dict(scope.state_mapping)
             outputs = call_function(layer, *local_args, **local_kwargs)
     leaves = [x for x in tree.flatten(outputs) if x is not None]
     if not all(_is_local_batch(x, local_rows) for x in leaves):
         return None
+    updated = [
+        (v, scope.get_current_value(v))
+        for v in variables
+        if scope.get_current_value(v) is not entered[id(v)]
+    ]
+    if _drew_random_numbers(layer, [v for v, _ in updated]):
+        # Drawn for the local rows, not as one process draws them for the
+        # global batch: the call runs again through DTensor, this time
+        # and from now on. Nothing the call updated is kept.
+        _draws_random_numbers.add(layer)
+        return None
+    for variable, value in updated:
+        # Moving statistics: the same on every process (global moments).
+        variable.assign(value.detach())
     return tree.map_structure(
         lambda x: _to_global(x, mesh, global_rows), outputs
     )
+
+
+@contextlib.contextmanager
+def _in_local_call(mesh, global_rows):
+    _local_call.current = (mesh.get_group(), global_rows)
+    try:
+        yield
+    finally:
+        _local_call.current = None
+
+
+def batch_moments(function):
+    """`moments` over the global batch inside a call on the local rows.
+
+    Moments whose axes include the batch axis (batch normalization) are
+    computed from the sums of `x` and `x * x` and the count of values over
+    every process' rows, all-reduced in one differentiable collective; the
+    gradient of each process' rows comes back through the all-reduce.
+
+    Args:
+        function: the backend's `moments(x, axes, keepdims, synchronized)`.
+
+    Returns:
+        The wrapped function.
+    """
+
+    @functools.wraps(function)
+    def moments(x, axes, keepdims=False, synchronized=False):
+        current = getattr(_local_call, "current", None)
+        axes = tuple(axes) if isinstance(axes, (list, tuple)) else (axes,)
+        if current is None or 0 not in [a % x.ndim for a in axes]:
+            return function(x, axes, keepdims, synchronized)
+        return _global_moments(x, axes, keepdims, group=current[0])
+
+    return moments
+
+
+def _global_moments(x, axes, keepdims, group):
+    dtype = x.dtype
+    if dtype in (torch.float16, torch.bfloat16):
+        # As upstream: statistics in float32.
+        x = x.float()
+    sums = torch.sum(x, dim=axes, keepdim=True)
+    squares = torch.sum(x * x, dim=axes, keepdim=True)
+    count = sums.new_full((1,), math.prod(x.shape[a] for a in axes))
+    packed = torch.cat([sums.reshape(-1), squares.reshape(-1), count])
+    packed = dist_functional.all_reduce(packed, group=group)
+    size = sums.numel()
+    total = packed[-1]
+    mean = (packed[:size] / total).reshape(sums.shape)
+    variance = (packed[size : 2 * size] / total).reshape(sums.shape) - (
+        mean * mean
+    )
+    if not keepdims:
+        mean = torch.squeeze(mean, dim=axes)
+        variance = torch.squeeze(variance, dim=axes)
+    return mean.to(dtype), variance.to(dtype)
 
 
 def _batch_sharding(values):
@@ -118,25 +213,52 @@ def _batch_sharding(values):
 
 
 def _per_sample(layer):
-    """Whether every layer in `layer` treats each sample on its own."""
-    for sublayer in layer._flatten_layers(include_self=True, recursive=True):
-        if _class_name(sublayer) not in _PER_SAMPLE_CLASS_NAMES:
+    """Whether every layer in `layer` treats each sample on its own, or
+    couples samples only through moments over the batch axis."""
+    # Imported here: the layers import the backend, which imports this.
+    from keras.src.layers import BatchNormalization
+    from keras.src.layers import Layer
+
+    sublayers = list(layer._flatten_layers(include_self=True, recursive=True))
+    for sublayer in sublayers:
+        if not _keras_own(sublayer) or not sublayer.built:
+            return False
+        # Their losses are taken over the global batch.
+        if sublayer.activity_regularizer is not None:
             return False
         # A functional graph also runs ops that are not layers (`x + y`,
         # or a mean over the batch).
         for operation in getattr(sublayer, "operations", ()):
-            name = _class_name(operation)
-            if (
-                name not in _PER_SAMPLE_CLASS_NAMES
-                and name not in _ELEMENTWISE_OPERATION_NAMES
+            if not isinstance(operation, Layer) and (
+                _class_name(operation) not in _ELEMENTWISE_OPERATION_NAMES
             ):
                 return False
-        if not sublayer.built or sublayer.activity_regularizer is not None:
-            return False
-        # Dropout draws one mask over the global batch.
-        if getattr(sublayer, "rate", 0) or getattr(sublayer, "_dropout", 0):
-            return False
+    # A mask reaches batch normalization's masked moments, which are sums
+    # over the local rows: only layers that make no masks then.
+    if any(isinstance(x, BatchNormalization) for x in sublayers):
+        return not any(
+            type(x).compute_mask is not Layer.compute_mask for x in sublayers
+        )
     return True
+
+
+def _drew_random_numbers(layer, updated_variables):
+    """Whether a call of `layer` advanced one of its seed generators."""
+    states = {
+        id(generator.state)
+        for sublayer in layer._flatten_layers(include_self=True)
+        for generator in sublayer._seed_generators
+    }
+    return any(id(v) in states for v in updated_variables)
+
+
+def _keras_own(layer):
+    """Whether `layer`'s class, and all the code its call runs, is Keras'."""
+    module = type(layer).__module__
+    return (
+        module.startswith("keras.src.")
+        and _class_name(layer) not in _USER_CODE_CLASS_NAMES
+    )
 
 
 def _class_name(x):
