@@ -103,14 +103,20 @@ def reset_fallback_counts():
 def dtensor_fallback():
     """Computes ops that DTensor refuses on global values, in this thread.
 
-    Entered around eager layer calls and steps; nested entries do nothing
-    more. Not under `torch.compile`: dynamo traces DTensor's refusal as a
-    graph break and the step then runs eagerly, under the mode.
+    Entered around eager layer calls; nested entries do nothing more.
+    Inside a step entered with `step_fallback(lazy=True)`, the first entry
+    keeps the mode on until the step ends, so that the backward pass of
+    what ran here has it too. Not under `torch.compile`, which does not
+    trace dispatch modes: a step it cannot compile runs eagerly.
 
     Yields:
         None.
     """
-    if getattr(_state, "active", False) or torch.compiler.is_compiling():
+    if _active() or torch.compiler.is_compiling():
+        yield
+        return
+    if getattr(_state, "lazy_step", None) is not None:
+        activate_for_step()
         yield
         return
     _state.active = True
@@ -119,6 +125,55 @@ def dtensor_fallback():
             yield
     finally:
         _state.active = False
+
+
+@contextlib.contextmanager
+def step_fallback(lazy=False):
+    """Computes ops that DTensor refuses on global values, for one step.
+
+    A torch dispatch mode costs every op of the step some microseconds,
+    plain tensors' too. A model called on each process' local rows (see
+    `local_rows`) runs plain tensors only, forward and backward: with
+    `lazy=True` the mode is entered only if a layer call goes through
+    DTensor after all (`dtensor_fallback`), and stays on to the step's end.
+
+    Args:
+        lazy: whether to wait for a layer call through DTensor.
+
+    Yields:
+        None.
+    """
+    if not lazy:
+        with dtensor_fallback():
+            yield
+        return
+    if _active() or torch.compiler.is_compiling():
+        yield
+        return
+    _state.lazy_step = entered = []
+    try:
+        yield
+    finally:
+        _state.lazy_step = None
+        for mode in reversed(entered):
+            mode.__exit__(None, None, None)
+
+
+def activate_for_step():
+    """In a step entered with `step_fallback(lazy=True)`: the mode from now
+    to the step's end (DTensor code runs after all)."""
+    entered = getattr(_state, "lazy_step", None)
+    if entered is None or entered or torch.compiler.is_compiling():
+        return
+    mode = _FallbackMode()
+    mode.__enter__()
+    entered.append(mode)
+
+
+def _active():
+    return getattr(_state, "active", False) or bool(
+        getattr(_state, "lazy_step", None)
+    )
 
 
 class _FallbackMode(TorchDispatchMode):

@@ -20,6 +20,7 @@ overridden `compute_loss`) runs through DTensor as before.
 from keras.src import ops
 from keras.src import tree
 from keras.src.backend.common.masking import get_keras_mask
+from keras.src.backend.torch.distributed import fallback
 from keras.src.backend.torch.distributed import local_rows
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
@@ -69,6 +70,14 @@ def local_compiled_loss(model, y, y_pred, sample_weight):
     """
     if runtime.current_distribution() is None:
         return None
+    loss = _local_compiled_loss(model, y, y_pred, sample_weight)
+    if loss is None:
+        # Keras computes the loss through DTensor.
+        fallback.activate_for_step()
+    return loss
+
+
+def _local_compiled_loss(model, y, y_pred, sample_weight):
     entry = _single_compiled_loss(model, y, y_pred)
     if entry is None:
         return None

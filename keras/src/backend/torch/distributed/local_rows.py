@@ -33,7 +33,7 @@ import threading
 import weakref
 
 import torch
-import torch.distributed.nn.functional as dist_functional
+import torch.distributed as dist
 
 from keras.src import tree
 from keras.src.backend.common.masking import get_keras_mask
@@ -171,7 +171,7 @@ def _global_moments(x, axes, keepdims, group):
     squares = torch.sum(x * x, dim=axes, keepdim=True)
     count = sums.new_full((1,), math.prod(x.shape[a] for a in axes))
     packed = torch.cat([sums.reshape(-1), squares.reshape(-1), count])
-    packed = dist_functional.all_reduce(packed, group=group)
+    packed = _AllReduceSum.apply(packed, group)
     size = sums.numel()
     total = packed[-1]
     mean = (packed[:size] / total).reshape(sums.shape)
@@ -182,6 +182,19 @@ def _global_moments(x, axes, keepdims, group):
         mean = torch.squeeze(mean, dim=axes)
         variance = torch.squeeze(variance, dim=axes)
     return mean.to(dtype), variance.to(dtype)
+
+
+def may_run_locally(model):
+    """Whether `call` may call `model` on the local rows, before the call:
+    a data-parallel distribution, a model of Keras' own per-sample layers
+    that has not drawn random numbers, all its weights replicated."""
+    distribution = runtime.current_distribution()
+    mesh = distribution.device_mesh.backend_mesh
+    if mesh.ndim != 1 or model in _draws_random_numbers:
+        return False
+    if not _per_sample(model):
+        return False
+    return all(_replicated_on(v.value, mesh) for v in model.variables)
 
 
 def _batch_sharding(values):
@@ -210,6 +223,24 @@ def _batch_sharding(values):
         return None
     start, stop = parts[mesh.get_local_rank()]
     return mesh, global_rows, stop - start
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """A sum over processes; its gradient is the sum of theirs (each
+    process' rows reach every process' moments)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        total = x.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = grad.clone()
+        dist.all_reduce(total, group=ctx.group)
+        return total, None
 
 
 def _per_sample(layer):

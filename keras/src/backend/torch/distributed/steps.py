@@ -27,6 +27,7 @@ from keras.src.backend.torch.distributed import fallback
 from keras.src.backend.torch.distributed import health
 from keras.src.backend.torch.distributed import layer_call
 from keras.src.backend.torch.distributed import layouts
+from keras.src.backend.torch.distributed import local_rows
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed import step_reduction
 from keras.src.backend.torch.distributed.runtime import DTensor
@@ -270,8 +271,9 @@ def _eager_step(step_function, model, kind, data):
     """Runs an eager step; Keras' own train step reduces during backward.
 
     Ops that DTensor refuses, forward or backward, are computed on global
-    values (see `fallback`)."""
-    with fallback.dtensor_fallback():
+    values (see `fallback`); a model that runs on the local rows runs its
+    plain tensors without that mode's cost."""
+    with fallback.step_fallback(lazy=local_rows.may_run_locally(model)):
         if kind == "train" and _default_train_step(model):
             with step_reduction.overlapped_reduction(model):
                 return step_function(data)
