@@ -117,7 +117,13 @@ def _layer_output(x):
             for d, p in enumerate(output.placements)
         )
     ):
-        output = _ReducePartialGradient.apply(output)
+        # A hook, not an autograd Function: the output stays the tensor
+        # it was, which the next layer may update in place.
+        output.register_hook(
+            functools.partial(
+                _reduce_partial_gradient, placements=output.placements
+            )
+        )
     mask = get_keras_mask(x)
     if output is not x and mask is not None:
         # A mask the layer attached to its output stays with it.
@@ -125,8 +131,8 @@ def _layer_output(x):
     return output
 
 
-class _ReducePartialGradient(torch.autograd.Function):
-    """The identity; its backward reduces a partial-sum gradient.
+def _reduce_partial_gradient(grad, placements):
+    """A replicated layer output's gradient, its partial sums reduced.
 
     The gradient of a replicated layer output arrives as a partial sum when
     column-parallel layers consumed the output. Reduced here, once autograd
@@ -135,21 +141,13 @@ class _ReducePartialGradient(torch.autograd.Function):
     of e.g. a LayerNorm reduce-scatters and all-gathers it instead, and
     leaves partial-sum weight gradients to all-reduce as well.
     """
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.placements = x.placements
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if not isinstance(grad, DTensor):
-            return grad
-        placements = [
-            target if p.is_partial() else p
-            for p, target in zip(grad.placements, ctx.placements)
-        ]
-        return layouts.redistribute(grad, grad.device_mesh, placements)
+    if not isinstance(grad, DTensor):
+        return grad
+    reduced = [
+        target if p.is_partial() else p
+        for p, target in zip(grad.placements, placements)
+    ]
+    return layouts.redistribute(grad, grad.device_mesh, reduced)
 
 
 @contextlib.contextmanager
