@@ -119,9 +119,11 @@ def call(call_function, layer, args, kwargs):
         # and from now on. Nothing the call updated is kept.
         _draws_random_numbers.add(layer)
         return None
-    for variable, value in updated:
-        # Moving statistics: the same on every process (global moments).
-        variable.assign(value.detach())
+    with torch.no_grad():
+        for variable, value in updated:
+            # Moving statistics: the same on every process (global
+            # moments), written into the replicated local values.
+            variable.value.to_local().copy_(value)
     return tree.map_structure(
         lambda x: _to_global(x, mesh, global_rows), outputs
     )
@@ -264,13 +266,20 @@ def _per_sample(layer):
                 _class_name(operation) not in _ELEMENTWISE_OPERATION_NAMES
             ):
                 return False
-    # A mask reaches batch normalization's masked moments, which are sums
-    # over the local rows: only layers that make no masks then.
-    if any(isinstance(x, BatchNormalization) for x in sublayers):
-        return not any(
-            type(x).compute_mask is not Layer.compute_mask for x in sublayers
-        )
-    return True
+    # Batch normalization's masked moments are sums over the local rows.
+    return not any(
+        isinstance(x, BatchNormalization) and _gets_a_mask(x) for x in sublayers
+    )
+
+
+def _gets_a_mask(layer):
+    """Whether a mask reaches `layer` in a functional graph (a mask made
+    upstream, e.g. by `Masking` or `Embedding(mask_zero=True)`)."""
+    return any(
+        get_keras_mask(x) is not None
+        for node in layer._inbound_nodes
+        for x in node.input_tensors
+    )
 
 
 def _drew_random_numbers(layer, updated_variables):
