@@ -111,3 +111,39 @@ def test_batch_reducing_op_between_layers_runs_on_dtensor():
     for rank, (result, local_calls) in enumerate(per_rank):
         assert local_calls == 0, local_calls
         pm.assert_close(result, reference, f"rank {rank}")
+
+
+def _masked_batchnorm_fit(rank=None, world_size=None):
+    """Embedding(mask_zero=True) -> BatchNormalization: its masked moments
+    are sums over the rows it sees, so the model runs through DTensor."""
+    import numpy as np
+
+    import keras
+    from tests import distributions
+
+    distributions.use_setting("dp" if rank is not None else "single")
+    keras.utils.set_random_seed(pm.SEED)
+    inputs = keras.Input((5,), dtype="int32")
+    x = keras.layers.Embedding(8, 4, mask_zero=True)(inputs)
+    x = keras.layers.BatchNormalization()(x)
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    model = keras.Model(inputs, keras.layers.Dense(2)(x))
+    model.compile(optimizer="sgd", loss="mse")
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 8, size=(10, 5)).astype("int32")
+    y = rng.normal(size=(10, 2)).astype("float32")
+    history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    weights = [np.array(w) for w in model.get_weights()]
+    return {"loss": history.history["loss"], "weights": weights}
+
+
+def _masked_batchnorm_body(rank, world_size):
+    return _counting_local_calls(_masked_batchnorm_fit, rank, world_size)
+
+
+def test_masked_batch_normalization_runs_on_dtensor():
+    per_rank = run_on_ranks(_masked_batchnorm_body, world_size=2)
+    reference = pm.run_single(_masked_batchnorm_fit)
+    for rank, (result, local_calls) in enumerate(per_rank):
+        assert local_calls == 0, local_calls
+        pm.assert_close(result, reference, f"rank {rank}")

@@ -69,6 +69,13 @@ _ELEMENTWISE_OPERATION_NAMES = (
     "keras.src.ops.numpy.Square",
     "keras.src.ops.numpy.Exp",
     "keras.src.ops.numpy.Tanh",
+    "keras.src.ops.numpy.NotEqual",
+    "keras.src.ops.numpy.Equal",
+    "keras.src.ops.numpy.Greater",
+    "keras.src.ops.numpy.Less",
+    "keras.src.ops.numpy.LogicalAnd",
+    "keras.src.ops.numpy.LogicalOr",
+    "keras.src.ops.numpy.LogicalNot",
 )
 # The local call running in this thread: `(process group, global rows)`.
 _local_call = threading.local()
