@@ -101,9 +101,16 @@ if [[ -n "$standalone" ]]; then
 fi
 
 export KERAS_BACKEND=torch
+env_vars=(KERAS_BACKEND=torch)
+# torchrun's own default for several processes, which it otherwise sets
+# with a warning banner: one OpenMP thread each unless told otherwise.
+if ((nproc > 1)) && [[ -z "${OMP_NUM_THREADS+set}" ]]; then
+  export OMP_NUM_THREADS=1
+  env_vars+=(OMP_NUM_THREADS=1)
+fi
 cmd=("$PY" -m torch.distributed.run "${torchrun_args[@]}" --nproc-per-node "$nproc" "$@")
 if [[ -n "$dry_run" ]]; then
-  printf 'KERAS_BACKEND=torch'
+  printf '%s' "${env_vars[*]}"
   printf ' %q' "${cmd[@]}"
   echo
   exit 0

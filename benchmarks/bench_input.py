@@ -106,10 +106,10 @@ def _sources(args, counter):
 
 
 def _timed_exchange(times):
-    """Times `_PyDatasetShares._scatter_rows` (the rows exchange)."""
-    from keras.src.backend.torch.distributed import data_sources
+    """Times `PyDatasetShares._scatter_rows` (the rows exchange)."""
+    from keras.src.backend.torch.distributed import pydataset_shares
 
-    shares = getattr(data_sources, "_PyDatasetShares", None)
+    shares = getattr(pydataset_shares, "PyDatasetShares", None)
     if shares is None:
         return
     scatter = shares._scatter_rows

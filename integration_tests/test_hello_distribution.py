@@ -1,5 +1,6 @@
 """examples/hello_distribution.py under torchrun; run_multi_gpu.sh's choices."""
 
+import itertools
 import os
 import re
 import shlex
@@ -40,19 +41,31 @@ def test_hello_distribution_on_two_processes():
 
 
 def _dry_run(*args, env=None):
-    """Runs run_multi_gpu.sh in dry-run mode; returns (argv printed, stderr)."""
+    """Runs run_multi_gpu.sh in dry-run mode.
+
+    Returns:
+        `(torchrun's arguments, stderr)`; the variables set are checked.
+    """
+    env = env or _cpu_env(RUN_MULTI_GPU_DRY_RUN="1")
     result = subprocess.run(
         ["bash", str(REPO / "run_multi_gpu.sh"), *args],
-        env=env or _cpu_env(RUN_MULTI_GPU_DRY_RUN="1"),
+        env=env,
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert result.returncode == 0, result.stderr
     argv = shlex.split(result.stdout)
-    assert argv[0] == "KERAS_BACKEND=torch"
-    assert argv[2:4] == ["-m", "torch.distributed.run"]
-    return argv[4:], result.stderr
+    variables = list(itertools.takewhile(lambda a: "=" in a, argv))
+    argv = argv[len(variables) :]
+    assert argv[1:3] == ["-m", "torch.distributed.run"]
+    nproc = int(argv[argv.index("--nproc-per-node") + 1])
+    # torchrun's default, set before torchrun warns that it sets it.
+    expected = ["KERAS_BACKEND=torch"]
+    if nproc > 1 and "OMP_NUM_THREADS" not in env:
+        expected.append("OMP_NUM_THREADS=1")
+    assert variables == expected
+    return argv[3:], result.stderr
 
 
 def test_no_gpu_runs_two_cpu_processes_on_gloo():
@@ -71,6 +84,12 @@ def test_no_gpu_runs_two_cpu_processes_on_gloo():
 def test_process_count_override():
     argv, _ = _dry_run("-n", "4", "train.py")
     assert argv == ["--standalone", "--nproc-per-node", "4", "train.py"]
+    # One process keeps its OpenMP threads; a thread count set is kept.
+    argv, _ = _dry_run("-n", "1", "train.py")
+    assert argv == ["--standalone", "--nproc-per-node", "1", "train.py"]
+    _dry_run(
+        "train.py", env=_cpu_env(RUN_MULTI_GPU_DRY_RUN="1", OMP_NUM_THREADS="4")
+    )
 
 
 def test_multi_node_flags_pass_through():

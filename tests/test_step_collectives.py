@@ -5,7 +5,8 @@ tensor parallelism and DDP-style data parallelism issue, and no more: one
 all-reduce per row-parallel layer in the forward pass, one per replicated
 activation whose gradient comes back as a partial sum from column-parallel
 layers in the backward pass, one per gradient bucket of replicated weights,
-and none in the optimizer update. Counts are exact: a change that adds a
+and none in the optimizer update (but one all-gather for a gradient sharded
+otherwise than its weight). Counts are exact: a change that adds a
 redistribution shows up here before it shows up in a benchmark.
 """
 
@@ -194,3 +195,119 @@ def test_divide_no_nan_keeps_a_partial_loss_partial():
     by_2, by_0 = results[0]["by_2"], results[0]["by_0"]
     assert by_2 == {"partial": True, "comms": 0, "value": 1.5}
     assert by_0 == {"partial": True, "comms": 0, "value": 0.0}
+
+
+def _other_layout_update_body(rank, world_size):
+    import torch
+    import torch.distributed.tensor.placement_types as placement_types
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    import keras
+
+    distributions.use_setting("mp", layout_rules={"w": (None, "model")})
+    results = {}
+    for grad_dim in (1, 0):
+        # A kernel sharded on its output features (dim 1) whose gradient
+        # comes sharded on its input features (dim 0), or as the kernel.
+        variable = keras.Variable(
+            np.arange(32.0).reshape(4, 8), name="w", dtype="float32"
+        )
+        optimizer = keras.optimizers.Adam(0.1)
+        optimizer.build([variable])
+        mesh = variable.value.device_mesh
+        gradient = distribute_tensor(
+            torch.linspace(-1.0, 1.0, 32).reshape(4, 8),
+            mesh,
+            [Replicate(), Shard(grad_dim)],
+        )
+        shard_dim_alltoall = placement_types.shard_dim_alltoall
+        fallbacks = []
+
+        def counted(*args, **kwargs):
+            fallbacks.append(1)
+            return shard_dim_alltoall(*args, **kwargs)
+
+        placement_types.shard_dim_alltoall = counted
+        try:
+            with CommDebugMode() as comm:
+                optimizer.apply([gradient], [variable])
+        finally:
+            placement_types.shard_dim_alltoall = shard_dim_alltoall
+        results[grad_dim] = {
+            "comms": {str(k): v for k, v in comm.get_comm_counts().items()},
+            "fallbacks": len(fallbacks),
+            "placements": str(tuple(variable.value.placements)),
+            "value": variable.numpy(),
+        }
+    keras.distribution.set_distribution(None)
+    return results
+
+
+def test_update_takes_a_gradient_sharded_otherwise_in_one_gather():
+    # The gradient is laid out as its variable once, before the update
+    # (an all-gather, then each process' chunk), not by each of Adam's ops
+    # that read it: before, 3 Shard-to-Shard redistributions, each
+    # DTensor's all-to-all fallback on CPU (an all-gather and a notice).
+    for result in run_on_ranks(_other_layout_update_body, world_size=2):
+        other, same = result[0], result[1]
+        assert other["comms"] == {"c10d_functional.all_gather_into_tensor": 1}
+        assert other["fallbacks"] == 0
+        assert same["comms"] == {} and same["fallbacks"] == 0
+        assert other["placements"] == same["placements"]
+        np.testing.assert_array_equal(other["value"], same["value"])
+
+
+def _all_to_all_notice_body(rank, world_size):
+    import logging
+
+    import torch
+    from torch._logging import warning_once
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.device_mesh import init_device_mesh
+
+    from keras.src.backend.torch.distributed import runtime
+
+    logger = logging.getLogger("torch.distributed.tensor._collective_utils")
+    (notice_filter,) = [
+        f
+        for f in logger.filters
+        if isinstance(f, runtime._GatheredAllToAllFilter)
+    ]
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+    mesh = init_device_mesh("cpu", (world_size,))
+    x = distribute_tensor(torch.arange(16.0).reshape(4, 4), mesh, [Shard(0)])
+    messages = {}
+    try:
+        for filtered in (True, False):
+            if not filtered:
+                logger.removeFilter(notice_filter)
+            warning_once.cache_clear()  # Logged once per process otherwise.
+            records.clear()
+            x.redistribute(mesh, [Shard(1)])
+            logger.warning("another message")
+            messages[filtered] = [r.getMessage() for r in records]
+    finally:
+        logger.removeHandler(handler)
+        logger.addFilter(notice_filter)
+    return messages
+
+
+def test_dtensor_all_to_all_notice_is_dropped_and_only_it():
+    # DTensor still logs exactly the notice the filter drops (on CPU it
+    # gathers for an all-to-all, whatever the backend); other messages of
+    # its logger pass.
+    from keras.src.backend.torch.distributed import runtime
+
+    for messages in run_on_ranks(_all_to_all_notice_body, world_size=2):
+        assert messages[True] == ["another message"]
+        assert messages[False] == [
+            runtime.GATHERED_ALL_TO_ALL_NOTICE,
+            "another message",
+        ]

@@ -10,9 +10,10 @@ read in parts are read in parts instead:
   of its rows, with the loader's own workers and `collate_fn` (without
   workers, one thread reads ahead). Processes that share rows (along the
   other mesh axes) fetch the same samples.
-- A finite `keras.utils.PyDataset`, which returns whole batches: batch `i`
-  of each epoch's order is read on process `i % N`, with the dataset's own
-  workers, and each batch's rows are sent to the processes that hold them.
+- A finite `keras.utils.PyDataset`, which returns whole batches: the
+  processes take turns reading the batches one process would take, with
+  the dataset's own workers, and each batch's rows are sent to the
+  processes that hold them.
 
 Both yield global batches as `DTensor`s, which the step takes as they are
 (`loader_rows`, `pydataset_shares`; what they share: `data_parts`).

@@ -57,6 +57,7 @@ def apply_gradients(apply_function, optimizer, grads, trainable_variables):
     variables = trainable_variables
     if variables is None:
         variables = optimizer._trainable_variables
+    grads = laid_out_as(grads, variables)
     state = list(optimizer.variables) + list(variables)
     if not (
         optimizer.built and local_state.all_replicated(state + list(grads))
@@ -66,6 +67,29 @@ def apply_gradients(apply_function, optimizer, grads, trainable_variables):
         return apply_function(
             [local_state.local_value(g) for g in grads], trainable_variables
         )
+
+
+def laid_out_as(gradients, variables):
+    """Each gradient in its variable's layout, redistributed once.
+
+    Autograd's layout of a gradient can differ from its variable's (a
+    kernel sharded on its output features, contracted with an input
+    sharded on the same mesh axis, gets a gradient sharded on its input
+    features): left so, every optimizer op that reads it would
+    redistribute it again (Adam: 3 times).
+    """
+    laid_out = []
+    for g, v in zip(gradients, variables):
+        value = getattr(v, "value", v)
+        if (
+            isinstance(g, DTensor)
+            and isinstance(value, DTensor)
+            and g.device_mesh == value.device_mesh
+            and not any(p.is_partial() for p in g.placements)
+        ):
+            g = layouts.redistribute(g, g.device_mesh, value.placements)
+        laid_out.append(g)
+    return laid_out
 
 
 def reduces_to_replicated(values):

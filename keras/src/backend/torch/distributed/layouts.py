@@ -326,9 +326,21 @@ def replicate(x, mesh):
 
 
 def redistribute(x, mesh, placements):
-    """`x.redistribute(mesh, placements)`, skipped when it changes nothing."""
+    """`x.redistribute(mesh, placements)`, skipped when it changes nothing.
+
+    On a CPU mesh, a mesh axis that shards another dimension afterwards
+    is gathered first: DTensor's all-to-all there is an all-gather and a
+    chunk anyway (chosen by device type, with a warning on each process).
+    """
     if tuple(x.placements) == tuple(placements) and x.device_mesh == mesh:
         return x
+    if mesh.device_type == "cpu":
+        gathered = [
+            Replicate() if p.is_shard() and t.is_shard() and p != t else p
+            for p, t in zip(x.placements, placements)
+        ]
+        if gathered != list(x.placements):
+            x = x.redistribute(mesh, gathered)
     return x.redistribute(mesh, placements)
 
 

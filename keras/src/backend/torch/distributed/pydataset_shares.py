@@ -1,11 +1,23 @@
 """A finite `PyDataset` under a distribution, read in shares.
 
-A `PyDataset` returns whole batches: batch `i` of each epoch's order is
-read on process `i % N`, with the dataset's own workers (one thread at
-least), and each batch's rows are sent to the processes that hold them.
+A `PyDataset` returns whole batches: each batch is read on one process,
+the processes taking turns, with the dataset's own workers (one thread at
+least), and its rows are sent to the processes that hold them. The
+batches come in the order one process would take them, in either of
+Keras' two ways of reading a `PyDataset`:
+
+- In line (one worker, no multiprocessing): each pass over the dataset
+  draws an order of its batches and reads each batch when it is taken.
+- Through Keras' `OrderedEnqueuer` (more workers, or multiprocessing):
+  each `on_epoch_begin` draws an order and the workers read ahead of the
+  steps; at `on_epoch_end` the batches read ahead but not yet taken stay
+  in its queue, and the next epoch takes them first, as read before the
+  dataset's `on_epoch_end` changed it.
 """
 
+import collections
 import pickle
+import random
 
 import torch
 import torch.distributed as dist
@@ -19,31 +31,44 @@ from keras.src.trainers.data_adapters.py_dataset_adapter import PyDataset
 
 
 class PyDatasetShares(data_parts.SharedAdapter):
-    """A finite `PyDataset` read in shares: batch `i` on process `i % N`.
+    """A finite `PyDataset` read in shares: each batch on one process.
 
-    Each epoch follows process 0's order of the batches (shuffled or not,
-    as in one process). The processes read in rounds of N batches, each
-    its own one (with the dataset's workers, or one thread, reading ahead),
-    then every batch of the round is scattered from its
-    reader to the processes that hold its rows.
+    Each batch is read on one process (the processes take turns, each
+    reading ahead its own batches with the dataset's workers, or one
+    thread), then scattered from its reader to the processes that hold
+    its rows. The batches and the dataset's state each is read in are
+    those of one process (`PyDatasetAdapter`), with or without Keras'
+    enqueuer.
     """
 
     def __init__(self, adapter, distribution):
         super().__init__(adapter, distribution)
         self._dataset = adapter.py_dataset
         self._reader = None
+        # Keras reads through an enqueuer exactly when it made one.
+        self._queue = None
+        if adapter.enqueuer is not None:
+            self._queue = _QueuedBatches(adapter)
 
     def get_torch_dataloader(self):
         # Wrapped as `PyDatasetAdapter` wraps its batches (the `DTensor`s
         # are kept as they are), so that each pass draws torch's random
         # state as in one process.
-        return data_adapter_utils.get_torch_dataloader(self._batches())
+        if self._queue is not None:
+            batches = self._queued_batches()
+        else:
+            batches = self._batches()
+        return data_adapter_utils.get_torch_dataloader(batches)
 
     def on_epoch_begin(self):
+        if self._queue is not None:
+            self._queue.start()
         self._dataset.on_epoch_begin()
 
     def on_epoch_end(self):
-        if self._reader is not None:
+        if self._queue is not None:
+            self._queue.stop()
+        elif self._reader is not None:
             # An epoch of `steps_per_epoch` ended within a pass, which the
             # next epoch goes on with: what was read ahead is read again
             # after `on_epoch_end`, as one process reads it.
@@ -51,7 +76,13 @@ class PyDatasetShares(data_parts.SharedAdapter):
         self._dataset.on_epoch_end()
 
     def _batches(self):
-        order = _process_zero_order(self._epoch_order())
+        """A pass read in line, in rounds of N batches: its own one each.
+
+        Batch `i` of the pass' order is read on process `i % N`.
+        """
+        order = _process_zero_order(
+            _epoch_order(self._dataset.num_batches, self._adapter.shuffle)
+        )
         rank, size = runtime.rank(), runtime.world_size()
         reader = self._reader = _ShareReader(self._adapter, order[rank::size])
         try:
@@ -61,10 +92,7 @@ class PyDatasetShares(data_parts.SharedAdapter):
                     if src == rank and reader.stale:
                         own = reader.reread()
                     batch = own if src == rank else None
-                    rows, global_size = self._scatter_rows(batch, src)
-                    # Tensors as `PyDatasetAdapter` gives them to torch.
-                    rows = tree.map_structure(data_parts.to_tensor, rows)
-                    yield self._global_batch(rows, global_size)
+                    yield self._shared_batch(batch, src)
                     # Resumed: more than Keras' peek at the first batch.
                     reader.read_ahead()
         finally:
@@ -72,14 +100,21 @@ class PyDatasetShares(data_parts.SharedAdapter):
             if self._reader is reader:
                 self._reader = None
 
-    def _epoch_order(self):
-        order = list(range(self._dataset.num_batches))
-        if self._adapter.shuffle:
-            # As `PyDatasetAdapter` shuffles, from the same random state.
-            import random
+    def _queued_batches(self):
+        """A pass through the enqueuer, as `PyDatasetAdapter` takes it."""
+        self._queue.start()
+        for _ in range(self._dataset.num_batches):
+            src, batch = self._queue.next()
+            yield self._shared_batch(batch, src)
+        # Only when resumed after its last batch, as Keras' pass.
+        self._queue.stop()
 
-            random.shuffle(order)
-        return order
+    def _shared_batch(self, batch, src):
+        """The global batch `batch`, read on process `src`, as `DTensor`s."""
+        rows, global_size = self._scatter_rows(batch, src)
+        # Tensors as `PyDatasetAdapter` gives them to torch.
+        rows = tree.map_structure(data_parts.to_tensor, rows)
+        return self._global_batch(rows, global_size)
 
     def _scatter_rows(self, batch, src):
         """Sends each process its rows of `batch`, read on process `src`.
@@ -99,8 +134,116 @@ class PyDatasetShares(data_parts.SharedAdapter):
         return _scatter_objects(parts, src)
 
 
+class _QueuedBatches:
+    """The batches Keras' `OrderedEnqueuer` gives, read in shares.
+
+    Each `start()` opens a `_Window`: an order of all the batches, which
+    the workers read ahead. `stop()` keeps the batches the enqueuer had
+    read ahead, which `next()` returns first after that: its queue of
+    `max_queue_size` batches, and the one its thread was waiting to put
+    (with a queue of any size, all the rest of the order).
+    """
+
+    def __init__(self, adapter):
+        self._adapter = adapter
+        queue_size = adapter.py_dataset.max_queue_size
+        self._kept_at_stop = queue_size + 1 if queue_size > 0 else None
+        self._kept = collections.deque()
+        self._window = None
+        # The turn of the next window's first batch: the processes take
+        # turns over the batches of all windows.
+        self._turn = 0
+
+    def start(self):
+        if self._window is not None:
+            return
+        dataset = self._adapter.py_dataset
+        order = _process_zero_order(
+            _epoch_order(dataset.num_batches, self._adapter.shuffle)
+        )
+        self._window = _Window(self._adapter, order, self._turn)
+        self._turn += len(order)
+
+    def stop(self):
+        if self._window is None:
+            return
+        self._kept.extend(self._window.close(self._kept_at_stop))
+        self._window = None
+
+    def next(self):
+        """Returns `(src, batch)`: the next batch, read on process `src`.
+
+        `batch` is None on the other processes.
+        """
+        if self._window is None:
+            # As Keras' enqueuer, which has stopped.
+            raise ValueError(
+                "Iterator called after `on_epoch_end` or before "
+                "`on_epoch_begin`."
+            )
+        if self._kept:
+            return self._kept.popleft()
+        return self._window.next()
+
+
+class _Window:
+    """An order of the batches, from `start()` to `stop()` of the enqueuer.
+
+    Batch `j` of the order is read on process `(turn + j) % N`, which
+    reads its batches in order, ahead of the steps.
+    """
+
+    def __init__(self, adapter, order, turn):
+        self._order = order
+        self._turn = turn
+        self._taken = 0
+        rank, size = runtime.rank(), runtime.world_size()
+        own = order[(rank - turn) % size :: size]
+        self._reader = _ShareReader(adapter, own)
+
+    def next(self):
+        if self._taken == len(self._order):
+            # Keras' enqueuer would wait for a batch forever.
+            raise ValueError(
+                "The PyDataset's enqueuer has no batch left in this epoch."
+            )
+        src = (self._turn + self._taken) % runtime.world_size()
+        self._taken += 1
+        if src != runtime.rank():
+            return src, None
+        batch = self._reader.next()
+        self._reader.read_ahead()
+        return src, batch
+
+    def close(self, limit):
+        """Reads the batches the enqueuer has read ahead; stops reading.
+
+        Args:
+            limit: how many batches the enqueuer reads ahead; None for
+                all of them.
+
+        Returns:
+            Those batches, as `next()` returns them: read now, before the
+            dataset's `on_epoch_end`, as the enqueuer read them.
+        """
+        left = len(self._order) - self._taken
+        count = left if limit is None else min(left, limit)
+        kept = [self.next() for _ in range(count)]
+        self._reader.close()
+        return kept
+
+
+def _epoch_order(num_batches, shuffle):
+    order = list(range(num_batches))
+    if shuffle:
+        # As `PyDatasetAdapter` and `OrderedEnqueuer` shuffle, from the
+        # same random state.
+        random.shuffle(order)
+    return order
+
+
 class _ShareReader:
-    """Reads one process' batches of a `PyDataset` pass, in order.
+    """Reads one process' batches of a pass (or window), in order.
 
     The first batch is read at once; the dataset's workers (at least one
     thread) start reading the others ahead only on `read_ahead()`, so that

@@ -330,3 +330,27 @@ def _configure_logger():
 
 
 _configure_logger()
+
+
+class _GatheredAllToAllFilter(logging.Filter):
+    """Drops DTensor's notice that a CPU mesh gathers for an all-to-all.
+
+    On a CPU mesh DTensor moves a shard to another dimension with an
+    all-gather and a chunk (chosen by device type; gloo has all-to-all),
+    which gives the same values, and logs this notice on every process.
+    Our own redistributions gather explicitly (`layouts.redistribute`);
+    this drops the notice of the plans DTensor makes itself inside an op
+    (an einsum's), which this backend does not choose.
+    """
+
+    def filter(self, record):
+        return record.msg != GATHERED_ALL_TO_ALL_NOTICE
+
+
+GATHERED_ALL_TO_ALL_NOTICE = (
+    "CPU process group does not support alltoall yet, falling back with "
+    "allgather + chunk!"
+)
+logging.getLogger("torch.distributed.tensor._collective_utils").addFilter(
+    _GatheredAllToAllFilter()
+)
