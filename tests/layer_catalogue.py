@@ -959,7 +959,14 @@ def _job_groups():
 
 
 def run_mode(
-    mode, world_size, names=None, *, num_samples=NUM_SAMPLES, log=None
+    mode,
+    world_size,
+    names=None,
+    *,
+    num_samples=NUM_SAMPLES,
+    log=None,
+    body=None,
+    call_timeout=None,
 ):
     """Runs the cases `names` (default all) under `mode` on gloo processes.
 
@@ -974,11 +981,14 @@ def run_mode(
         names: the case names, default all of `CASES`.
         num_samples: the number of samples (23: a ragged last batch).
         log: `log(text)` is told of each restart.
+        body: the harness body, default `mode_body` (tests of this
+            function give one that adds cases of their own).
+        call_timeout: the bound of each call in seconds, default
+            `CALL_TIMEOUT_BASE` plus `CALL_TIMEOUT_PER_CASE` per case.
 
     Returns:
         `{name: [per-rank result]}`, see `guarded_run`.
     """
-    import pickle
     import shutil
     import tempfile
 
@@ -992,10 +1002,11 @@ def run_mode(
             failure = None
             try:
                 harness.run_on_ranks(
-                    mode_body,
+                    body or mode_body,
                     world_size=world_size,
                     args=(mode, remaining, out_dir, num_samples),
-                    timeout=CALL_TIMEOUT_BASE
+                    timeout=call_timeout
+                    or CALL_TIMEOUT_BASE
                     + CALL_TIMEOUT_PER_CASE * len(remaining),
                 )
             except harness.MultiRankError as error:
@@ -1006,9 +1017,7 @@ def run_mode(
                     for rank in range(world_size)
                 ]
                 if all(os.path.exists(path) for path in paths):
-                    results[name] = [
-                        pickle.loads(open(path, "rb").read()) for path in paths
-                    ]
+                    results[name] = [_load(path) for path in paths]
             if failure is None:
                 break
             remaining = _resume_after(
@@ -1024,6 +1033,13 @@ def run_mode(
     return results
 
 
+def _load(path):
+    import pickle
+
+    with open(path, "rb") as file:
+        return pickle.load(file)
+
+
 def _resume_after(failure, remaining, results, out_dir, world_size):
     """The cases left after a failed call; records the case that broke it.
 
@@ -1034,7 +1050,8 @@ def _resume_after(failure, remaining, results, out_dir, world_size):
     for rank in range(world_size):
         path = _progress_path(out_dir, rank)
         if os.path.exists(path):
-            running.add(open(path).read())
+            with open(path) as file:
+                running.add(file.read())
             os.remove(path)
     pending = [name for name in remaining if name not in results]
     if pending and pending[0] in running:
@@ -1044,7 +1061,9 @@ def _resume_after(failure, remaining, results, out_dir, world_size):
             {
                 "error": "Hang: the call failed while this case ran: "
                 + report.splitlines()[0][:200],
-                "traceback": report[-3000:],
+                # The stacks of the ranks at the deadline, the last one's
+                # last.
+                "traceback": report[-8000:],
             }
         ] * world_size
     elif len(pending) == len(remaining):

@@ -22,6 +22,7 @@ cores); `scripts/catalogue_sweep.sh` runs the same sweep and prints it as
 a table.
 """
 
+import dataclasses
 import math
 import os
 
@@ -285,6 +286,51 @@ def test_error_kind():
         assert lc.error_kind(bare) == (
             "AssertionError in test_layer_catalogue.py:test_error_kind"
         )
+
+
+# --------------------------------------------------------------------------
+# The runner: a case that hangs fails alone
+# --------------------------------------------------------------------------
+
+
+def _hanging_build(layers, shape):
+    """The "Dense" case's model, after hanging on rank 1 for an hour."""
+    import time
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        time.sleep(3600)
+    return lc.CASES["Dense"].build(layers, shape)
+
+
+def _body_with_hanging_case(rank, world_size, *args):
+    """`layer_catalogue.mode_body` with a case "Hang" that hangs."""
+    lc.CASES["Hang"] = dataclasses.replace(
+        lc.CASES["Dense"], build=_hanging_build
+    )
+    try:
+        return lc.mode_body(rank, world_size, *args)
+    finally:
+        del lc.CASES["Hang"]
+
+
+def test_a_hanging_case_fails_alone():
+    """The case running when a call times out fails; the next ones run."""
+    names = ["Dense", "Hang", "Dense-activity_regularizer"]
+    results = lc.run_mode(
+        "dp", 2, names, body=_body_with_hanging_case, call_timeout=25
+    )
+    assert sorted(results) == sorted(names)
+    for result in results["Hang"]:
+        assert result["error"].startswith("Hang: "), result["error"]
+        # The stacks at the deadline show where it hung.
+        assert "_hanging_build" in result["traceback"], result["traceback"]
+    for name in ("Dense", "Dense-activity_regularizer"):
+        assert ["error" in result for result in results[name]] == [
+            False,
+            False,
+        ], name
 
 
 # --------------------------------------------------------------------------
