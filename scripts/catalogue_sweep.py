@@ -44,6 +44,13 @@ def main(argv=None):
         "--cases", nargs="+", default=None, help="case names (default: all)"
     )
     parser.add_argument(
+        "--samples",
+        type=int,
+        default=lc.NUM_SAMPLES,
+        help="samples per epoch, in batches of 8 (default %(default)s: a "
+        "ragged last batch of 7; 24 gives even batches)",
+    )
+    parser.add_argument(
         "--json", help="also write the kinds of every failure to this file"
     )
     parser.add_argument(
@@ -59,12 +66,18 @@ def main(argv=None):
 
     import torch
 
-    print(f"torch {torch.__version__}; {len(names)} cases", flush=True)
+    print(
+        f"torch {torch.__version__}; {len(names)} cases; "
+        f"{args.samples} samples",
+        flush=True,
+    )
     start = time.monotonic()
-    reference = lc.compute_reference(names)["results"]
+    reference = lc.compute_reference(names, num_samples=args.samples)["results"]
     seconds = {"reference": time.monotonic() - start}
     print(
-        f"reference (one process, pristine Keras): {seconds['reference']:.0f} s"
+        "reference (one process, pristine Keras): "
+        f"{seconds['reference']:.0f} s",
+        flush=True,
     )
     broken = {n: r["error"] for n, r in reference.items() if "error" in r}
     if broken:
@@ -74,7 +87,9 @@ def main(argv=None):
     for run in args.runs:
         mode, world_size = lc.RUNS[run]
         start = time.monotonic()
-        results = lc.run_mode(mode, world_size, names, log=print)
+        results = lc.run_mode(
+            mode, world_size, names, num_samples=args.samples, log=print
+        )
         seconds[run] = time.monotonic() - start
         kinds[run] = {
             name: lc.failure_kind(results[name], reference[name])

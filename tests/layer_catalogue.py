@@ -1,10 +1,11 @@
 """The `keras.layers` catalogue: one tiny training case per layer class.
 
 Every class that `keras.layers` exports is either covered by a case here
-(`CASES`, whose `Case.layer` names the class), an alias of a covered class
-(`ALIASES`), or listed in `NOT_CASES` with the reason it cannot train in a
-torch model; `tests/test_layer_catalogue.py` checks that this enumeration
-is complete, so a layer added upstream fails the test until it is placed.
+(`CASES`: a case's name is the class name, or the class name, "-" and a
+variant, see `case_layer`), an alias of a covered class (`ALIASES`), or
+listed in `NOT_CASES` with the reason it cannot train in a torch model;
+`tests/test_layer_catalogue.py` checks that this enumeration is complete,
+so a layer added upstream fails the test until it is placed.
 
 A case is a small functional model, usually
 `Input -> Dense -> LAYER -> Flatten -> Dense`, trained by `run_case` for
@@ -32,7 +33,11 @@ sharded variable.
 
 `run_mode` (parent side) runs all the cases of a mode on real gloo
 processes (`tests/harness.py`), one case after the other in one process
-group, each case's failure recorded as that case's result.
+group, each case's failure recorded as that case's result: an exception;
+a collective that waits more than `COLLECTIVE_TIMEOUT`; processes left out
+of step by a case that failed on some of them only (the run goes on in a
+fresh process group); a call that times out (the case that was running
+fails with the stacks of the processes, and the run goes on after it).
 `compute_reference` runs the "single" mode of every case in one fresh
 interpreter on pristine upstream Keras. `compare` says how a case's result
 differs from the reference.
@@ -176,18 +181,20 @@ def _image(factory, call="one"):
     return _sandwich(factory, (6, 6, 3), units=3, images=True, call=call)
 
 
-def _tokens(factory, *, vocabulary=VOCAB_SIZE):
+def _tokens(factory, *, ids=None):
     """A case `Input(int32) -> LAYER -> [Embedding] -> Flatten -> Dense(3)`.
 
-    With `vocabulary`, the layer's integer outputs (ids below it) go
-    through an `Embedding` first.
+    Args:
+        factory: `factory(layers)` returns the layer.
+        ids: the number of ids the layer outputs, if it outputs ids: they
+            go through an `Embedding` of that many rows first.
     """
 
     def build(layers, shape):
         inputs = layers.Input(shape, dtype="int32")
         x = factory(layers)(inputs)
-        if vocabulary != VOCAB_SIZE:
-            x = layers.Embedding(vocabulary, 4, name="embedding")(x)
+        if ids is not None:
+            x = layers.Embedding(ids, 4, name="embedding")(x)
         return _model(inputs, _head(layers, x))
 
     return Case(build, (6,), input_dtype="int32", loss="sparse_ce")
@@ -481,10 +488,10 @@ def _cases():
         ),
         "Discretization": Case(_discretization, (5,)),
         # Integer ids only: these run through TensorFlow ops.
-        "Hashing": _tokens(lambda L: L.Hashing(8), vocabulary=8),
+        "Hashing": _tokens(lambda L: L.Hashing(8), ids=8),
         "IntegerLookup": _tokens(
             lambda L: L.IntegerLookup(vocabulary=list(range(1, 8))),
-            vocabulary=8,
+            ids=8,
         ),
         "MelSpectrogram": s(
             lambda L: L.MelSpectrogram(
@@ -755,8 +762,9 @@ def run_case(name, mode, num_samples=NUM_SAMPLES):
         A dict: "losses" (per epoch), "weights" (the global values of
         `model.get_weights()`), "paths" (of `model.weights`),
         "placements" (`{path: placements as text}`), "rules" (the
-        LayoutMap rules the mode used) and "layer_classes" (the class
-        names of the model's layers, nested ones included).
+        LayoutMap rules the mode used) and "layer_classes" (the
+        `keras.layers` names of the classes of the model's layers, nested
+        ones included).
     """
     import keras
 
@@ -805,10 +813,24 @@ def run_case(name, mode, num_samples=NUM_SAMPLES):
             for v in model.weights
         },
         "rules": rules,
-        "layer_classes": sorted(
-            {type(layer).__name__ for layer in model._flatten_layers()}
-        ),
+        "layer_classes": _exported_classes_in(model),
     }
+
+
+def _exported_classes_in(model):
+    """The names `keras.layers` exports of the classes of `model`'s layers.
+
+    Export names, not `__name__`s: `GroupQueryAttention` is the class
+    `GroupedQueryAttention`.
+    """
+    from keras import layers
+
+    flat = list(model._flatten_layers())
+    return sorted(
+        name
+        for name in exported_layer_classes()
+        if any(isinstance(layer, getattr(layers, name)) for layer in flat)
+    )
 
 
 def error_kind(error):
