@@ -1,0 +1,403 @@
+"""Every layer of `keras.layers` trains under a distribution as in one process.
+
+The cases are those of `tests/layer_catalogue.py`: one tiny model per
+class `keras.layers` exports (or a reason in `NOT_CASES`), trained for 2
+epochs with a ragged last batch. The reference is every case trained in
+one fresh interpreter with pristine Keras 3.15.1 (no project code); each
+distributed run (see `layer_catalogue.RUNS`) trains every case in one
+process group, and each (run, case) is one test here: per-epoch losses
+(rtol 1e-4, atol 1e-6) and final weights (rtol 1e-3, atol 1e-5) equal the
+reference on every rank, the ranks agree, and every variable given a
+layout is sharded.
+
+Cases that fail today are listed in `KNOWN_FAILURES` with the kind of their
+failure; they are strict xfails that must fail that way: a case that
+starts to pass, or fails another way, fails the test, so the table stays
+true.
+
+CI runs `CI_RUNS` on `CI_CASES`, a subset that keeps every failure kind
+of those runs and a passing case of every family of layers.
+`KERAS_CATALOGUE_FULL=1` runs every run on every case (~15 min on 2
+cores); `scripts/catalogue_sweep.sh` runs the same sweep and prints it as
+a table.
+"""
+
+import dataclasses
+import math
+import os
+
+import pytest
+
+from tests import layer_catalogue as lc
+
+FULL = os.environ.get("KERAS_CATALOGUE_FULL") == "1"
+
+CI_RUNS = ("dp2", "mp_first", "2x2")
+# Every failure kind of `CI_RUNS`, and passing cases of most families.
+CI_CASES = (
+    "Dense",
+    "Embedding",
+    "PReLU",
+    "Conv2D",
+    "DepthwiseConv2D",
+    "MaxPooling2D",
+    "MaxPooling3D",
+    "AveragePooling2D",
+    "AdaptiveMaxPooling2D",
+    "AdaptiveAveragePooling3D",
+    "SimpleRNN",
+    "GRU",
+    "LSTM",
+    "ConvLSTM2D",
+    "BatchNormalization",
+    "LayerNormalization",
+    "RMSNormalization",
+    "MultiHeadAttention",
+    "Concatenate",
+    "Flatten",
+    "UpSampling2D",
+    "Dropout",
+    "ActivityRegularization",
+    "CategoryEncoding",
+    "MelSpectrogram",
+    "Resizing",
+    "RandomFlip",
+    "RandomBrightness",
+    "RandomPerspective",
+    "RandAugment",
+    "CutMix",
+)
+
+RUNS = tuple(lc.RUNS) if FULL else CI_RUNS
+CASES = tuple(lc.CASES) if FULL else CI_CASES
+# Seconds the first test of a run may take: it runs all the run's cases
+# (4 processes on 2 cores take ~2.5 s a case; restarts after a hang more).
+RUN_TIMEOUT = 300 + 10 * len(CASES)
+
+
+# The cases that fail today (torch 2.13), as `scripts/catalogue_sweep.sh
+# --known-failures` prints them: the start of the failure's kind (see
+# `layer_catalogue.failure_kind`) -> runs -> case names.
+_KNOWN_FAILURES = {
+    "RuntimeError: Cannot flatten unevenly sharded tensor: dimension": {
+        "dp2 dp4": (
+            "EinsumDense ReversibleEmbedding Identity Lambda "
+            "TorchModuleWrapper Conv1D Conv1D-groups Conv2D Conv2D-groups "
+            "Conv3D Conv1DTranspose Conv2DTranspose Conv3DTranspose "
+            "DepthwiseConv1D DepthwiseConv2D SeparableConv1D "
+            "SeparableConv2D MaxPooling1D MaxPooling2D GlobalMaxPooling1D "
+            "GlobalAveragePooling1D GlobalMaxPooling2D "
+            "GlobalAveragePooling2D GlobalMaxPooling3D "
+            "GlobalAveragePooling3D AdaptiveAveragePooling1D "
+            "AdaptiveAveragePooling2D GRU LSTM Bidirectional "
+            "TimeDistributed LayerNormalization GroupNormalization "
+            "Normalization Attention AdditiveAttention MultiHeadAttention "
+            "GroupQueryAttention Add Subtract Multiply Average Maximum "
+            "Minimum Concatenate Dot Flatten Reshape Permute Cropping1D "
+            "Cropping2D Cropping3D ZeroPadding1D ZeroPadding2D "
+            "ZeroPadding3D UpSampling1D UpSampling2D UpSampling3D "
+            "SpatialDropout1D SpatialDropout2D SpatialDropout3D Resizing "
+            "CenterCrop Pipeline RandomFlip RandomRotation RandomZoom "
+            "RandomTranslation RandomCrop RandomShear "
+            "RandomElasticTransform RandomContrast RandomBrightness "
+            "RandomErasing RandomGaussianBlur RandomGrayscale RandomHue "
+            "RandomSaturation RandomSharpness RandomInvert "
+            "RandomPosterization RandomColorDegeneration "
+            "RandomColorJitter Solarization AutoContrast "
+            "ContrastLimitedAdaptiveHistogramEqualization AugMix "
+            "MaxNumBoundingBoxes"
+        ),
+        "fsdp": (
+            "Conv1D Conv1D-groups Conv2D Conv2D-groups Conv3D "
+            "Conv3DTranspose DepthwiseConv1D DepthwiseConv2D "
+            "SeparableConv1D SeparableConv2D MaxPooling1D MaxPooling2D "
+            "GlobalMaxPooling1D GlobalAveragePooling1D GlobalMaxPooling2D "
+            "GlobalAveragePooling2D GlobalMaxPooling3D "
+            "GlobalAveragePooling3D AdaptiveAveragePooling1D "
+            "AdaptiveAveragePooling2D GRU Dot Flatten Reshape Permute "
+            "Cropping1D Cropping2D Cropping3D ZeroPadding1D ZeroPadding2D "
+            "ZeroPadding3D UpSampling2D UpSampling3D SpatialDropout2D "
+            "SpatialDropout3D CenterCrop Pipeline RandomFlip "
+            "RandomRotation RandomZoom RandomTranslation RandomCrop "
+            "RandomShear RandomElasticTransform RandomContrast "
+            "RandomBrightness RandomErasing RandomGaussianBlur "
+            "RandomGrayscale RandomHue RandomSaturation RandomSharpness "
+            "RandomInvert RandomPosterization RandomColorDegeneration "
+            "RandomColorJitter Solarization AutoContrast "
+            "ContrastLimitedAdaptiveHistogramEqualization AugMix CutMix "
+            "MixUp MaxNumBoundingBoxes"
+        ),
+        "2x2": (
+            "Conv1D Conv1D-groups Conv2D Conv2D-groups Conv3D "
+            "Conv3DTranspose DepthwiseConv1D DepthwiseConv2D "
+            "SeparableConv1D SeparableConv2D MaxPooling1D MaxPooling2D "
+            "GlobalMaxPooling1D GlobalAveragePooling1D GlobalMaxPooling2D "
+            "GlobalAveragePooling2D GlobalMaxPooling3D "
+            "GlobalAveragePooling3D AdaptiveAveragePooling1D "
+            "AdaptiveAveragePooling2D GRU Dot Flatten Reshape Permute "
+            "Cropping1D Cropping2D Cropping3D ZeroPadding1D ZeroPadding2D "
+            "ZeroPadding3D UpSampling2D UpSampling3D SpatialDropout2D "
+            "SpatialDropout3D CenterCrop Pipeline RandomFlip "
+            "RandomRotation RandomZoom RandomTranslation RandomCrop "
+            "RandomShear RandomElasticTransform RandomContrast "
+            "RandomErasing RandomGaussianBlur RandomGrayscale RandomHue "
+            "RandomSaturation RandomSharpness RandomInvert "
+            "RandomPosterization RandomColorDegeneration Solarization "
+            "AutoContrast ContrastLimitedAdaptiveHistogramEqualization "
+            "AugMix MaxNumBoundingBoxes"
+        ),
+    },
+    "RuntimeError: ('Attempted to unbind along the sharded dimension": {
+        "dp2 dp4 fsdp 2x2": (
+            "Masking SimpleRNN GRU-reset_after_false RNN SimpleRNNCell "
+            "GRUCell LSTMCell StackedRNNCells ConvLSTM1D ConvLSTM2D "
+            "ConvLSTM3D"
+        ),
+    },
+    "NotImplementedError: Operator aten.avg_pool#d_backward.default": {
+        "dp2 dp4 mp_last mp_first fsdp 2x2": (
+            "AveragePooling1D AveragePooling2D AveragePooling3D"
+        ),
+    },
+    "NotImplementedError: Operator": {
+        "dp2 dp4 mp_last mp_first fsdp 2x2": (
+            "MaxPooling3D AdaptiveMaxPooling1D AdaptiveMaxPooling2D "
+            "AdaptiveAveragePooling3D AdaptiveMaxPooling3D"
+        ),
+    },
+    "AssertionError in _dispatch.py:_dispatch_fast_path_python_tail": {
+        "dp2 dp4 mp_last mp_first fsdp 2x2": (
+            "ActivityRegularization RandomPerspective"
+        ),
+    },
+    "NotImplementedError: Operator aten.reflection_pad#d.default": {
+        "dp2 dp4 mp_last mp_first fsdp 2x2": ("MelSpectrogram"),
+    },
+    "RuntimeError: aten.bincount.default": {
+        "dp2 dp4 mp_last mp_first fsdp 2x2": ("Equalization RandAugment"),
+    },
+    "RuntimeError: The size of tensor a (#) must match the size of": {
+        "dp2 dp4 2x2": ("CutMix MixUp"),
+    },
+    "RuntimeError: Cannot unflatten unevenly sharded tensor: output": {
+        "mp_last mp_first": (
+            "EinsumDense Identity Lambda TorchModuleWrapper "
+            "Conv1DTranspose Conv2DTranspose LSTM RNN Bidirectional "
+            "TimeDistributed LayerNormalization GroupNormalization "
+            "Normalization Attention AdditiveAttention MultiHeadAttention "
+            "GroupQueryAttention Add Subtract Multiply Average Maximum "
+            "Minimum Concatenate UpSampling1D SpatialDropout1D"
+        ),
+        "fsdp 2x2": (
+            "EinsumDense Identity Lambda TorchModuleWrapper "
+            "Conv1DTranspose Conv2DTranspose LSTM Bidirectional "
+            "TimeDistributed LayerNormalization GroupNormalization "
+            "Normalization Attention AdditiveAttention MultiHeadAttention "
+            "GroupQueryAttention Add Subtract Multiply Average Maximum "
+            "Minimum Concatenate UpSampling1D SpatialDropout1D"
+        ),
+    },
+    "RuntimeError: aten.add_.Scalar: in-place operations that": {
+        "mp_last mp_first 2x2": ("RMSNormalization"),
+    },
+    "RuntimeError: view size is not compatible with input tensor's": {
+        "mp_last mp_first fsdp 2x2": ("Resizing"),
+    },
+    "RuntimeError: Output # of _ReducePartialGradient is a view and": {
+        "mp_last mp_first 2x2": ("RandomBrightness RandomColorJitter"),
+    },
+}
+
+# `{(run, case): the start of the kind of its failure}`.
+KNOWN_FAILURES = {
+    (run, name): kind
+    for kind, groups in _KNOWN_FAILURES.items()
+    for runs, names in groups.items()
+    for run in runs.split()
+    for name in names.split()
+}
+
+
+class KnownFailure(AssertionError):
+    """The case failed the way `KNOWN_FAILURES` says it does."""
+
+
+# --------------------------------------------------------------------------
+# The catalogue itself (no processes)
+# --------------------------------------------------------------------------
+
+
+def test_catalogue_covers_keras_layers():
+    """Each class of `keras.layers` is a case, an alias or a non-case."""
+    exported = lc.exported_layer_classes()
+    covered = lc.covered_layers()
+    aliases = set(lc.ALIASES)
+    not_cases = set(lc.NOT_CASES)
+    assert not covered & aliases, covered & aliases
+    assert not covered & not_cases, covered & not_cases
+    assert not aliases & not_cases, aliases & not_cases
+    placed = covered | aliases | not_cases
+    assert placed == exported, (
+        f"not in the catalogue: {sorted(exported - placed)}; "
+        f"not in keras.layers: {sorted(placed - exported)}"
+    )
+    import keras
+
+    for alias, name in lc.ALIASES.items():
+        assert getattr(keras.layers, alias) is getattr(keras.layers, name)
+        assert name in covered, alias
+
+
+def test_variable_axes():
+    """The layouts of the modes, on a few shapes."""
+    shape = (4, 3, 6)
+    assert lc.variable_axes(shape, "mp_last") == (None, None, "model")
+    assert lc.variable_axes(shape, "mp_first") == ("model", None, None)
+    assert lc.variable_axes(shape, "fsdp") == ("batch", None, None)
+    assert lc.variable_axes(shape, "2x2") == ("batch", None, "model")
+    assert lc.variable_axes((3, 4), "2x2") == (None, "model")
+    assert lc.variable_axes((3, 5), "mp_last") is None
+    with pytest.raises(ValueError, match="no variable layouts"):
+        lc.variable_axes(shape, "dp")
+
+
+def test_known_failures_name_runs_and_cases():
+    """The table of known failures names existing runs and cases."""
+    for run, name in KNOWN_FAILURES:
+        assert run in lc.RUNS, run
+        assert name in lc.CASES, name
+    assert set(CI_CASES) <= set(lc.CASES)
+    assert set(CI_RUNS) <= set(lc.RUNS)
+
+
+def test_error_kind():
+    """The first line of the innermost message of a Keras layer error."""
+    error = RuntimeError(
+        "Exception encountered when calling Dense.call().\n\n"
+        "\x1b[1mCannot flatten unevenly sharded tensor: size 7\n\n"
+        "more\x1b[0m\n\nArguments received by Dense.call():\n"
+    )
+    assert lc.error_kind(error) == (
+        "RuntimeError: Cannot flatten unevenly sharded tensor: size 7"
+    )
+    try:
+        raise AssertionError  # Without a message, as DTensor raises it.
+    except AssertionError as bare:
+        assert lc.error_kind(bare) == (
+            "AssertionError in test_layer_catalogue.py:test_error_kind"
+        )
+
+
+# --------------------------------------------------------------------------
+# The runner: a case that hangs fails alone
+# --------------------------------------------------------------------------
+
+
+def _hanging_build(layers, shape):
+    """The "Dense" case's model, after hanging on rank 1 for an hour."""
+    import time
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        time.sleep(3600)
+    return lc.CASES["Dense"].build(layers, shape)
+
+
+def _body_with_hanging_case(rank, world_size, *args):
+    """`layer_catalogue.mode_body` with a case "Hang" that hangs."""
+    lc.CASES["Hang"] = dataclasses.replace(
+        lc.CASES["Dense"], build=_hanging_build
+    )
+    try:
+        return lc.mode_body(rank, world_size, *args)
+    finally:
+        del lc.CASES["Hang"]
+
+
+def test_a_hanging_case_fails_alone():
+    """The case running when a call times out fails; the next ones run."""
+    names = ["Dense", "Hang", "Dense-activity_regularizer"]
+    results = lc.run_mode(
+        "dp", 2, names, body=_body_with_hanging_case, call_timeout=25
+    )
+    assert sorted(results) == sorted(names)
+    for result in results["Hang"]:
+        assert result["error"].startswith("Hang: "), result["error"]
+        # The stacks at the deadline show where it hung.
+        assert "_hanging_build" in result["traceback"], result["traceback"]
+    for name in ("Dense", "Dense-activity_regularizer"):
+        assert ["error" in result for result in results[name]] == [
+            False,
+            False,
+        ], name
+
+
+# --------------------------------------------------------------------------
+# The reference and the runs (module-scoped: computed once)
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """`{name: result}` of the cases in one process, pristine Keras."""
+    return lc.compute_reference(list(CASES))
+
+
+@pytest.fixture(scope="module")
+def run_results():
+    """`run_results(run)`: `{name: [per-rank result]}`, computed once."""
+    cache = {}
+
+    def get(run):
+        if run not in cache:
+            mode, world_size = lc.RUNS[run]
+            cache[run] = lc.run_mode(mode, world_size, CASES, log=print)
+        return cache[run]
+
+    return get
+
+
+@pytest.mark.timeout(RUN_TIMEOUT)
+def test_reference_is_pristine_keras_and_trains(reference):
+    """The reference ran upstream Keras 3.15.1, and every case trained."""
+    assert reference["keras_version"] == "3.15.1"
+    assert sorted(reference["results"]) == sorted(CASES)
+    for name, result in reference["results"].items():
+        assert "error" not in result, (name, result.get("traceback"))
+        # The case's model holds the class it covers.
+        assert lc.case_layer(name) in result["layer_classes"], name
+        assert all(math.isfinite(v) for v in result["losses"]), name
+        # The weights moved: the comparison is not of initial values.
+        assert result["losses"][0] != result["losses"][1], name
+
+
+def _params():
+    params = []
+    for run in RUNS:
+        for name in CASES:
+            marks = [pytest.mark.timeout(RUN_TIMEOUT)]
+            kind = KNOWN_FAILURES.get((run, name))
+            if kind is not None:
+                marks.append(
+                    pytest.mark.xfail(
+                        strict=True, raises=KnownFailure, reason=kind
+                    )
+                )
+            params.append(pytest.param(run, name, marks=marks))
+    return params
+
+
+@pytest.mark.parametrize("run, name", _params())
+def test_case_equals_one_process(run, name, reference, run_results):
+    per_rank = run_results(run)[name]
+    problems = lc.compare(per_rank, reference["results"][name])
+    if not problems:
+        return
+    kind = lc.failure_kind(per_rank, reference["results"][name])
+    message = f"{run} {name}: {kind}\n" + "\n".join(problems)
+    known = KNOWN_FAILURES.get((run, name))
+    if known is not None and kind.startswith(known):
+        raise KnownFailure(message)
+    tracebacks = [r.get("traceback", "") for r in per_rank]
+    pytest.fail(message + "\n" + next((t for t in tracebacks if t), ""))
