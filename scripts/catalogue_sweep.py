@@ -9,7 +9,7 @@ grouped by the kind of their failure. `tests/test_layer_catalogue.py` with
 `KERAS_CATALOGUE_FULL=1` checks the same, case by case, against its table
 of known failures.
 
-    scripts/catalogue_sweep.sh                    # everything (~15 min)
+    scripts/catalogue_sweep.sh                    # everything (~20 min)
     scripts/catalogue_sweep.sh --runs dp2 2x2 --cases Dense Conv2D
     scripts/catalogue_sweep.sh --known-failures   # also prints the table
 

@@ -1272,8 +1272,14 @@ def compare(per_rank, reference):
 
 
 def _differences(result, expected):
-    """The ways `result`'s numbers differ from `expected`'s (text)."""
-    if result["paths"] != expected["paths"]:
+    """The ways `result`'s numbers differ from `expected`'s (text).
+
+    Weights are compared in `model.get_weights()` order, not by path: this
+    package names a `TorchModuleWrapper`'s variables after the torch
+    parameters (`weight`, `bias`), pristine Keras `variable`,
+    `variable_1`.
+    """
+    if len(result["weights"]) != len(expected["weights"]):
         return [f"variables {result['paths']} != {expected['paths']}"]
     problems = []
     try:
@@ -1286,7 +1292,7 @@ def _differences(result, expected):
     except AssertionError as error:
         problems.append(f"losses differ: {_mismatch(error)}")
     for path, actual, wanted in zip(
-        result["paths"], result["weights"], expected["weights"]
+        expected["paths"], result["weights"], expected["weights"]
     ):
         try:
             np.testing.assert_allclose(
