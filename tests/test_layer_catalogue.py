@@ -53,6 +53,7 @@ CI_CASES = (
     "MultiHeadAttention",
     "Flatten",
     "Dropout",
+    "Dropout-unseeded",
     "ActivityRegularization",
     "CategoryEncoding",
     "MelSpectrogram",
@@ -74,132 +75,20 @@ RUN_TIMEOUT = 300 + 10 * len(CASES)
 # --known-failures` prints them: the start of the failure's kind (see
 # `layer_catalogue.failure_kind`) -> runs -> case names.
 _KNOWN_FAILURES = {
-    "RuntimeError: Cannot flatten unevenly sharded tensor: dimension": {
-        "dp2 dp4": (
-            "EinsumDense ReversibleEmbedding Identity Lambda "
-            "TorchModuleWrapper Conv1D Conv1D-groups Conv2D Conv2D-groups "
-            "Conv3D Conv1DTranspose Conv2DTranspose Conv3DTranspose "
-            "DepthwiseConv1D DepthwiseConv2D SeparableConv1D "
-            "SeparableConv2D MaxPooling1D MaxPooling2D GlobalMaxPooling1D "
-            "GlobalAveragePooling1D GlobalMaxPooling2D "
-            "GlobalAveragePooling2D GlobalMaxPooling3D "
-            "GlobalAveragePooling3D AdaptiveAveragePooling1D "
-            "AdaptiveAveragePooling2D GRU LSTM Bidirectional "
-            "TimeDistributed LayerNormalization GroupNormalization "
-            "Normalization Attention AdditiveAttention MultiHeadAttention "
-            "GroupQueryAttention Add Subtract Multiply Average Maximum "
-            "Minimum Concatenate Dot Flatten Reshape Permute Cropping1D "
-            "Cropping2D Cropping3D ZeroPadding1D ZeroPadding2D "
-            "ZeroPadding3D UpSampling1D UpSampling2D UpSampling3D "
-            "SpatialDropout1D SpatialDropout2D SpatialDropout3D Resizing "
-            "CenterCrop Pipeline RandomFlip RandomRotation RandomZoom "
-            "RandomTranslation RandomCrop RandomShear "
-            "RandomElasticTransform RandomContrast RandomBrightness "
-            "RandomErasing RandomGaussianBlur RandomGrayscale RandomHue "
-            "RandomSaturation RandomSharpness RandomInvert "
-            "RandomPosterization RandomColorDegeneration "
-            "RandomColorJitter Solarization AutoContrast "
-            "ContrastLimitedAdaptiveHistogramEqualization AugMix "
-            "MaxNumBoundingBoxes"
-        ),
-        "fsdp": (
-            "Conv1D Conv1D-groups Conv2D Conv2D-groups Conv3D "
-            "Conv3DTranspose DepthwiseConv1D DepthwiseConv2D "
-            "SeparableConv1D SeparableConv2D MaxPooling1D MaxPooling2D "
-            "GlobalMaxPooling1D GlobalAveragePooling1D GlobalMaxPooling2D "
-            "GlobalAveragePooling2D GlobalMaxPooling3D "
-            "GlobalAveragePooling3D AdaptiveAveragePooling1D "
-            "AdaptiveAveragePooling2D GRU Dot Flatten Reshape Permute "
-            "Cropping1D Cropping2D Cropping3D ZeroPadding1D ZeroPadding2D "
-            "ZeroPadding3D UpSampling2D UpSampling3D SpatialDropout2D "
-            "SpatialDropout3D CenterCrop Pipeline RandomFlip "
-            "RandomRotation RandomZoom RandomTranslation RandomCrop "
-            "RandomShear RandomElasticTransform RandomContrast "
-            "RandomBrightness RandomErasing RandomGaussianBlur "
-            "RandomGrayscale RandomHue RandomSaturation RandomSharpness "
-            "RandomInvert RandomPosterization RandomColorDegeneration "
-            "RandomColorJitter Solarization AutoContrast "
-            "ContrastLimitedAdaptiveHistogramEqualization AugMix CutMix "
-            "MixUp MaxNumBoundingBoxes"
-        ),
-        "2x2": (
-            "Conv1D Conv1D-groups Conv2D Conv2D-groups Conv3D "
-            "Conv3DTranspose DepthwiseConv1D DepthwiseConv2D "
-            "SeparableConv1D SeparableConv2D MaxPooling1D MaxPooling2D "
-            "GlobalMaxPooling1D GlobalAveragePooling1D GlobalMaxPooling2D "
-            "GlobalAveragePooling2D GlobalMaxPooling3D "
-            "GlobalAveragePooling3D AdaptiveAveragePooling1D "
-            "AdaptiveAveragePooling2D GRU Dot Flatten Reshape Permute "
-            "Cropping1D Cropping2D Cropping3D ZeroPadding1D ZeroPadding2D "
-            "ZeroPadding3D UpSampling2D UpSampling3D SpatialDropout2D "
-            "SpatialDropout3D CenterCrop Pipeline RandomFlip "
-            "RandomRotation RandomZoom RandomTranslation RandomCrop "
-            "RandomShear RandomElasticTransform RandomContrast "
-            "RandomErasing RandomGaussianBlur RandomGrayscale RandomHue "
-            "RandomSaturation RandomSharpness RandomInvert "
-            "RandomPosterization RandomColorDegeneration Solarization "
-            "AutoContrast ContrastLimitedAdaptiveHistogramEqualization "
-            "AugMix MaxNumBoundingBoxes"
-        ),
+    "RuntimeError: one of the variables needed for gradient": {
+        "dp2 dp4": ("SpectralNormalization"),
     },
-    "RuntimeError: ('Attempted to unbind along the sharded dimension": {
-        "dp2 dp4 fsdp 2x2": (
-            "Masking SimpleRNN GRU-reset_after_false RNN SimpleRNNCell "
-            "GRUCell LSTMCell StackedRNNCells ConvLSTM1D ConvLSTM2D "
-            "ConvLSTM3D"
-        ),
+    # AugMix draws random numbers that neither a layer's seed generator
+    # nor torch's generators show (a silent difference: listed so that
+    # it is seen).
+    "numbers differ from one process": {
+        "dp2 dp4": ("AugMix"),
     },
-    "NotImplementedError: Operator aten.avg_pool#d_backward.default": {
-        "dp2 dp4 mp_last mp_first fsdp 2x2": (
-            "AveragePooling1D AveragePooling2D AveragePooling3D"
-        ),
-    },
-    "NotImplementedError: Operator": {
-        "dp2 dp4 mp_last mp_first fsdp 2x2": (
-            "MaxPooling3D AdaptiveMaxPooling1D AdaptiveMaxPooling2D "
-            "AdaptiveAveragePooling3D AdaptiveMaxPooling3D"
-        ),
-    },
-    "AssertionError in _dispatch.py:_dispatch_fast_path_python_tail": {
-        "dp2 dp4 mp_last mp_first fsdp 2x2": (
-            "ActivityRegularization RandomPerspective"
-        ),
-    },
-    "NotImplementedError: Operator aten.reflection_pad#d.default": {
-        "dp2 dp4 mp_last mp_first fsdp 2x2": ("MelSpectrogram"),
-    },
-    "RuntimeError: aten.bincount.default": {
-        "dp2 dp4 mp_last mp_first fsdp 2x2": ("Equalization RandAugment"),
-    },
-    "RuntimeError: The size of tensor a (#) must match the size of": {
-        "dp2 dp4 2x2": ("CutMix MixUp"),
-    },
-    "RuntimeError: Cannot unflatten unevenly sharded tensor: output": {
-        "mp_last mp_first": (
-            "EinsumDense Identity Lambda TorchModuleWrapper "
-            "Conv1DTranspose Conv2DTranspose LSTM RNN Bidirectional "
-            "TimeDistributed LayerNormalization GroupNormalization "
-            "Normalization Attention AdditiveAttention MultiHeadAttention "
-            "GroupQueryAttention Add Subtract Multiply Average Maximum "
-            "Minimum Concatenate UpSampling1D SpatialDropout1D"
-        ),
-        "fsdp 2x2": (
-            "EinsumDense Identity Lambda TorchModuleWrapper "
-            "Conv1DTranspose Conv2DTranspose LSTM Bidirectional "
-            "TimeDistributed LayerNormalization GroupNormalization "
-            "Normalization Attention AdditiveAttention MultiHeadAttention "
-            "GroupQueryAttention Add Subtract Multiply Average Maximum "
-            "Minimum Concatenate UpSampling1D SpatialDropout1D"
-        ),
-    },
-    "RuntimeError: aten.add_.Scalar: in-place operations that": {
-        "mp_last mp_first 2x2": ("RMSNormalization"),
+    "RuntimeError: unsupported operation: some elements of the input": {
+        "mp_last mp_first fsdp 2x2": ("MelSpectrogram"),
     },
     "RuntimeError: view size is not compatible with input tensor's": {
         "mp_last mp_first fsdp 2x2": ("Resizing"),
-    },
-    "RuntimeError: Output # of _ReducePartialGradient is a view and": {
-        "mp_last mp_first 2x2": ("RandomBrightness RandomColorJitter"),
     },
 }
 

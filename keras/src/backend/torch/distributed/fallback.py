@@ -256,14 +256,23 @@ def _laid_out(value, mesh, operands):
 
 
 def _write_back(operand, value):
-    """Writes a global `value` into `operand`'s shards, in its layout."""
+    """Writes a global `value` into `operand`'s shards, in its layout.
+
+    A partial sum over `n` processes holds `value / n` on each (DTensor
+    does not redistribute to `Partial`); an average, a maximum or a
+    minimum holds `value` itself.
+    """
     mesh = operand.device_mesh
     replicated = DTensor.from_local(
         value, mesh, [Replicate()] * mesh.ndim, run_check=False
     )
-    laid_out = replicated.redistribute(mesh, operand.placements)
+    sharded = [Replicate() if p.is_partial() else p for p in operand.placements]
+    local = replicated.redistribute(mesh, sharded).to_local()
+    for mesh_dim, placement in enumerate(operand.placements):
+        if placement.is_partial() and placement.reduce_op == "sum":
+            local = local / mesh.size(mesh_dim)
     with torch.no_grad():
-        operand.to_local().copy_(laid_out.to_local())
+        operand.to_local().copy_(local)
 
 
 def _mutated_operands(func, args, kwargs):

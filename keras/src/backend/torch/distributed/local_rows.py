@@ -108,6 +108,9 @@ def call(call_function, layer, args, kwargs):
         return None
     local_args, local_kwargs = tree.map_structure(_to_local, (args, kwargs))
     mapping = [(v, _local_weight(v)) for v in variables]
+    # Unseeded random ops draw from torch's generators: a call dropped
+    # below must leave them as it found them.
+    rng_states = _rng_states()
     with runtime.distribution_suspended(), _in_local_call(mesh, global_rows):
         with StatelessScope(state_mapping=mapping) as scope:
             entered = dict(scope.state_mapping)
@@ -120,11 +123,14 @@ def call(call_function, layer, args, kwargs):
         for v in variables
         if scope.get_current_value(v) is not entered[id(v)]
     ]
-    if _drew_random_numbers(layer, [v for v, _ in updated]):
+    if _drew_random_numbers(layer, [v for v, _ in updated]) or (
+        _rng_advanced(rng_states)
+    ):
         # Drawn for the local rows, not as one process draws them for the
         # global batch: the call runs again through DTensor, this time
         # and from now on. Nothing the call updated is kept.
         _draws_random_numbers.add(layer)
+        _restore_rng_states(rng_states)
         return None
     with torch.no_grad():
         for variable, value in updated:
@@ -287,6 +293,29 @@ def _gets_a_mask(layer):
         for node in layer._inbound_nodes
         for x in node.input_tensors
     )
+
+
+def _rng_states():
+    states = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def _rng_advanced(states):
+    """Whether an unseeded random op drew from torch's generators."""
+    if not torch.equal(states["cpu"], torch.get_rng_state()):
+        return True
+    return "cuda" in states and any(
+        not torch.equal(a, b)
+        for a, b in zip(states["cuda"], torch.cuda.get_rng_state_all())
+    )
+
+
+def _restore_rng_states(states):
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states:
+        torch.cuda.set_rng_state_all(states["cuda"])
 
 
 def _drew_random_numbers(layer, updated_variables):
