@@ -84,6 +84,8 @@ COLLECTIVE_TIMEOUT = 60
 AGREEMENT_TIMEOUT = 3 * COLLECTIVE_TIMEOUT
 CALL_TIMEOUT_BASE = 2 * AGREEMENT_TIMEOUT
 CALL_TIMEOUT_PER_CASE = 30
+# A case's watchdog (`run_cases`): a case takes 1-10 s.
+CASE_TIMEOUT = 120
 
 
 @dataclasses.dataclass(frozen=True)
@@ -910,7 +912,32 @@ def _write(path, data):
 def mode_body(rank, world_size, mode, names, out_dir, num_samples):
     """Runs cases `names` under `mode`, one after the other (harness body).
 
-    Each case's result (see `guarded_run`) is written to `out_dir` as soon
+    See `run_cases`.
+
+    Returns:
+        The number of cases run.
+    """
+    return run_cases(
+        rank,
+        names,
+        out_dir,
+        lambda name: guarded_run(name, mode, num_samples),
+        case_timeout=CASE_TIMEOUT,
+    )
+
+
+def run_cases(
+    rank,
+    names,
+    out_dir,
+    run_one,
+    *,
+    collective_timeout=COLLECTIVE_TIMEOUT,
+    case_timeout=None,
+):
+    """Runs `run_one(name)` for each of `names`, in one process group.
+
+    Each case's result (`run_one`'s dict) is written to `out_dir` as soon
     as it is known, so that what ran survives a later case that hangs; the
     case running now is in `progress.rank<N>`. After a case that failed on
     any process, the processes check that the collectives of every process
@@ -918,33 +945,59 @@ def mode_body(rank, world_size, mode, names, out_dir, num_samples):
     a collective the others wait in); if not, `GroupOutOfStep` ends the
     call, and `run_mode` resumes in a fresh process group.
 
+    Args:
+        rank: this process' rank.
+        names: the cases.
+        out_dir: where results go (see `run_mode`).
+        run_one: `run_one(name)` runs one case, returns its result.
+        collective_timeout: the bound of every collective of a case.
+        case_timeout: if set, a watchdog: a case still running after this
+            many seconds writes the stacks of this process' threads to
+            `watchdog.rank<N>` and ends the process, so that `run_mode`
+            fails that case alone at once (not at the call's deadline) and
+            goes on with the next ones in a fresh process group.
+
     Returns:
         The number of cases run.
     """
     import datetime
+    import faulthandler
     import pickle
 
     import torch.distributed as dist
 
     # Every collective of a case waits at most this long: a case stuck in
     # one fails instead of the call (Keras bounds its groups by these).
-    os.environ["KERAS_DISTRIBUTION_TIMEOUT"] = str(COLLECTIVE_TIMEOUT)
-    os.environ["KERAS_DISTRIBUTION_START_TIMEOUT"] = str(COLLECTIVE_TIMEOUT)
+    os.environ["KERAS_DISTRIBUTION_TIMEOUT"] = str(collective_timeout)
+    os.environ["KERAS_DISTRIBUTION_START_TIMEOUT"] = str(collective_timeout)
     # The processes agree between cases in a group of their own, which no
     # case uses, so that it lines up whatever the cases did.
     agreement = dist.new_group(
         backend="gloo",
-        timeout=datetime.timedelta(seconds=AGREEMENT_TIMEOUT),
+        timeout=datetime.timedelta(seconds=3 * collective_timeout),
     )
+    watchdog = open(_watchdog_path(out_dir, rank), "w")
     try:
         for name in names:
             _write(_progress_path(out_dir, rank), name.encode())
-            result = guarded_run(name, mode, num_samples)
+            if case_timeout is not None:
+                faulthandler.dump_traceback_later(
+                    case_timeout, exit=True, file=watchdog
+                )
+            try:
+                result = run_one(name)
+            finally:
+                faulthandler.cancel_dump_traceback_later()
             _write(_result_path(out_dir, name, rank), pickle.dumps(result))
             _check_in_step(name, "error" in result, agreement)
     finally:
+        watchdog.close()
         dist.destroy_process_group(agreement)
     return len(names)
+
+
+def _watchdog_path(out_dir, rank):
+    return os.path.join(out_dir, f"watchdog.rank{rank}")
 
 
 def _check_in_step(name, failed, agreement):
@@ -1055,6 +1108,21 @@ def run_mode(
     return results
 
 
+def _watchdog_stacks(out_dir, world_size):
+    """The stacks a case's watchdog wrote (see `run_cases`), then clears
+    them: `""` when no watchdog fired."""
+    stacks = ""
+    for rank in range(world_size):
+        path = _watchdog_path(out_dir, rank)
+        if os.path.exists(path):
+            with open(path) as file:
+                text = file.read()
+            os.remove(path)
+            if text.strip():
+                stacks += f"rank {rank}, at its watchdog:\n{text}\n"
+    return stacks
+
+
 def _load(path):
     import pickle
 
@@ -1075,17 +1143,23 @@ def _resume_after(failure, remaining, results, out_dir, world_size):
             with open(path) as file:
                 running.add(file.read())
             os.remove(path)
+    watchdog = _watchdog_stacks(out_dir, world_size)
     pending = [name for name in remaining if name not in results]
     if pending and pending[0] in running:
         stuck = pending.pop(0)
         report = str(failure)
+        first = (
+            "the call failed while this case ran: "
+            + (report.splitlines()[0][:200])
+        )
+        if watchdog:
+            first = "its watchdog ended it"
         results[stuck] = [
             {
-                "error": "Hang: the call failed while this case ran: "
-                + report.splitlines()[0][:200],
-                # The stacks of the ranks at the deadline, the last one's
-                # last.
-                "traceback": report[-8000:],
+                "error": "Hang: " + first,
+                # The stacks of the ranks at the deadline (the watchdog's,
+                # or the call's), the last one's last.
+                "traceback": (watchdog + report)[-8000:],
             }
         ] * world_size
     elif len(pending) == len(remaining):
@@ -1110,20 +1184,35 @@ import torch
 torch.set_num_threads(1)
 path, out, num_samples = sys.argv[1], sys.argv[2], int(sys.argv[3])
 names = sys.argv[4:]
-spec = importlib.util.spec_from_file_location("layer_catalogue", path)
-module = importlib.util.module_from_spec(spec)
-sys.modules["layer_catalogue"] = module
-spec.loader.exec_module(module)
-module.write_reference(out, names or None, num_samples)
+
+def load(path):
+    name = os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+# This module first: the catalogue at `path` may use its helpers.
+load(os.path.join(os.path.dirname(path), "layer_catalogue.py"))
+load(path).write_reference(out, names or None, num_samples)
 """
 
 
-def write_reference(path, names=None, num_samples=NUM_SAMPLES):
+def write_reference(path, names=None, num_samples=NUM_SAMPLES, run_one=None):
     """Runs cases `names` (default all) in this process, pickles them.
 
     The file holds `{"results": {name: result}, "keras_file": ...,
     "keras_version": ..., "torch_version": ...}`, so that the caller can
     check which Keras computed it.
+
+    Args:
+        path: the file.
+        names: the cases, default all of `CASES`.
+        num_samples: the number of samples of each case.
+        run_one: `run_one(name)` runs a case with no distribution, default
+            `guarded_run(name, "single", num_samples)` (another catalogue
+            gives its own).
     """
     import pickle
 
@@ -1131,9 +1220,13 @@ def write_reference(path, names=None, num_samples=NUM_SAMPLES):
 
     import keras
 
+    if run_one is None:
+
+        def run_one(name):
+            return guarded_run(name, "single", num_samples)
+
     results = {
-        name: guarded_run(name, "single", num_samples)
-        for name in (CASES if names is None else names)
+        name: run_one(name) for name in (CASES if names is None else names)
     }
     _write(
         path,
@@ -1169,11 +1262,15 @@ def pristine_keras_root():
     )
 
 
-def compute_reference(names=None, *, num_samples=NUM_SAMPLES, timeout=900):
+def compute_reference(
+    names=None, *, num_samples=NUM_SAMPLES, timeout=900, module_file=None
+):
     """Cases `names` (default all) in one fresh interpreter, pristine Keras.
 
     Pristine upstream Keras 3.15.1 comes first on `PYTHONPATH`, with the
     torch backend and one thread; every case runs with no distribution.
+    `module_file` is the catalogue whose `write_reference` runs them
+    (default this one), loaded by path: it imports nothing of the project.
 
     Returns:
         `write_reference`'s dict; its "keras_file" is checked to be under
@@ -1194,7 +1291,7 @@ def compute_reference(names=None, *, num_samples=NUM_SAMPLES, timeout=900):
                 sys.executable,
                 "-c",
                 _REFERENCE_SCRIPT,
-                os.path.abspath(__file__),
+                module_file or os.path.abspath(__file__),
                 out,
                 str(num_samples),
                 *(names or ()),
