@@ -120,6 +120,42 @@ def test_in_place_ops_keep_their_operand_and_its_layout():
         assert result["total_is_plain"]
 
 
+def _strided_view_body(rank, world_size):
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Replicate
+
+    fallback = _fallback()
+    # A replicated DTensor whose global stride allows the view, holding a
+    # local tensor laid out otherwise (as DTensor left Gemma's attention
+    # output under ModelParallel): DTensor views the local tensor, and
+    # refuses.
+    value = torch.arange(4 * 8 * 8, dtype=torch.float32).reshape(4, 8, 8)
+    local = value.transpose(1, 2).contiguous().transpose(1, 2)
+    local = local.reshape(4, 8, 1, 1, 8)
+    x = DTensor.from_local(
+        local,
+        _mesh(),
+        [Replicate()],
+        shape=local.shape,
+        stride=(64, 8, 1, 8, 1),
+        run_check=False,
+    )
+    with fallback.dtensor_fallback():
+        y = x.view(32, 8)
+    return {
+        "y": y.full_tensor().numpy(),
+        "counts": sorted(fallback.fallback_counts()),
+    }
+
+
+def test_a_view_takes_the_global_strides():
+    """A view computed on global values sees one process' strides."""
+    expected = torch.arange(4 * 8 * 8, dtype=torch.float32).reshape(32, 8)
+    for result in run_on_ranks(_strided_view_body, world_size=2):
+        np.testing.assert_array_equal(result["y"], expected.numpy())
+        assert result["counts"] == ["aten.view.default"]
+
+
 def _computable_body(rank, world_size):
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor import Shard

@@ -209,7 +209,7 @@ def _on_global_values(func, args, kwargs, refusal):
         if not isinstance(x, DTensor):
             return x
         if id(x) not in gathered:
-            gathered[id(x)] = x.full_tensor()
+            gathered[id(x)] = _global_value(x)
         return gathered[id(x)]
 
     global_args, global_kwargs = _map_leaves(global_value, (args, kwargs))
@@ -234,6 +234,41 @@ def _on_global_values(func, args, kwargs, refusal):
         ),
         outputs,
     )
+
+
+def _global_value(x):
+    """`x`'s global value, with the strides one process' tensor has.
+
+    A view depends on strides, and a `DTensor`'s local tensor may lay out
+    its memory otherwise than its (global) `stride()` says: e.g. a
+    replicated `(4, 8, 1, 1, 8)` attention output of stride
+    `(64, 8, 1, 8, 1)` holding a local tensor of stride
+    `(64, 1, 8, 64, 8)`, which cannot be viewed as `(32, 8)` (Gemma's
+    backward pass under ModelParallel). Gathered (or, replicated, taken
+    as it is) the value would keep the local layout, and the view would
+    fail on it as it failed in DTensor.
+    """
+    value = x.full_tensor()
+    if value.stride() == x.stride() or not _dense(x.shape, x.stride()):
+        return value
+    laid_out = torch.empty_strided(
+        x.shape, x.stride(), dtype=value.dtype, device=value.device
+    )
+    laid_out.copy_(value)
+    return laid_out
+
+
+def _dense(shape, stride):
+    """Whether `stride` lays out `shape` in memory without gaps or overlap
+    (a permutation of the dimensions of a contiguous tensor)."""
+    expected = 1
+    for size, step in sorted(
+        ((n, s) for n, s in zip(shape, stride) if n != 1), key=lambda d: d[1]
+    ):
+        if step != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _laid_out(value, mesh, operands):
