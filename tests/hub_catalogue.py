@@ -20,9 +20,10 @@ Modes (`MODES`):
     "2x2": `ModelParallel` on a (2, 2) mesh, 4 processes: the last
         divisible dimension over "model", the first other divisible one
         over "batch".
-    "own_1x2", "own_2x2": the backbone's own `get_layout_map(mesh)` on a
-        (1, 2) and a (2, 2) mesh (only the models that have one,
-        `OWN_LAYOUT_MODELS`).
+    "own_1x1", "own_1x2", "own_2x2": the backbone's own
+        `get_layout_map(mesh)` on a (1, 1) mesh (one process: DTensors
+        all the same), a (1, 2) and a (2, 2) mesh (only the models that
+        have one, `OWN_LAYOUT_MODELS`).
 
 The generic layout maps are built from the variable paths of the model
 built once without a distribution, one exact key (`re.escape(path)`) per
@@ -57,7 +58,9 @@ BATCH = 4
 EPOCHS = 2
 # Prompts for `generate`: the first `PROMPT_LEN` tokens, the rest padding.
 PROMPT_LEN = 5
-NUM_PROMPTS = 2
+# As many as the processes of the largest mode: each holds a prompt (with
+# fewer prompts than processes, `generate` fails, see README).
+NUM_PROMPTS = 4
 # Tolerances of "equal to one process".
 LOSS_RTOL = 1e-4
 LOSS_ATOL = 1e-6
@@ -101,6 +104,7 @@ MODES = {
     "mp_last": ((1, 2), "last"),
     "fsdp": ((2, 1), "first"),
     "2x2": ((2, 2), "last_and_first"),
+    "own_1x1": ((1, 1), "own"),
     "own_1x2": ((1, 2), "own"),
     "own_2x2": ((2, 2), "own"),
 }
@@ -574,7 +578,7 @@ def compute_reference(names=None):
 # 5-60 s; 4 processes on 2 loaded cores up to ~3x that; the workers
 # inherit `KERAS_HUB_MODEL_TIMEOUT`, which overrides it); the call, which
 # the watchdog should always beat, gets a model's bound per model.
-COLLECTIVE_TIMEOUT = 120
+COLLECTIVE_TIMEOUT = 60
 MODEL_TIMEOUT = int(os.environ.get("KERAS_HUB_MODEL_TIMEOUT", "300"))
 CALL_OVERHEAD = 600
 REFERENCE_TIMEOUT = 900
@@ -753,16 +757,18 @@ def fallback_lines(results, mode="own_2x2", name="Llama"):
     result = per_rank[0]
     if "error" in result:
         return [f"{name} {mode}: {result['error']}"]
-    rows = result["fallbacks"]["first_step"] or {}
-    lines = [
-        f"{name} {mode}, first train step, rank 0:",
-        "| op | calls | bytes gathered | DTensor's reason |",
-        "| --- | --- | --- | --- |",
-    ]
-    for op, (calls, nbytes, reason) in sorted(rows.items()):
-        lines.append(f"| {op} | {calls} | {nbytes} | {reason[:120]} |")
-    if not rows:
-        lines.append("| (none) | | | |")
+    lines = []
+    for stage in ("first_step", "fit"):
+        rows = result["fallbacks"][stage] or {}
+        lines += [
+            f"{name} {mode}, {stage} (rank 0): ops computed on global values",
+            "| op | calls | bytes gathered | DTensor's reason |",
+            "| --- | --- | --- | --- |",
+        ]
+        for op, (calls, nbytes, reason) in sorted(rows.items()):
+            lines.append(f"| {op} | {calls} | {nbytes} | {reason[:120]} |")
+        if not rows:
+            lines.append("| (none) | | | |")
     return lines
 
 

@@ -88,6 +88,28 @@ def _embedding_over_two_axes_fit(setting=None):
     return _fit(model, x, y)
 
 
+def _fori_loop_outside_layers(setting=None):
+    """A `fori_loop` whose body mixes a layer's output with plain tensors,
+    run outside any layer call (keras-hub's RWKV7 generation calls its
+    layers' `call` directly: "aten.mul.Tensor got mixed torch.Tensor and
+    DTensor")."""
+    import keras
+
+    if setting == "dp":
+        keras.distribution.set_distribution(keras.distribution.DataParallel())
+    keras.utils.set_random_seed(pm.SEED)
+    layer = keras.layers.Dense(3)
+    scale = layer(np.ones((2, 3), "float32"))
+    state = keras.ops.ones((2, 3))
+
+    def step(i, value):
+        # `value` and `i` are plain tensors, `scale` the layer's output.
+        return value * scale + keras.ops.cast(i, "float32")
+
+    result = keras.ops.fori_loop(0, 3, step, state)
+    return {"result": keras.ops.convert_to_numpy(result)}
+
+
 def _call_body(rank, world_size, function, setting):
     return function(setting)
 
@@ -108,3 +130,7 @@ def test_layer_output_updated_in_place_after_a_row_parallel_layer():
 
 def test_embedding_sharded_over_both_axes_of_a_2x2_mesh():
     _check(_embedding_over_two_axes_fit, "2x2", world_size=4)
+
+
+def test_fori_loop_outside_layer_calls():
+    _check(_fori_loop_outside_layers, "dp", world_size=2)
