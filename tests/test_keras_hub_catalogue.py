@@ -29,15 +29,32 @@ own layout on (2, 2):
 import math
 import os
 
+import numpy as np
 import pytest
 
 from tests import hub_catalogue as hc
+from tests.harness import run_on_ranks
 
 FULL = os.environ.get("KERAS_HUB_FULL") == "1"
 
 # The start of a failure's kind (see `hub_catalogue.failure_kind`) ->
 # modes -> models.
-_KNOWN_FAILURES = {}
+_KNOWN_FAILURES = {
+    # Falcon's attention key bias gets a gradient that is zero in exact
+    # arithmetic (softmax ignores it): Adam turns float noise (~1e-12)
+    # into updates of ~1e-5, which differ with the summation order.
+    "numbers differ from one process": {"mp_last fsdp 2x2": "Falcon"},
+    # An op outside any layer call in Qwen3.5's generation mixes a plain
+    # tensor with a DTensor (measured on dp and dp4).
+    "RuntimeError: aten.stack.default got mixed torch.Tensor and DTensor": {
+        "dp dp4": "Qwen3_5 Qwen3_5Moe"
+    },
+    # Minutes per step: DTensor plans every candidate strategy of every
+    # new shape (the gated delta net's loop makes one per position) with a
+    # graph search once `_StridedShard` candidates appear on a 2-D mesh
+    # (measured on mp_last; fsdp and 2x2 expected alike).
+    "Hang: its watchdog ended it": {"mp_last fsdp 2x2": "Qwen3_5 Qwen3_5Moe"},
+}
 
 # `{(mode, model): the start of the kind of its failure}`.
 KNOWN_FAILURES = {
@@ -51,14 +68,17 @@ KNOWN_FAILURES = {
 # mode -> the models CI runs: every mode, a model with its own layout map
 # in each, and every kind of failure of `KNOWN_FAILURES`.
 CI_CASES = {
-    "dp": ("Gemma",),
+    "dp": ("RWKV7", "Qwen3_5"),
     "dp4": ("Qwen",),
-    "mp_last": ("Llama",),
-    "fsdp": ("Gemma3",),
+    "mp_last": ("Gemma", "Falcon"),
+    "fsdp": ("Llama",),
     "2x2": ("Qwen3Moe",),
-    "own_1x2": ("Gemma",),
+    "own_1x1": ("Gemma",),
+    "own_1x2": ("Qwen",),
     "own_2x2": ("Qwen",),
 }
+# Failure kinds CI leaves to the full sweep: each costs the watchdog.
+NOT_IN_CI = ("Hang: its watchdog ended it",)
 
 CASES = (
     {mode: hc.models_for(mode) for mode in hc.DISTRIBUTED_MODES}
@@ -80,7 +100,7 @@ def test_known_failures_and_ci_cases_name_modes_and_models():
     for mode, names in CI_CASES.items():
         assert set(names) <= set(hc.models_for(mode)), mode
     # Every kind of failure is run by CI.
-    kinds = {kind for (mode, name), kind in KNOWN_FAILURES.items()}
+    kinds = {k for k in KNOWN_FAILURES.values() if k not in NOT_IN_CI}
     covered = {
         kind
         for (mode, name), kind in KNOWN_FAILURES.items()
@@ -89,11 +109,21 @@ def test_known_failures_and_ci_cases_name_modes_and_models():
     assert kinds == covered, kinds - covered
 
 
+# Models that passed in one run and failed in the next in issue #24 (main
+# 155c6c5, four identical runs); CI repeats the cheap ones.
+FORMERLY_FLAKY = {
+    "mp_last": ("QwenMoe", "Gemma3") if FULL else ("QwenMoe",),
+    "fsdp": ("QwenMoe",),
+}
+REPEATS = 3
+
+
 @pytest.fixture(scope="module")
 def reference():
     """`{model: result}` in one process, pristine Keras."""
-    names = sorted({n for names in CASES.values() for n in names})
-    return hc.compute_reference(names)
+    names = {n for names in CASES.values() for n in names}
+    names |= {n for names in FORMERLY_FLAKY.values() for n in names}
+    return hc.compute_reference(sorted(names))
 
 
 @pytest.fixture(scope="module")
@@ -151,3 +181,39 @@ def test_model_equals_one_process(mode, name, reference, mode_results):
         raise KnownFailure(message)
     tracebacks = [r.get("traceback", "") for r in per_rank]
     pytest.fail(message + "\n" + next((t for t in tracebacks if t), ""))
+
+
+def _repeat_body(rank, world_size, mode, names, repeats):
+    """Each of `names` under `mode`, `repeats` times in a row."""
+    import keras_hub  # noqa: F401 - imported once, outside the runs.
+
+    return {
+        name: [hc.run_guarded(name, mode) for _ in range(repeats)]
+        for name in names
+    }
+
+
+@pytest.mark.parametrize("mode", sorted(FORMERLY_FLAKY))
+@pytest.mark.timeout(TIMEOUT)
+def test_formerly_flaky_models_give_the_same_numbers_every_time(
+    mode, reference
+):
+    """Every repetition equals one process, and the others bit for bit."""
+    names = FORMERLY_FLAKY[mode]
+    per_rank = run_on_ranks(
+        _repeat_body,
+        world_size=hc.world_size(mode),
+        args=(mode, names, REPEATS),
+        timeout=hc.CALL_OVERHEAD + hc.MODEL_TIMEOUT * REPEATS * len(names),
+    )
+    for name in names:
+        expected = reference["results"][name]
+        runs = [[rank[name][i] for rank in per_rank] for i in range(REPEATS)]
+        for i, run in enumerate(runs):
+            problems = hc.compare(run, expected)
+            assert not problems, (mode, name, i, problems[:5])
+        first = runs[0][0]
+        for i, run in enumerate(runs[1:], start=1):
+            assert run[0]["losses"] == first["losses"], (name, i)
+            for a, b in zip(run[0]["weights"], first["weights"]):
+                np.testing.assert_array_equal(a, b, f"{name} run {i}")
