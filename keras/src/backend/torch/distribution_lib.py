@@ -22,6 +22,7 @@ from keras.src.backend.torch.distributed import data_input
 from keras.src.backend.torch.distributed import layouts
 from keras.src.backend.torch.distributed import process_io
 from keras.src.backend.torch.distributed import runtime
+from keras.src.backend.torch.distributed import step
 from keras.src.backend.torch.distributed import summary
 from keras.src.backend.torch.distributed import variables
 from keras.src.backend.torch.distributed.runtime import DTensor
@@ -40,6 +41,30 @@ current_distribution = runtime.current_distribution
 # Collectives over a named mesh axis, as `jax.lax.psum` / `all_gather`.
 all_reduce = collectives.all_reduce
 all_gather = collectives.all_gather
+# What the torch trainer calls: its step functions run as `DistributedStep`s
+# (one object per step function, which its train step reaches through the
+# hooks below), and its epoch iterator reads one process' share of the data.
+DistributedStep = step.DistributedStep
+local_loss = step.local_loss
+metric_predictions = step.metric_predictions
+reduce_with_loss = step.reduce_with_loss
+local_metric_state = step.local_metric_state
+
+
+def process_data_adapter(adapter):
+    """An adapter that reads only this process' share of the data.
+
+    Args:
+        adapter: the `DataAdapter` Keras made for the input.
+
+    Returns:
+        See `distributed.data_sources.process_data_adapter`.
+    """
+    # Imported here: the data sources import the data adapters, which
+    # import this module.
+    from keras.src.backend.torch.distributed import data_sources
+
+    return data_sources.process_data_adapter(adapter)
 
 
 def list_devices(device_type=None):

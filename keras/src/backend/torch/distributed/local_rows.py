@@ -20,7 +20,8 @@ one mechanism each:
 - a model whose call draws random numbers (it advances a layer's
   `SeedGenerator`: dropout, noise, augmentation) runs through DTensor from
   its first such call on, which draws one process' numbers for the
-  global batch; so does a model with a layer that adds an activity
+  global batch (in that step function: its train step draws, its test
+  step, in inference, may not; the step remembers); so does a model with a layer that adds an activity
   regularization loss (taken over the global batch), or runs code the
   project cannot classify (a `Lambda`, a wrapped torch module, a class
   defined outside Keras).
@@ -30,7 +31,6 @@ import contextlib
 import functools
 import math
 import threading
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,6 @@ from keras.src.backend.common.masking import set_keras_mask
 from keras.src.backend.common.stateless_scope import StatelessScope
 from keras.src.backend.torch.distributed import layouts
 from keras.src.backend.torch.distributed import runtime
-from keras.src.backend.torch.distributed import step_reduction
 from keras.src.backend.torch.distributed.runtime import DTensor
 
 if runtime.DTENSOR_AVAILABLE:
@@ -53,8 +52,9 @@ _USER_CODE_CLASS_NAMES = (
     "keras.src.layers.core.lambda_layer.Lambda",
     "keras.src.utils.torch_utils.TorchModuleWrapper",
 )
-# Where an output of a call on the local rows keeps its local tensor.
-_LOCAL_OUTPUT_ATTRIBUTE = "_keras_local_output"
+# The attribute of a model on which its step function sets the running
+# `step.DistributedStep` (see `running_step`).
+STEP_ATTRIBUTE = "_distributed_step"
 # Operations other than layers that a functional model may run (`x + y`).
 _ELEMENTWISE_OPERATION_NAMES = (
     "keras.src.ops.numpy.Add",
@@ -77,11 +77,24 @@ _ELEMENTWISE_OPERATION_NAMES = (
     "keras.src.ops.numpy.LogicalOr",
     "keras.src.ops.numpy.LogicalNot",
 )
-# The local call running in this thread: `(process group, global rows)`.
+# The local call running in this thread: `(process group, global rows)`,
+# for `batch_moments`, which the call reaches through the backend's
+# `moments` with no model or step at hand. A call's context, not a step's:
+# a call runs in the thread that makes it (its backward pass, which may run
+# elsewhere, reads nothing here).
 _local_call = threading.local()
-# Models whose call drew random numbers (dropout, noise, augmentation):
-# they run through DTensor, which draws them for the global batch.
-_draws_random_numbers = weakref.WeakSet()
+
+
+def running_step(model):
+    """The `step.DistributedStep` running a step of `model` now, or `None`.
+
+    Args:
+        model: a layer (the outermost layer of a call).
+
+    Returns:
+        The step its step function set on it, while that function runs.
+    """
+    return getattr(model, STEP_ATTRIBUTE, None)
 
 
 def call(call_function, layer, args, kwargs):
@@ -96,9 +109,13 @@ def call(call_function, layer, args, kwargs):
     Returns:
         The outputs, batch-sharded `DTensor`s; `None` where the call cannot
         be shown to be per-sample (the caller then calls it with DTensors).
+        Within a step of `layer` (see `running_step`), the step keeps each
+        output's local tensor, and learns whether the call draws random
+        numbers.
     """
+    step = running_step(layer)
     sharding = _batch_sharding((args, kwargs))
-    if sharding is None or layer in _draws_random_numbers:
+    if sharding is None or (step is not None and step.draws_random_numbers):
         return None
     if not _per_sample(layer):
         return None
@@ -107,7 +124,7 @@ def call(call_function, layer, args, kwargs):
     if not all(_replicated_on(v.value, mesh) for v in variables):
         return None
     local_args, local_kwargs = tree.map_structure(_to_local, (args, kwargs))
-    mapping = [(v, _local_weight(v)) for v in variables]
+    mapping = [(v, _local_weight(v, step)) for v in variables]
     # Unseeded random ops draw from torch's generators: a call dropped
     # below must leave them as it found them.
     rng_states = _rng_states()
@@ -128,8 +145,10 @@ def call(call_function, layer, args, kwargs):
     ):
         # Drawn for the local rows, not as one process draws them for the
         # global batch: the call runs again through DTensor, this time
-        # and from now on. Nothing the call updated is kept.
-        _draws_random_numbers.add(layer)
+        # and from now on in this step function. Nothing the call updated
+        # is kept.
+        if step is not None:
+            step.draws_random_numbers = True
         _restore_rng_states(rng_states)
         return None
     with torch.no_grad():
@@ -137,9 +156,14 @@ def call(call_function, layer, args, kwargs):
             # Moving statistics: the same on every process (global
             # moments), written into the replicated local values.
             variable.value.to_local().copy_(value)
-    return tree.map_structure(
-        lambda x: _to_global(x, mesh, global_rows), outputs
-    )
+
+    def to_global(x):
+        output = _to_global(x, mesh, global_rows)
+        if step is not None:
+            step.keep_local_output(output, x)
+        return output
+
+    return tree.map_structure(to_global, outputs)
 
 
 @contextlib.contextmanager
@@ -201,11 +225,11 @@ def _global_moments(x, axes, keepdims, group):
 
 def may_run_locally(model):
     """Whether `call` may call `model` on the local rows, before the call:
-    a data-parallel distribution, a model of Keras' own per-sample layers
-    that has not drawn random numbers, all its weights replicated."""
+    a data-parallel distribution, a model of Keras' own per-sample layers,
+    all its weights replicated."""
     distribution = runtime.current_distribution()
     mesh = distribution.device_mesh.backend_mesh
-    if mesh.ndim != 1 or model in _draws_random_numbers:
+    if mesh.ndim != 1:
         return False
     if not _per_sample(model):
         return False
@@ -350,16 +374,17 @@ def _replicated_on(value, mesh):
     )
 
 
-def _local_weight(variable):
+def _local_weight(variable, step):
     """A replicated weight's local value; its gradient a partial sum.
 
     In Keras' own train step a trainable weight enters as a plain leaf
-    (see `step_reduction.local_leaf`), else through DTensor.
+    (see `step_reduction.OverlappedReduction.local_leaf`), else through
+    DTensor.
     """
     value = variable.value
     if not value.requires_grad:
         return value.to_local()
-    leaf = step_reduction.local_leaf(variable)
+    leaf = None if step is None else step.local_leaf(variable)
     if leaf is not None:
         return leaf
     return value.to_local(grad_placements=[Partial()])
@@ -380,18 +405,10 @@ def _is_local_batch(x, local_rows):
     )
 
 
-def local_output(x):
-    """The plain tensor of this process' rows that a batch-sharded output
-    of a call on the local rows was made of (in the autograd graph of the
-    call), or `None` if `x` is not such an output."""
-    return getattr(x, _LOCAL_OUTPUT_ATTRIBUTE, None)
-
-
 def _to_global(x, mesh, global_rows):
     """A local output as the batch-sharded global value, with its mask."""
     mask = get_keras_mask(x)
     output = _sharded(x, mesh, global_rows)
-    setattr(output, _LOCAL_OUTPUT_ATTRIBUTE, x)
     if mask is not None:
         set_keras_mask(output, _sharded(mask, mesh, global_rows))
     return output
