@@ -21,10 +21,10 @@ one mechanism each:
   `SeedGenerator`: dropout, noise, augmentation) runs through DTensor from
   its first such call on, which draws one process' numbers for the
   global batch (in that step function: its train step draws, its test
-  step, in inference, may not; the step remembers); so does a model with a layer that adds an activity
-  regularization loss (taken over the global batch), or runs code the
-  project cannot classify (a `Lambda`, a wrapped torch module, a class
-  defined outside Keras).
+  step, in inference, may not; the step remembers); so does a model with
+  a layer that adds an activity regularization loss (taken over the
+  global batch), or runs code the project cannot classify (a `Lambda`,
+  a wrapped torch module, a class defined outside Keras).
 """
 
 import contextlib
