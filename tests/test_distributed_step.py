@@ -146,7 +146,7 @@ def _decisions_body(rank, world_size, setting, kind):
         "after": local_rows.running_step(model) is None,
         "overlaps": [train._overlaps_reduction, test._overlaps_reduction],
         "local": [train._may_run_locally(), test._may_run_locally()],
-        "draws": [train.draws_random_numbers, test.draws_random_numbers],
+        "draws": [train.runs_through_dtensor, test.runs_through_dtensor],
         "leaves": len(train._leaves),
         "loss": float(model.evaluate(x, y, batch_size=8, verbose=0)),
     }

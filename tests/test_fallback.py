@@ -5,6 +5,8 @@ returns global values, which the parent compares with the op computed on
 plain tensors in one process. The op counts say which ops fell back.
 """
 
+import math
+
 import numpy as np
 import torch
 
@@ -162,6 +164,63 @@ def test_an_op_that_fails_on_plain_tensors_raises_its_own_error():
         # every rank (no rank waits for the others in a gather).
         assert "diagonal dimensions cannot be identical" in message
         assert cause in ("NotImplementedError", "RuntimeError")
+
+
+def _signal(shape):
+    return (
+        torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape).sin()
+    )
+
+
+def _stft_body(rank, world_size):
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import distribute_tensor
+
+    fallback = _fallback()
+    x = distribute_tensor(_signal((2, 32)), _mesh(), [Shard(1)])
+    x.requires_grad_()
+    with fallback.dtensor_fallback():
+        y = torch.stft(x, 8, window=torch.ones(8), return_complex=True)
+        y.abs().sum().backward()
+    return {
+        "y": y.full_tensor().detach().numpy(),
+        "grad": x.grad.full_tensor().numpy(),
+        "counts": {k: v.calls for k, v in fallback.fallback_counts().items()},
+    }
+
+
+def test_a_function_that_reshapes_a_tensor_in_place_falls_back_whole():
+    # torch.stft decomposes into `as_strided` and `transpose_`: no DTensor
+    # takes a shape change in place, so stft runs again on global values.
+    x = _signal((2, 32)).requires_grad_()
+    y = torch.stft(x, 8, window=torch.ones(8), return_complex=True)
+    y.abs().sum().backward()
+    for result in run_on_ranks(_stft_body, world_size=2):
+        np.testing.assert_allclose(result["y"], y.detach().numpy(), atol=1e-5)
+        np.testing.assert_allclose(result["grad"], x.grad.numpy(), atol=1e-5)
+        assert result["counts"]["torch.stft"] == 1
+
+
+def _strided_view_body(rank, world_size):
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Replicate
+
+    fallback = _fallback()
+    # A replicated value whose local tensor is transposed in memory (a
+    # gradient of a permute): one process' tensor of that value is
+    # contiguous and takes any view.
+    local = torch.arange(24, dtype=torch.float32).reshape(6, 4).t()
+    x = DTensor.from_local(local, _mesh(), [Replicate()])
+    with fallback.dtensor_fallback():
+        y = x.view(24)
+    return y.full_tensor().numpy(), sorted(fallback.fallback_counts())
+
+
+def test_a_view_of_a_value_laid_out_in_another_order():
+    expected = torch.arange(24, dtype=torch.float32).reshape(6, 4).t()
+    for value, counts in run_on_ranks(_strided_view_body, world_size=2):
+        np.testing.assert_array_equal(value, expected.reshape(24).numpy())
+        assert counts == ["aten.view.default"]
 
 
 def _keras_summary_body(rank, world_size):

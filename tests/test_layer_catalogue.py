@@ -58,6 +58,8 @@ CI_CASES = (
     "CategoryEncoding",
     "MelSpectrogram",
     "Resizing",
+    "SpectralNormalization",
+    "AugMix",
     "RandomFlip",
     "RandomBrightness",
     "RandAugment",
@@ -74,23 +76,7 @@ RUN_TIMEOUT = 300 + 10 * len(CASES)
 # The cases that fail today (torch 2.13), as `scripts/catalogue_sweep.sh
 # --known-failures` prints them: the start of the failure's kind (see
 # `layer_catalogue.failure_kind`) -> runs -> case names.
-_KNOWN_FAILURES = {
-    "RuntimeError: one of the variables needed for gradient": {
-        "dp2 dp4": ("SpectralNormalization"),
-    },
-    # AugMix draws random numbers that neither a layer's seed generator
-    # nor torch's generators show (a silent difference: listed so that
-    # it is seen).
-    "numbers differ from one process": {
-        "dp2 dp4": ("AugMix"),
-    },
-    "RuntimeError: unsupported operation: some elements of the input": {
-        "mp_last mp_first fsdp 2x2": ("MelSpectrogram"),
-    },
-    "RuntimeError: view size is not compatible with input tensor's": {
-        "mp_last mp_first fsdp 2x2": ("Resizing"),
-    },
-}
+_KNOWN_FAILURES = {}
 
 # `{(run, case): the start of the kind of its failure}`.
 KNOWN_FAILURES = {

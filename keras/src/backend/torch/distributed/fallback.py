@@ -47,12 +47,13 @@ from keras.src.backend.torch.distributed.runtime import DTensor
 
 if runtime.DTENSOR_AVAILABLE:
     from torch.distributed.tensor import Replicate
+    from torch.overrides import TorchFunctionMode
 
     # The documented base class of torch dispatch modes ("Extending
     # PyTorch: Extending all torch API with Modes").
     from torch.utils._python_dispatch import TorchDispatchMode
 else:  # pragma: no cover - torch without DTensor has no distribution.
-    TorchDispatchMode = object
+    TorchDispatchMode = TorchFunctionMode = object
 
 # Errors DTensor raises when it cannot compute an op on the placements it
 # got: no strategy (`NotImplementedError`), a refused placement
@@ -121,7 +122,7 @@ def dtensor_fallback():
         return
     _state.active = True
     try:
-        with _FallbackMode():
+        with _FunctionFallbackMode(), _FallbackMode():
             yield
     finally:
         _state.active = False
@@ -165,9 +166,9 @@ def activate_for_step():
     entered = getattr(_state, "lazy_step", None)
     if entered is None or entered or torch.compiler.is_compiling():
         return
-    mode = _FallbackMode()
-    mode.__enter__()
-    entered.append(mode)
+    for mode in (_FunctionFallbackMode(), _FallbackMode()):
+        mode.__enter__()
+        entered.append(mode)
 
 
 def _active():
@@ -183,24 +184,73 @@ class _FallbackMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if not any(issubclass(t, DTensor) for t in types):
             return func(*args, **kwargs)
-        if any(
-            not isinstance(x, DTensor)
-            for x in _mutated_operands(func, args, kwargs)
-        ):
+        mutated = _mutated_operands(func, args, kwargs)
+        if any(not isinstance(x, DTensor) for x in mutated):
             # A plain tensor updated with a `DTensor` (`total += loss`):
             # DTensor would write into it, then refuse to return it.
-            return _on_global_values(func, args, kwargs, None)
+            return _on_global_values(
+                func, args, kwargs, None, str(func), mutated
+            )
         try:
             return func(*args, **kwargs)
         except torch.distributed.DistError:
             raise
         except _REFUSALS as e:
             refusal = e
-        return _on_global_values(func, args, kwargs, refusal)
+        if torch.Tag.inplace_view in func.tags:
+            raise _InPlaceViewRefused(
+                f"{func} changes the shape of a DTensor in place, which "
+                "DTensor cannot do on these placements."
+            ) from refusal
+        return _on_global_values(
+            func, args, kwargs, refusal, str(func), mutated
+        )
 
 
-def _on_global_values(func, args, kwargs, refusal):
-    """`func` computed on the global values of its `DTensor` operands."""
+class _InPlaceViewRefused(RuntimeError):
+    """An op that changes a `DTensor`'s shape in place (`transpose_`), which
+    `_FallbackMode` cannot emulate: a `DTensor`'s shape is fixed."""
+
+
+class _FunctionFallbackMode(TorchFunctionMode):
+    """Runs a torch function on global values where DTensor cannot follow
+    its decomposition.
+
+    Some torch functions decompose, below the dispatch modes, into ops that
+    change a tensor's shape in place (`torch.stft`: `as_strided`, then
+    `transpose_`): `_FallbackMode` refuses those, and the outermost torch
+    function (`torch.stft`) runs again as a whole, on the global values of
+    its `DTensor` operands.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        try:
+            return func(*args, **kwargs)
+        except _InPlaceViewRefused as e:
+            refusal = e
+        name = f"torch.{getattr(func, '__name__', func)}"
+        if name.endswith("_"):
+            # An in-place function of the caller's: its result must be the
+            # operand it was given, which keeps its shape.
+            raise refusal
+        return _on_global_values(func, args, kwargs, refusal, name)
+
+
+def _on_global_values(func, args, kwargs, refusal, name, mutated=()):
+    """`func` computed on the global values of its `DTensor` operands.
+
+    Args:
+        func: an op, or a torch function.
+        args: its positional arguments.
+        kwargs: its keyword arguments.
+        refusal: DTensor's error, or `None`.
+        name: the name it is counted under.
+        mutated: the operands it writes into.
+
+    Returns:
+        Its results, laid out again.
+    """
     operands = [x for x in _leaves((args, kwargs)) if isinstance(x, DTensor)]
     mesh = operands[0].device_mesh
     gathered = {}
@@ -209,7 +259,10 @@ def _on_global_values(func, args, kwargs, refusal):
         if not isinstance(x, DTensor):
             return x
         if id(x) not in gathered:
-            gathered[id(x)] = x.full_tensor()
+            # Contiguous, as a fresh tensor in one process is: a global
+            # value assembled from transposed shards may not take a `view`
+            # that one process' tensor takes.
+            gathered[id(x)] = x.full_tensor().contiguous()
         return gathered[id(x)]
 
     global_args, global_kwargs = _map_leaves(global_value, (args, kwargs))
@@ -219,8 +272,7 @@ def _on_global_values(func, args, kwargs, refusal):
         # The op fails on plain tensors too: its own error is the one to
         # show, with DTensor's for context.
         raise e from refusal
-    _count(func, refusal, operands)
-    mutated = _mutated_operands(func, args, kwargs)
+    _count(name, refusal, operands)
     for operand in mutated:
         if isinstance(operand, DTensor):
             _write_back(operand, gathered[id(operand)])
@@ -294,8 +346,7 @@ def _written_arguments(func):
     )
 
 
-def _count(func, refusal, operands):
-    name = str(func)
+def _count(name, refusal, operands):
     gathered_bytes = sum(_gathered_bytes(x) for x in operands)
     with _counts_lock:
         count = _counts.setdefault(name, FallbackCount())

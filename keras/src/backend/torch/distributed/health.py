@@ -43,7 +43,7 @@ _STORE_PREFIX = "keras_distribution_health"
 # traceback (the public API and DTensor's functional collectives).
 _COLLECTIVE_FILES = ("distributed_c10d.py", "_functional_collectives.py")
 
-_state = {"started": False, "steps": {}, "coordinator": None}
+_state = {"started": False, "steps": {}, "coordinator": None, "written": []}
 # Not `runtime.log_debug`: the runtime imports this module.
 _logger = logging.getLogger("keras.distribution")
 
@@ -153,6 +153,11 @@ def guarded_step(kind, all_groups):
     if "store" not in _state:
         # Once: a job without a reachable store still runs, unreported.
         _state["store"] = _connect_store()
+    if _state["written"]:
+        # This process raised or waited in an earlier step and lived on
+        # (its caller caught the error): what it reported then is no
+        # longer true, and must not name an old error in a later failure.
+        _clear_own_reports()
     try:
         yield
     except JobFailedError:
@@ -323,8 +328,18 @@ def _store_set(key, value):
     try:
         if store is not None:
             store.set(key, value)
+            _state["written"].append(key)
     except Exception as error:  # The store's host may be the one gone.
         _logger.debug("health: cannot write %s: %s", key, error)
+
+
+def _clear_own_reports():
+    written, _state["written"] = _state["written"], []
+    for key in written:
+        try:
+            _state["store"].delete_key(key)
+        except Exception as error:  # The store's host may be the one gone.
+            _logger.debug("health: cannot delete %s: %s", key, error)
 
 
 def _store_get(key):

@@ -21,17 +21,20 @@ one mechanism each:
   `SeedGenerator`: dropout, noise, augmentation) runs through DTensor from
   its first such call on, which draws one process' numbers for the
   global batch (in that step function: its train step draws, its test
-  step, in inference, may not; the step remembers); so does a model with
-  a layer that adds an activity regularization loss (taken over the
-  global batch), or runs code the project cannot classify (a `Lambda`,
-  a wrapped torch module, a class defined outside Keras).
+  step, in inference, may not; the step remembers); so does a model whose
+  call assigns a trainable variable (`SpectralNormalization`), a model
+  with a layer that adds an activity regularization loss (taken over the
+  global batch), or runs code the project cannot classify (a `Lambda`, a
+  wrapped torch module, a class defined outside Keras).
 """
 
 import contextlib
 import functools
 import math
+import random
 import threading
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -110,12 +113,12 @@ def call(call_function, layer, args, kwargs):
         The outputs, batch-sharded `DTensor`s; `None` where the call cannot
         be shown to be per-sample (the caller then calls it with DTensors).
         Within a step of `layer` (see `running_step`), the step keeps each
-        output's local tensor, and learns whether the call draws random
-        numbers.
+        output's local tensor, and learns whether the call must run
+        through DTensor.
     """
     step = running_step(layer)
     sharding = _batch_sharding((args, kwargs))
-    if sharding is None or (step is not None and step.draws_random_numbers):
+    if sharding is None or (step is not None and step.runs_through_dtensor):
         return None
     if not _per_sample(layer):
         return None
@@ -134,21 +137,27 @@ def call(call_function, layer, args, kwargs):
             outputs = call_function(layer, *local_args, **local_kwargs)
     leaves = [x for x in tree.flatten(outputs) if x is not None]
     if not all(_is_local_batch(x, local_rows) for x in leaves):
+        _restore_rng_states(rng_states)
         return None
     updated = [
         (v, scope.get_current_value(v))
         for v in variables
         if scope.get_current_value(v) is not entered[id(v)]
     ]
-    if _drew_random_numbers(layer, [v for v, _ in updated]) or (
-        _rng_advanced(rng_states)
+    updated_variables = [v for v, _ in updated]
+    if (
+        _drew_random_numbers(layer, updated_variables)
+        or _rng_advanced(rng_states)
+        or any(v.trainable for v in updated_variables)
     ):
-        # Drawn for the local rows, not as one process draws them for the
-        # global batch: the call runs again through DTensor, this time
-        # and from now on in this step function. Nothing the call updated
-        # is kept.
+        # Random numbers drawn for the local rows, not as one process
+        # draws them for the global batch; or a trainable variable
+        # assigned in the call (`SpectralNormalization` writes its
+        # normalized kernel, which one process then differentiates as a
+        # leaf): the call runs again through DTensor, this time and from
+        # now on in this step function. Nothing the call updated is kept.
         if step is not None:
-            step.draws_random_numbers = True
+            step.runs_through_dtensor = True
         _restore_rng_states(rng_states)
         return None
     with torch.no_grad():
@@ -320,15 +329,28 @@ def _gets_a_mask(layer):
 
 
 def _rng_states():
-    states = {"cpu": torch.get_rng_state()}
+    """The global generators a layer may draw from without a seed generator.
+
+    Besides torch's, Python's `random` (`AugMix` picks its operations with
+    it) and NumPy's global generator.
+    """
+    states = {
+        "cpu": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(legacy=False),
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states["cuda"] = torch.cuda.get_rng_state_all()
     return states
 
 
 def _rng_advanced(states):
-    """Whether an unseeded random op drew from torch's generators."""
+    """Whether an unseeded random op drew from a global generator."""
     if not torch.equal(states["cpu"], torch.get_rng_state()):
+        return True
+    if states["python"] != random.getstate():
+        return True
+    if not _same_numpy_state(states["numpy"], np.random.get_state(False)):
         return True
     return "cuda" in states and any(
         not torch.equal(a, b)
@@ -336,8 +358,20 @@ def _rng_advanced(states):
     )
 
 
+def _same_numpy_state(a, b):
+    # The Mersenne Twister state holds an array: `==` on it is ambiguous.
+    return (
+        a["state"]["pos"] == b["state"]["pos"]
+        and a["has_gauss"] == b["has_gauss"]
+        and a["gauss"] == b["gauss"]
+        and np.array_equal(a["state"]["key"], b["state"]["key"])
+    )
+
+
 def _restore_rng_states(states):
     torch.set_rng_state(states["cpu"])
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
     if "cuda" in states:
         torch.cuda.set_rng_state_all(states["cuda"])
 

@@ -10,8 +10,9 @@ replicated global values (see `layer_call`), and decides for its model:
 - the path: a model of Keras' own per-sample layers under data parallelism
   is called on each process' rows as plain tensors (see `local_rows`),
   others through DTensor, whose refusals are computed on global values
-  (see `fallback`); a model whose call drew random numbers in this step
-  function runs through DTensor from then on (`draws_random_numbers`);
+  (see `fallback`); a model whose call drew random numbers or assigned a
+  trainable variable in this step function runs through DTensor from
+  then on (`runs_through_dtensor`);
 - the reductions: in Keras' own eager train step, gradient buckets are
   all-reduced while the backward pass runs, the weights of a call on the
   local rows entering as plain leaves, and the last bucket is reduced with
@@ -66,9 +67,11 @@ class DistributedStep:
     on global shapes.
 
     Attributes:
-        draws_random_numbers: whether a call of the model on the local rows
-            drew random numbers in this step function; it then runs
-            through DTensor, which draws them for the global batch.
+        runs_through_dtensor: whether a call of the model on the local rows
+            drew random numbers or assigned a trainable variable in this
+            step function; it then runs through DTensor, which draws one
+            process' numbers for the global batch and assigns global
+            values.
     """
 
     def __init__(self, model, kind, step_function, eager_step_function):
@@ -90,7 +93,7 @@ class DistributedStep:
         self._overlaps_reduction = kind == "train" and _default_train_step(
             model
         )
-        self.draws_random_numbers = False
+        self.runs_through_dtensor = False
         # The plain leaves standing for the weights, kept from one step to
         # the next (see `step_reduction.OverlappedReduction.local_leaf`).
         self._leaves = {}
@@ -165,7 +168,7 @@ class DistributedStep:
                     self._reduction = None
 
     def _may_run_locally(self):
-        return not self.draws_random_numbers and local_rows.may_run_locally(
+        return not self.runs_through_dtensor and local_rows.may_run_locally(
             self.model
         )
 
