@@ -111,9 +111,10 @@ def test_embedding_sharded_over_both_axes_of_a_2x2_mesh():
 
 
 def _scope_entered_on_one_process(rank, world_size):
-    import keras
     import torch
     import torch.distributed as dist
+
+    import keras
 
     # Each process' torch generator differs until a distribution is set.
     torch.manual_seed(rank)
