@@ -12,6 +12,7 @@ This module is the interface generic Keras code calls; the work is done in
 """
 
 import functools
+import weakref
 
 import torch
 
@@ -26,6 +27,9 @@ from keras.src.backend.torch.distributed import step
 from keras.src.backend.torch.distributed import summary
 from keras.src.backend.torch.distributed import variables
 from keras.src.backend.torch.distributed.runtime import DTensor
+
+# Distributions whose processes have agreed on torch's generator state.
+_rng_agreed = weakref.WeakSet()
 
 # Optional capabilities that generic Keras code asks this backend for (see
 # `keras.src.backend.common.distribution_capability`).
@@ -155,9 +159,10 @@ def set_global_distribution(distribution):
     conversion), which every process reaches the same way, before any
     collective on it.
 
-    In a multi-process job, every process must call it: it joins the job's
-    process group if needed and gives all processes process 0's torch
-    random generator state.
+    In a multi-process job, every process must call it the first time it
+    sets a distribution: it joins the job's process group if needed and
+    gives all processes process 0's torch random generator state. Setting
+    it again (each `Distribution.scope()`) is no collective.
 
     Args:
         distribution: a `keras.distribution.Distribution`, or `None`.
@@ -167,7 +172,9 @@ def set_global_distribution(distribution):
         if runtime.world_size() > 1:
             if not torch.distributed.is_initialized():
                 runtime.initialize_job()
-            runtime.sync_torch_rng()
+            if distribution not in _rng_agreed:
+                runtime.sync_torch_rng()
+                _rng_agreed.add(distribution)
     runtime.set_process_distribution(distribution)
 
 
