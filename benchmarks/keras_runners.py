@@ -13,7 +13,7 @@ from bench_runner import Runner
 
 import keras
 from keras.src.backend.torch.distributed import gradients
-from keras.src.backend.torch.distributed import step_reduction
+from keras.src.backend.torch.distributed.step import DistributedStep
 
 
 def keras_distribution(impl, kind, relayout_outputs):
@@ -85,15 +85,15 @@ def keras_collectives(model, train_function, batch):
     """Collectives of a whole Keras step, its gradient reduction, and of
     the optimizer update alone (after the gradients were reduced)."""
     # Counted with the weights entering the step through DTensor, not as
-    # plain leaves (`step_reduction.local_leaf`): the same buckets and
+    # plain leaves (`DistributedStep.local_leaf`): the same buckets and
     # collectives, and the step leaves its raw (possibly `Partial`)
     # gradients in `.grad` for the counts below.
-    local_leaf = step_reduction.local_leaf
-    step_reduction.local_leaf = lambda variable: None
+    local_leaf = DistributedStep.local_leaf
+    DistributedStep.local_leaf = lambda self, variable: None
     try:
         step = count_collectives(lambda: train_function(batch), [model])
     finally:
-        step_reduction.local_leaf = local_leaf
+        DistributedStep.local_leaf = local_leaf
     weights = model.trainable_weights
     grads = [v.value.grad for v in weights]
     reduced = []

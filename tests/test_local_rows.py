@@ -63,14 +63,35 @@ def test_batch_normalization_runs_on_local_rows_with_global_moments():
         assert local_calls >= 6, local_calls
 
 
+def _dropout_body(rank, world_size):
+    """Local calls of a dropout model's train steps, then of `evaluate`."""
+    from tests import distributions
+
+    distributions.use_setting("dp", layout_rules=pm.LAYOUT_RULES["dropout"])
+    model = pm.build_model("dropout")
+    x, y = pm.make_data("dropout", num_samples=24)
+    _, fit_calls = _counting_local_calls(
+        lambda: model.fit(
+            x, y, batch_size=8, epochs=2, shuffle=False, verbose=0
+        )
+    )
+    _, evaluate_calls = _counting_local_calls(
+        lambda: model.evaluate(x, y, batch_size=8, verbose=0)
+    )
+    return fit_calls, evaluate_calls
+
+
 def test_models_drawing_random_numbers_run_on_dtensor():
     # A dropout mask is drawn over the global batch. The first call on the
-    # local rows advances the seed generator: it is dropped and the model
-    # runs through DTensor from then on. Parity with one process is
-    # checked in test_training_parity.
-    per_rank = run_on_ranks(_fit_body, world_size=2, args=(["dropout"],))
-    for results in per_rank:
-        assert [local_calls for _, local_calls in results] == [0]
+    # local rows advances the seed generator: it is dropped and the train
+    # step runs through DTensor from then on. The test step, in inference,
+    # draws nothing: it runs on the local rows (the decision is the step
+    # function's). Parity with one process is checked in
+    # test_training_parity.
+    per_rank = run_on_ranks(_dropout_body, world_size=2)
+    for fit_calls, evaluate_calls in per_rank:
+        assert fit_calls == 0, fit_calls
+        assert evaluate_calls == 3, evaluate_calls
 
 
 def _batch_centered_fit(rank=None, world_size=None):

@@ -132,5 +132,36 @@ def test_embedding_sharded_over_both_axes_of_a_2x2_mesh():
     _check(_embedding_over_two_axes_fit, "2x2", world_size=4)
 
 
+def _scope_entered_on_one_process(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    import keras
+
+    # Each process' torch generator differs until a distribution is set.
+    torch.manual_seed(rank)
+    distribution = keras.distribution.DataParallel()
+    with distribution.scope():
+        agreed = torch.rand(3)
+    if rank == 0:
+        # Only process 0 enters the scope again (e.g. around its logging):
+        # it must not wait in a collective the others never join.
+        for _ in range(3):
+            with distribution.scope():
+                pass
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    return agreed.numpy(), float(total)
+
+
+def test_entering_a_scope_again_is_no_collective():
+    (first, total_0), (second, total_1) = run_on_ranks(
+        _scope_entered_on_one_process, world_size=2, timeout=60
+    )
+    # The first entry gave both processes process 0's generator state.
+    np.testing.assert_array_equal(first, second)
+    assert total_0 == total_1 == 2.0
+
+
 def test_fori_loop_outside_layer_calls():
     _check(_fori_loop_outside_layers, "dp", world_size=2)

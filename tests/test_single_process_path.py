@@ -39,13 +39,13 @@ HOOK_FRAMES = {
 # What may run of our distribution modules with no distribution set: each
 # hook's entry point, and the check it starts with.
 ALLOWED_DISTRIBUTION_FRAMES = {
-    "steps.py:distributed_step",
-    "steps.py:metric_predictions",
+    "step.py:__call__",
+    "step.py:local_loss",
+    "step.py:metric_predictions",
+    "step.py:reduce_with_loss",
+    "step.py:local_metric_state",
     "layer_call.py:call_layer",
     "gradients.py:apply_gradients",
-    "step_reduction.py:reduce_with_loss",
-    "local_state.py:local_metric_state",
-    "local_loss.py:local_compiled_loss",
     "variables.py:match_layout",
     "variables.py:operand_like",
     "variables.py:to_global_value",
@@ -53,6 +53,8 @@ ALLOWED_DISTRIBUTION_FRAMES = {
     "ops.py:dropout",
     "ops.py:divide_no_nan_local",
     "runtime.py:current_distribution",
+    # The step's hooks check whether a step of the model runs.
+    "local_rows.py:running_step",
 }
 
 SCRIPT = r"""

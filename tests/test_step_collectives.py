@@ -43,8 +43,8 @@ def _step_collectives_body(rank, world_size, setting, kind):
     from torch.distributed.tensor.debug import CommDebugMode
 
     import keras
-    import keras.src.backend.torch.trainer as torch_trainer
-    from keras.src.backend.torch.distributed import step_reduction
+    from keras.src.backend.torch import distribution_lib
+    from keras.src.backend.torch.distributed import local_rows
 
     distributions.use_setting(setting, layout_rules=LAYOUT_RULES)
     model = _model(kind)
@@ -56,12 +56,12 @@ def _step_collectives_body(rank, world_size, setting, kind):
     # A step, with the gradients its reduction takes and gives.
     weights = model.trainable_weights
     taken, given = {}, []
-    reduce_with_loss = torch_trainer.reduce_with_loss
+    reduce_with_loss = distribution_lib.reduce_with_loss
 
-    def recording_reduce_with_loss(optimizer, gradients, loss):
+    def recording_reduce_with_loss(model, gradients, loss):
         # Under data parallelism the weights enter as plain leaves, whose
         # gradients are each process' partial sums (see `local_leaf`).
-        reduction = step_reduction._active["reduction"]
+        reduction = local_rows.running_step(model)._reduction
         leaves = {} if reduction is None else reduction.leaf_of
         for w, g in zip(weights, gradients):
             leaf = leaves.get(id(w))
@@ -70,15 +70,15 @@ def _step_collectives_body(rank, world_size, setting, kind):
             else:
                 partial = any(p.is_partial() for p in g.placements)
                 taken[w.path] = ("dtensor", partial)
-        result = reduce_with_loss(optimizer, gradients, loss)
+        result = reduce_with_loss(model, gradients, loss)
         given.extend(result[0])
         return result
 
-    torch_trainer.reduce_with_loss = recording_reduce_with_loss
+    distribution_lib.reduce_with_loss = recording_reduce_with_loss
     try:
         model.train_on_batch(x, y)
     finally:
-        torch_trainer.reduce_with_loss = reduce_with_loss
+        distribution_lib.reduce_with_loss = reduce_with_loss
     reduced, given = given, [float(_local_sum(g)) for g in given]
     with CommDebugMode() as step:
         model.train_on_batch(x, y)

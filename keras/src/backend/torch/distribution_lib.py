@@ -12,6 +12,7 @@ This module is the interface generic Keras code calls; the work is done in
 """
 
 import functools
+import weakref
 
 import torch
 
@@ -22,9 +23,13 @@ from keras.src.backend.torch.distributed import data_input
 from keras.src.backend.torch.distributed import layouts
 from keras.src.backend.torch.distributed import process_io
 from keras.src.backend.torch.distributed import runtime
+from keras.src.backend.torch.distributed import step
 from keras.src.backend.torch.distributed import summary
 from keras.src.backend.torch.distributed import variables
 from keras.src.backend.torch.distributed.runtime import DTensor
+
+# Distributions whose processes have agreed on torch's generator state.
+_rng_agreed = weakref.WeakSet()
 
 # Optional capabilities that generic Keras code asks this backend for (see
 # `keras.src.backend.common.distribution_capability`).
@@ -40,6 +45,30 @@ current_distribution = runtime.current_distribution
 # Collectives over a named mesh axis, as `jax.lax.psum` / `all_gather`.
 all_reduce = collectives.all_reduce
 all_gather = collectives.all_gather
+# What the torch trainer calls: its step functions run as `DistributedStep`s
+# (one object per step function, which its train step reaches through the
+# hooks below), and its epoch iterator reads one process' share of the data.
+DistributedStep = step.DistributedStep
+local_loss = step.local_loss
+metric_predictions = step.metric_predictions
+reduce_with_loss = step.reduce_with_loss
+local_metric_state = step.local_metric_state
+
+
+def process_data_adapter(adapter):
+    """An adapter that reads only this process' share of the data.
+
+    Args:
+        adapter: the `DataAdapter` Keras made for the input.
+
+    Returns:
+        See `distributed.data_sources.process_data_adapter`.
+    """
+    # Imported here: the data sources import the data adapters, which
+    # import this module.
+    from keras.src.backend.torch.distributed import data_sources
+
+    return data_sources.process_data_adapter(adapter)
 
 
 def list_devices(device_type=None):
@@ -130,9 +159,10 @@ def set_global_distribution(distribution):
     conversion), which every process reaches the same way, before any
     collective on it.
 
-    In a multi-process job, every process must call it: it joins the job's
-    process group if needed and gives all processes process 0's torch
-    random generator state.
+    In a multi-process job, every process must call it the first time it
+    sets a distribution: it joins the job's process group if needed and
+    gives all processes process 0's torch random generator state. Setting
+    it again (each `Distribution.scope()`) is no collective.
 
     Args:
         distribution: a `keras.distribution.Distribution`, or `None`.
@@ -142,7 +172,9 @@ def set_global_distribution(distribution):
         if runtime.world_size() > 1:
             if not torch.distributed.is_initialized():
                 runtime.initialize_job()
-            runtime.sync_torch_rng()
+            if distribution not in _rng_agreed:
+                runtime.sync_torch_rng()
+                _rng_agreed.add(distribution)
     runtime.set_process_distribution(distribution)
 
 

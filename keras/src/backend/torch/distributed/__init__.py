@@ -18,7 +18,9 @@ code calls; the torch backend's own files hook into these modules directly:
 - `collectives`: `all_reduce` / `all_gather` over a named mesh axis.
 - `gradients`: gradients reduced once per step, in buckets, for the
   optimizer.
-- `steps`: the trainer's step functions run under the distribution.
+- `step`: the training step as one object (`DistributedStep`): a step
+  function of the trainer run under the distribution.
+- `compiled_step`: steps compiled by `torch.compile` on `DTensor`s.
 - `process_io`: printing and saving from one process.
 - `summary`: what a distribution stores on this process.
 - `health`: collectives bounded by timeouts; a failed, dead or frozen

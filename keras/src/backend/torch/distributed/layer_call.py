@@ -9,6 +9,7 @@ Megatron's and torch's `RowwiseParallel` layers do.
 import contextlib
 import functools
 import os
+import threading
 
 import torch
 import torch.distributed as dist
@@ -31,10 +32,19 @@ if runtime.DTENSOR_AVAILABLE:
 
 CHECK_REPLICATION_ENV = "KERAS_DISTRIBUTION_CHECK_REPLICATION"
 
-# How many `replicated_plain_tensors` contexts are open (they nest).
+# How many `replicated_plain_tensors` contexts are open (they nest), in
+# the whole process: the `implicit_replication` flag they set is torch's,
+# one for the process, and only the outermost entry may clear it.
 _replication_depth = 0
-# How many `call_layer` calls are running (a model calls its layers).
-_call_depth = 0
+# How many `call_layer` calls are running in this thread (a model calls its
+# layers): the depth of the calls a thread makes, not a step's state; per
+# thread, as Keras' own call context is (a layer called by a data loader's
+# thread is not nested in the model the main thread calls).
+_calls = threading.local()
+
+
+def _call_depth():
+    return getattr(_calls, "depth", 0)
 
 
 def call_layer(call_function, layer, *args, **kwargs):
@@ -60,7 +70,6 @@ def call_layer(call_function, layer, *args, **kwargs):
     Returns:
         The outputs of the layer.
     """
-    global _call_depth
     distribution = runtime.current_distribution()
     # Inside `torch.compile` the step function has entered the context
     # already: dynamo cannot trace the context manager itself.
@@ -68,7 +77,7 @@ def call_layer(call_function, layer, *args, **kwargs):
         return call_function(layer, *args, **kwargs)
     if _replication_depth == 0 and os.environ.get(CHECK_REPLICATION_ENV) == "1":
         check_replicated((args, kwargs), "layer call input")
-    if _call_depth == 0:
+    if _call_depth() == 0:
         # A model of per-sample layers under data parallelism.
         outputs = local_rows.call(call_function, layer, args, kwargs)
         if outputs is not None:
@@ -78,13 +87,13 @@ def call_layer(call_function, layer, *args, **kwargs):
     args, kwargs = tree.map_structure(
         functools.partial(layouts.replicate, mesh=mesh), (args, kwargs)
     )
-    _call_depth += 1
+    _calls.depth = _call_depth() + 1
     try:
         with replicated_plain_tensors(), fallback.dtensor_fallback():
             outputs = call_function(layer, *args, **kwargs)
     finally:
-        _call_depth -= 1
-    if _call_depth == 0 and not _is_symbolic((args, kwargs)):
+        _calls.depth -= 1
+    if _calls.depth == 0 and not _is_symbolic((args, kwargs)):
         # The outermost call on data (not while a functional model that
         # calls this one is built): a whole model, built by now.
         layout_rules.check_model(layer, distribution)

@@ -17,11 +17,8 @@ or batch-wide loss, several outputs, masks, regularization losses, an
 overridden `compute_loss`) runs through DTensor as before.
 """
 
-from keras.src import ops
 from keras.src import tree
 from keras.src.backend.common.masking import get_keras_mask
-from keras.src.backend.torch.distributed import fallback
-from keras.src.backend.torch.distributed import local_rows
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
 
@@ -53,7 +50,7 @@ _PER_SAMPLE_FUNCTION_NAMES = (
 )
 
 
-def local_compiled_loss(model, y, y_pred, sample_weight):
+def local_compiled_loss(model, y, y_pred, sample_weight, local_y_pred):
     """The train step's compiled loss, computed on local tensors.
 
     Args:
@@ -61,6 +58,9 @@ def local_compiled_loss(model, y, y_pred, sample_weight):
         y: the targets.
         y_pred: the model's outputs.
         sample_weight: the sample weights, or `None`.
+        local_y_pred: the plain tensor of this process' rows that `y_pred`
+            was made of, if it is the output of a call on the local rows
+            (see `local_rows`), else `None`.
 
     Returns:
         The loss as a `DTensor`: each process' share a partial sum for
@@ -68,23 +68,18 @@ def local_compiled_loss(model, y, y_pred, sample_weight):
         outputs; `None` where this cannot be shown to give DTensor's
         numbers (the caller then computes the loss as Keras does).
     """
-    if runtime.current_distribution() is None:
-        return None
-    loss = _local_compiled_loss(model, y, y_pred, sample_weight)
-    if loss is None:
-        # Keras computes the loss through DTensor.
-        fallback.activate_for_step()
-    return loss
+    # Imported here: the backend imports this module.
+    from keras.src import ops
 
-
-def _local_compiled_loss(model, y, y_pred, sample_weight):
     entry = _single_compiled_loss(model, y, y_pred)
     if entry is None:
         return None
     _, loss_fn, loss_weight, _ = entry
     if y is None or get_keras_mask(y_pred) is not None:
         return None
-    local_y_pred, placements = _local_prediction(y_pred, [y, sample_weight])
+    local_y_pred, placements = _local_prediction(
+        y_pred, local_y_pred, [y, sample_weight]
+    )
     if local_y_pred is None or model.losses:
         return None
     with runtime.distribution_suspended():
@@ -105,11 +100,11 @@ def _local_compiled_loss(model, y, y_pred, sample_weight):
     )
 
 
-def _local_prediction(y_pred, batch):
+def _local_prediction(y_pred, local_y_pred, batch):
     """`(local tensor of y_pred, placements of the loss)`, or `(None, None)`
-    unless `y_pred` comes from a call on the local rows and `batch` is
-    sharded like it, or `y_pred` and `batch` are replicated."""
-    local_y_pred = local_rows.local_output(y_pred)
+    unless `y_pred` comes from a call on the local rows (`local_y_pred`)
+    and `batch` is sharded like it, or `y_pred` and `batch` are
+    replicated."""
     if local_y_pred is not None and _sharded_like(y_pred, batch):
         return local_y_pred, [Partial()]
     if _replicated_like(y_pred, batch):
@@ -195,6 +190,7 @@ def _loss_share(loss, y_true, y_pred, sample_weight, global_rows):
     """A process' share of `loss` of the global batch (see `Loss.__call__`:
     the same calls, on this process' rows), or `None` if it is not the
     per-sample values' sum over the global count of values."""
+    from keras.src import ops
     from keras.src.losses.loss import reduce_weighted_values
 
     y_true = ops.convert_to_tensor(y_true, dtype=loss.dtype)

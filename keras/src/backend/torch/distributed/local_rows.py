@@ -20,11 +20,12 @@ one mechanism each:
 - a model whose call draws random numbers (it advances a layer's
   `SeedGenerator`: dropout, noise, augmentation) runs through DTensor from
   its first such call on, which draws one process' numbers for the
-  global batch; so does a model whose call assigns a trainable variable
-  (`SpectralNormalization`), a model with a layer that adds an activity
-  regularization loss (taken over the global batch), or runs code the
-  project cannot classify (a `Lambda`, a wrapped torch module, a class
-  defined outside Keras).
+  global batch (in that step function: its train step draws, its test
+  step, in inference, may not; the step remembers); so does a model whose
+  call assigns a trainable variable (`SpectralNormalization`), a model
+  with a layer that adds an activity regularization loss (taken over the
+  global batch), or runs code the project cannot classify (a `Lambda`, a
+  wrapped torch module, a class defined outside Keras).
 """
 
 import contextlib
@@ -32,7 +33,6 @@ import functools
 import math
 import random
 import threading
-import weakref
 
 import numpy as np
 import torch
@@ -44,7 +44,6 @@ from keras.src.backend.common.masking import set_keras_mask
 from keras.src.backend.common.stateless_scope import StatelessScope
 from keras.src.backend.torch.distributed import layouts
 from keras.src.backend.torch.distributed import runtime
-from keras.src.backend.torch.distributed import step_reduction
 from keras.src.backend.torch.distributed.runtime import DTensor
 
 if runtime.DTENSOR_AVAILABLE:
@@ -56,8 +55,9 @@ _USER_CODE_CLASS_NAMES = (
     "keras.src.layers.core.lambda_layer.Lambda",
     "keras.src.utils.torch_utils.TorchModuleWrapper",
 )
-# Where an output of a call on the local rows keeps its local tensor.
-_LOCAL_OUTPUT_ATTRIBUTE = "_keras_local_output"
+# The attribute of a model on which its step function sets the running
+# `step.DistributedStep` (see `running_step`).
+STEP_ATTRIBUTE = "_distributed_step"
 # Operations other than layers that a functional model may run (`x + y`).
 _ELEMENTWISE_OPERATION_NAMES = (
     "keras.src.ops.numpy.Add",
@@ -80,12 +80,24 @@ _ELEMENTWISE_OPERATION_NAMES = (
     "keras.src.ops.numpy.LogicalOr",
     "keras.src.ops.numpy.LogicalNot",
 )
-# The local call running in this thread: `(process group, global rows)`.
+# The local call running in this thread: `(process group, global rows)`,
+# for `batch_moments`, which the call reaches through the backend's
+# `moments` with no model or step at hand. A call's context, not a step's:
+# a call runs in the thread that makes it (its backward pass, which may run
+# elsewhere, reads nothing here).
 _local_call = threading.local()
-# Models whose call drew random numbers (dropout, noise, augmentation) or
-# assigned a trainable variable: they run through DTensor, which draws
-# one process' numbers for the global batch and assigns global values.
-_runs_through_dtensor = weakref.WeakSet()
+
+
+def running_step(model):
+    """The `step.DistributedStep` running a step of `model` now, or `None`.
+
+    Args:
+        model: a layer (the outermost layer of a call).
+
+    Returns:
+        The step its step function set on it, while that function runs.
+    """
+    return getattr(model, STEP_ATTRIBUTE, None)
 
 
 def call(call_function, layer, args, kwargs):
@@ -100,9 +112,13 @@ def call(call_function, layer, args, kwargs):
     Returns:
         The outputs, batch-sharded `DTensor`s; `None` where the call cannot
         be shown to be per-sample (the caller then calls it with DTensors).
+        Within a step of `layer` (see `running_step`), the step keeps each
+        output's local tensor, and learns whether the call must run
+        through DTensor.
     """
+    step = running_step(layer)
     sharding = _batch_sharding((args, kwargs))
-    if sharding is None or layer in _runs_through_dtensor:
+    if sharding is None or (step is not None and step.runs_through_dtensor):
         return None
     if not _per_sample(layer):
         return None
@@ -111,7 +127,7 @@ def call(call_function, layer, args, kwargs):
     if not all(_replicated_on(v.value, mesh) for v in variables):
         return None
     local_args, local_kwargs = tree.map_structure(_to_local, (args, kwargs))
-    mapping = [(v, _local_weight(v)) for v in variables]
+    mapping = [(v, _local_weight(v, step)) for v in variables]
     # Unseeded random ops draw from torch's generators: a call dropped
     # below must leave them as it found them.
     rng_states = _rng_states()
@@ -139,8 +155,9 @@ def call(call_function, layer, args, kwargs):
         # assigned in the call (`SpectralNormalization` writes its
         # normalized kernel, which one process then differentiates as a
         # leaf): the call runs again through DTensor, this time and from
-        # now on. Nothing the call updated is kept.
-        _runs_through_dtensor.add(layer)
+        # now on in this step function. Nothing the call updated is kept.
+        if step is not None:
+            step.runs_through_dtensor = True
         _restore_rng_states(rng_states)
         return None
     with torch.no_grad():
@@ -148,9 +165,14 @@ def call(call_function, layer, args, kwargs):
             # Moving statistics: the same on every process (global
             # moments), written into the replicated local values.
             variable.value.to_local().copy_(value)
-    return tree.map_structure(
-        lambda x: _to_global(x, mesh, global_rows), outputs
-    )
+
+    def to_global(x):
+        output = _to_global(x, mesh, global_rows)
+        if step is not None:
+            step.keep_local_output(output, x)
+        return output
+
+    return tree.map_structure(to_global, outputs)
 
 
 @contextlib.contextmanager
@@ -212,11 +234,11 @@ def _global_moments(x, axes, keepdims, group):
 
 def may_run_locally(model):
     """Whether `call` may call `model` on the local rows, before the call:
-    a data-parallel distribution, a model of Keras' own per-sample layers
-    that has not drawn random numbers, all its weights replicated."""
+    a data-parallel distribution, a model of Keras' own per-sample layers,
+    all its weights replicated."""
     distribution = runtime.current_distribution()
     mesh = distribution.device_mesh.backend_mesh
-    if mesh.ndim != 1 or model in _runs_through_dtensor:
+    if mesh.ndim != 1:
         return False
     if not _per_sample(model):
         return False
@@ -386,16 +408,17 @@ def _replicated_on(value, mesh):
     )
 
 
-def _local_weight(variable):
+def _local_weight(variable, step):
     """A replicated weight's local value; its gradient a partial sum.
 
     In Keras' own train step a trainable weight enters as a plain leaf
-    (see `step_reduction.local_leaf`), else through DTensor.
+    (see `step_reduction.OverlappedReduction.local_leaf`), else through
+    DTensor.
     """
     value = variable.value
     if not value.requires_grad:
         return value.to_local()
-    leaf = step_reduction.local_leaf(variable)
+    leaf = None if step is None else step.local_leaf(variable)
     if leaf is not None:
         return leaf
     return value.to_local(grad_placements=[Partial()])
@@ -416,18 +439,10 @@ def _is_local_batch(x, local_rows):
     )
 
 
-def local_output(x):
-    """The plain tensor of this process' rows that a batch-sharded output
-    of a call on the local rows was made of (in the autograd graph of the
-    call), or `None` if `x` is not such an output."""
-    return getattr(x, _LOCAL_OUTPUT_ATTRIBUTE, None)
-
-
 def _to_global(x, mesh, global_rows):
     """A local output as the batch-sharded global value, with its mask."""
     mask = get_keras_mask(x)
     output = _sharded(x, mesh, global_rows)
-    setattr(output, _LOCAL_OUTPUT_ATTRIBUTE, x)
     if mask is not None:
         set_keras_mask(output, _sharded(mask, mesh, global_rows))
     return output

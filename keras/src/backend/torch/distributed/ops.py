@@ -1,18 +1,20 @@
 """Ops that DTensor alone would not compute as one process does.
 
-DTensor convolves a sharded kernel wrongly, cannot contract unevenly
-sharded einsum operands nor update a sharded tensor in place by index,
-mis-reduces a sharded lookup with sharded indices, and draws random numbers
-per shard. The torch backend's convolution, einsum, `take`, `slice_update`
-and dropout hand their operands here first; its attention runs here shard
-by shard.
+DTensor convolves a sharded kernel wrongly, mis-reduces a sharded lookup
+with sharded indices, and draws random numbers per shard: the torch
+backend's convolution, `take` and dropout hand their operands here first.
+Where DTensor refuses an op, `fallback` computes it on global values
+(`slice_update` on a sharded prompt included). Two ops keep a path of their
+own here because the fallback would compute all of them on every process:
+einsum gathers only its unevenly sharded dimensions (a single key/value
+head), so that the query's heads stay sharded, and attention runs shard by
+shard.
 """
 
 import functools
 
 import torch
 
-from keras.src import tree
 from keras.src.backend.torch.distributed import layouts
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
@@ -109,43 +111,6 @@ def take_operands(x, indices):
         for p, table in zip(indices.placements, x.placements)
     ]
     return x, layouts.redistribute(indices, indices.device_mesh, placements)
-
-
-def on_replicated_operands(function):
-    """Runs `function` on the global values of its `DTensor` arguments.
-
-    For in-place updates that DTensor cannot make on a sharded tensor, such
-    as `slice_update`'s `index_put_` on a batch-sharded prompt. The result
-    is laid out as the first argument was.
-
-    Args:
-        function: a function of tensors (possibly nested in lists).
-
-    Returns:
-        The wrapped function.
-    """
-
-    @functools.wraps(function)
-    def replicated_function(inputs, *args):
-        if not any(isinstance(x, DTensor) for x in tree.flatten(args)) and (
-            not isinstance(inputs, DTensor)
-        ):
-            return function(inputs, *args)
-        outputs = function(*tree.map_structure(_replicated, (inputs, *args)))
-        if not isinstance(inputs, DTensor):
-            return outputs
-        return layouts.redistribute(
-            outputs, inputs.device_mesh, inputs.placements
-        )
-
-    return replicated_function
-
-
-def _replicated(x):
-    if not isinstance(x, DTensor):
-        return x
-    mesh = x.device_mesh
-    return layouts.redistribute(x, mesh, [Replicate()] * mesh.ndim)
 
 
 def dropout(inputs, rate):

@@ -18,6 +18,11 @@ tensors, which `gradients.apply_gradients` updates on anyway. Taken
 through DTensor (a `Partial` gradient built for each weight, torch's
 `local_map`) they cost about 0.45 ms per weight and step on CPU: 7 ms of a
 transformer block's 16 weights.
+
+The train step (`step.DistributedStep`) owns its reduction and the leaves;
+the gradient hooks hold the reduction itself, as autograd may run them on
+threads of its own (CUDA devices'), where no thread-local lookup would
+find it.
 """
 
 import contextlib
@@ -37,23 +42,20 @@ if runtime.DTENSOR_AVAILABLE:
     from torch.distributed.tensor import Partial
     from torch.distributed.tensor import Replicate
 
-# The reduction of the train step running now (see `overlapped_reduction`).
-_active = {"reduction": None}
-# Where a weight's leaf is kept, on its `DTensor`: a new value is a new leaf.
-_LEAF_ATTRIBUTE = "_keras_local_leaf"
 
-
-def reduce_with_loss(optimizer, gradients, loss):
+def reduce_with_loss(reduction, optimizer, gradients, loss):
     """Reduces a train step's gradients and its loss in one collective.
 
     Under data parallelism the loss is a partial value (each process' share
     of the global batch's loss); it is reduced in the gradients' last
     bucket instead of by a collective of its own. Values replicated once
     reduced come back as local tensors (the whole values): the optimizer
-    and the loss tracker compute on those. Without a distribution, or with
-    nothing to reduce, the arguments come back as they are.
+    and the loss tracker compute on those. With nothing to reduce, the
+    arguments come back as they are.
 
     Args:
+        reduction: the step's `OverlappedReduction`, or `None` if its
+            buckets were not reduced during the backward pass.
         optimizer: the optimizer the gradients are for (its flat buffers
             are reused).
         gradients: list of gradients (`DTensor`, tensor or `None`), in the
@@ -63,11 +65,8 @@ def reduce_with_loss(optimizer, gradients, loss):
     Returns:
         A tuple `(gradients, loss)`, reduced.
     """
-    if runtime.current_distribution() is None:
-        return gradients, loss
     as_local = gradients_lib.reduces_to_replicated([loss] + list(gradients))
     loss = loss.detach()
-    reduction = _active["reduction"]
     if reduction is not None:
         gradients, loss = reduction.finish(gradients, loss, as_local)
     # The loss goes first: it is in the first bucket whatever its size.
@@ -80,7 +79,7 @@ def reduce_with_loss(optimizer, gradients, loss):
 
 
 @contextlib.contextmanager
-def overlapped_reduction(model):
+def overlapped_reduction(model, leaves):
     """All-reduces gradient buckets as the backward pass produces them.
 
     Entered around Keras' own eager train step, which takes the reduced
@@ -88,13 +87,16 @@ def overlapped_reduction(model):
     asynchronously once its gradients are accumulated; a bucket whose
     gradients cannot be reduced together (not all partial sums of one mesh
     axis and dtype) is left to `reduce_with_loss`. Only variables on a 1-D
-    mesh (data parallelism) take part.
+    mesh (data parallelism) take part. The hooks hold the reduction itself
+    (autograd may run them on threads of its own: CUDA devices').
 
     Args:
         model: the model whose train step runs in the block.
+        leaves: a dict kept from one step to the next, in which the plain
+            leaves standing for the weights are kept (see `local_leaf`).
 
     Yields:
-        Nothing.
+        The `OverlappedReduction`, or `None` if there is nothing to reduce.
     """
     # Data parallelism only (a 1-D mesh): on a model-parallel mesh the
     # backward pass runs collectives of its own, which these would race.
@@ -107,60 +109,25 @@ def overlapped_reduction(model):
     ]
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None or not variables:
-        yield
+        yield None
         return
-    reduction = _OverlappedReduction(optimizer, model, variables)
-    handles = [
-        v.value.register_post_accumulate_grad_hook(
-            functools.partial(reduction.gradient_ready, id(v))
-        )
-        for bucket in reduction.buckets[:-1]
-        for v in bucket
-    ]
-    _active["reduction"] = reduction
+    reduction = OverlappedReduction(optimizer, model, variables, leaves)
+    for bucket in reduction.buckets[:-1]:
+        for v in bucket:
+            reduction.handles.append(
+                v.value.register_post_accumulate_grad_hook(
+                    functools.partial(reduction.gradient_ready, id(v))
+                )
+            )
     try:
-        yield
+        yield reduction
         # Launched but not taken (the step did not reduce its gradients):
         # waited for, so that every process leaves the step in step.
         reduction.wait_all(as_local=False)
     finally:
-        _active["reduction"] = None
         reduction.drop_leaf_gradients()
-        for handle in handles:
+        for handle in reduction.handles:
             handle.remove()
-
-
-def local_leaf(variable):
-    """The plain leaf standing for a replicated weight in this train step.
-
-    Args:
-        variable: a trainable variable, replicated on a 1-D mesh.
-
-    Returns:
-        A tensor sharing the storage of the variable's local tensor, whose
-        gradient autograd accumulates as a plain tensor; `None` outside
-        Keras' own eager train step under data parallelism (the caller
-        then takes the local value through DTensor).
-    """
-    reduction = _active["reduction"]
-    if reduction is None or id(variable) not in reduction.positions:
-        return None
-    value = variable.value
-    with torch.no_grad():
-        local = value.to_local()
-    leaf = getattr(value, _LEAF_ATTRIBUTE, None)
-    if leaf is None or leaf.data_ptr() != local.data_ptr():
-        leaf = local.detach().requires_grad_()
-        leaf.register_post_accumulate_grad_hook(_leaf_ready)
-        setattr(value, _LEAF_ATTRIBUTE, leaf)
-    reduction.take_leaf(variable, leaf)
-    return leaf
-
-
-def _leaf_ready(leaf):
-    reduction = _active["reduction"]
-    if reduction is not None:
-        reduction.leaf_ready(leaf)
 
 
 def _reverse_buckets(variables):
@@ -185,15 +152,17 @@ def _reverse_buckets(variables):
     return buckets
 
 
-class _OverlappedReduction:
+class OverlappedReduction:
     """The buckets of one train step, launched as their gradients arrive.
 
     A variable's gradient arrives either as its `DTensor` gradient or, for
     a weight that entered the step as a leaf (`local_leaf`), as the leaf's
-    plain gradient: a partial sum over the variable's (1-D) mesh.
+    plain gradient: a partial sum over the variable's (1-D) mesh. The
+    leaves are kept from one step to the next, by the step that owns the
+    reduction.
     """
 
-    def __init__(self, optimizer, model, variables):
+    def __init__(self, optimizer, model, variables, leaves):
         self.buffers = gradients_lib.optimizer_buffers(optimizer)
         # The variables in the order of the train step's gradients.
         self.trainable = list(model.trainable_weights)
@@ -204,18 +173,46 @@ class _OverlappedReduction:
             for i, v in enumerate(bucket)
         }
         self.arrived = [[None] * len(bucket) for bucket in self.buckets]
-        # The leaves this step computed with, by id(leaf) and id(variable).
-        self.variable_of = {}
+        # Every leaf made so far, by id(variable): kept from step to step.
+        self.leaves = leaves
+        # The leaves this step computed with, by id(variable).
         self.leaf_of = {}
         # (bucket index, gradients, flat buffer, work) of each launch.
         self.launched = []
+        # The gradient hooks this step registered.
+        self.handles = []
 
-    def take_leaf(self, variable, leaf):
-        self.variable_of[id(leaf)] = variable
+    def local_leaf(self, variable):
+        """The plain leaf standing for a replicated weight in this step.
+
+        Args:
+            variable: a trainable variable, replicated on a 1-D mesh.
+
+        Returns:
+            A tensor sharing the storage of the variable's local tensor,
+            whose gradient autograd accumulates as a plain tensor; `None`
+            for a variable this reduction does not reduce (the caller then
+            takes the local value through DTensor).
+        """
+        if id(variable) not in self.positions:
+            return None
+        leaf = self.leaf_of.get(id(variable))
+        if leaf is not None:
+            return leaf
+        with torch.no_grad():
+            local = variable.value.to_local()
+        leaf = self.leaves.get(id(variable))
+        # A new value (a new storage) is a new leaf.
+        if leaf is None or leaf.data_ptr() != local.data_ptr():
+            leaf = local.detach().requires_grad_()
+            self.leaves[id(variable)] = leaf
         self.leaf_of[id(variable)] = leaf
-
-    def leaf_ready(self, leaf):
-        self.gradient_ready(id(self.variable_of[id(leaf)]), leaf)
+        self.handles.append(
+            leaf.register_post_accumulate_grad_hook(
+                functools.partial(self.gradient_ready, id(variable))
+            )
+        )
+        return leaf
 
     def gradient_ready(self, variable_id, tensor):
         bucket_index, position = self.positions[variable_id]

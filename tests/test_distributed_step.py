@@ -1,0 +1,210 @@
+"""The training step as one object (`distributed.step.DistributedStep`).
+
+The trainer builds one `DistributedStep` per step function; it decides
+the step's path (local rows or DTensor), its reductions and its loss for
+its model, keeps what a step needs on itself, and is set on the model
+while it runs, where the train step's hooks find it. No step state lives
+in module globals.
+"""
+
+import ast
+import inspect
+
+import numpy as np
+
+from tests import distributions
+from tests.harness import run_on_ranks
+
+# The modules a step runs through, and the module-level state they may
+# keep, with why (each is also said in a comment where it is defined).
+STEP_MODULES = (
+    "step",
+    "compiled_step",
+    "step_reduction",
+    "local_rows",
+    "local_loss",
+    "local_state",
+    "layer_call",
+)
+ALLOWED_MODULE_STATE = {
+    # Mirrors torch's process-wide `implicit_replication` flag.
+    ("layer_call", "_replication_depth"),
+    # Per thread: the depth of the layer calls a thread makes.
+    ("layer_call", "_calls"),
+    # Per thread: the local call's context, for `batch_moments`.
+    ("local_rows", "_local_call"),
+}
+_MUTABLE_CALLS = {
+    "dict",
+    "list",
+    "set",
+    "WeakSet",
+    "WeakKeyDictionary",
+    "WeakValueDictionary",
+    "local",
+    "defaultdict",
+}
+
+
+def _module_state(name):
+    """Names of a module's mutable module-level state: globals assigned in
+    functions (`global x`) and module-level mutable containers."""
+    import importlib
+
+    module = importlib.import_module(
+        f"keras.src.backend.torch.distributed.{name}"
+    )
+    tree = ast.parse(inspect.getsource(module))
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Global):
+            found.update(node.names)
+    for node in tree.body:
+        if not isinstance(node, (ast.Assign, ast.AnnAssign)):
+            continue
+        value = node.value
+        mutable = isinstance(
+            value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp)
+        )
+        if isinstance(value, ast.Call):
+            func = value.func
+            called = getattr(func, "attr", getattr(func, "id", None))
+            mutable = called in _MUTABLE_CALLS
+        if mutable:
+            targets = (
+                node.targets if isinstance(node, ast.Assign) else [node.target]
+            )
+            found.update(t.id for t in targets if isinstance(t, ast.Name))
+    return {(name, x) for x in found}
+
+
+def test_no_step_state_in_module_globals():
+    import keras  # noqa: F401
+
+    state = set()
+    for name in STEP_MODULES:
+        state |= _module_state(name)
+    assert state == ALLOWED_MODULE_STATE
+
+
+def _model(kind):
+    import keras
+
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((6,))
+    x = keras.layers.Dense(8, activation="relu", name="fc1")(inputs)
+    if kind == "dropout":
+        x = keras.layers.Dropout(0.5, seed=1)(x)
+    if kind == "lambda":
+        x = keras.layers.Lambda(lambda t: t * 2.0)(x)
+    outputs = keras.layers.Dense(2, name="fc2")(x)
+    if kind == "custom_step":
+
+        class CustomStep(keras.Model):
+            def train_step(self, data):
+                return super().train_step(data)
+
+        model = CustomStep(inputs, outputs)
+    else:
+        model = keras.Model(inputs, outputs)
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def _decisions_body(rank, world_size, setting, kind):
+    import keras
+    from keras.src.backend.torch import distribution_lib
+    from keras.src.backend.torch.distributed import local_rows
+    from keras.src.backend.torch.distributed.step import DistributedStep
+
+    distributions.use_setting(
+        setting, layout_rules={"fc1/kernel": (None, "model")}
+    )
+    model = _model(kind)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 6)).astype("float32")
+    y = rng.normal(size=(8, 2)).astype("float32")
+    seen = {}
+    local_loss = distribution_lib.local_loss
+
+    def watching_local_loss(model, *args):
+        # The train step's hook finds the step on the model it has.
+        seen["running"] = local_rows.running_step(model) is model.train_function
+        return local_loss(model, *args)
+
+    distribution_lib.local_loss = watching_local_loss
+    try:
+        model.train_on_batch(x, y)
+    finally:
+        distribution_lib.local_loss = local_loss
+    model.train_on_batch(x, y)
+    model.evaluate(x, y, batch_size=8, verbose=0)
+    train, test = model.train_function, model.test_function
+    result = {
+        "objects": [isinstance(f, DistributedStep) for f in (train, test)],
+        "running": seen["running"],
+        "after": local_rows.running_step(model) is None,
+        "overlaps": [train._overlaps_reduction, test._overlaps_reduction],
+        "local": [train._may_run_locally(), test._may_run_locally()],
+        "draws": [train.runs_through_dtensor, test.runs_through_dtensor],
+        "leaves": len(train._leaves),
+        "loss": float(model.evaluate(x, y, batch_size=8, verbose=0)),
+    }
+    keras.distribution.set_distribution(None)
+    return result
+
+
+def _decisions(setting, kind):
+    per_rank = run_on_ranks(_decisions_body, world_size=2, args=(setting, kind))
+    assert per_rank[0]["loss"] == per_rank[1]["loss"]
+    return per_rank[0]
+
+
+def test_data_parallel_per_sample_model_runs_on_local_rows():
+    # Keras' own train step, Keras' own layers: the local rows, the
+    # weights as plain leaves, buckets reduced while backward runs.
+    d = _decisions("dp", "mlp")
+    assert d["objects"] == [True, True]
+    assert d["running"] and d["after"]
+    assert d["overlaps"] == [True, False]
+    assert d["local"] == [True, True]
+    assert d["draws"] == [False, False]
+    assert d["leaves"] == 4
+
+
+def test_a_step_that_draws_random_numbers_runs_through_dtensor():
+    # The train step's dropout draws: that step function goes through
+    # DTensor; the test step (inference) draws nothing.
+    d = _decisions("dp", "dropout")
+    assert d["draws"] == [True, False]
+    assert d["local"] == [False, True]
+    assert d["leaves"] == 4  # Taken in the first step's local attempt.
+
+
+def test_custom_train_step_and_user_code_decide_otherwise():
+    d = _decisions("dp", "custom_step")
+    assert d["overlaps"] == [False, False]
+    assert d["leaves"] == 0
+    d = _decisions("dp", "lambda")
+    assert d["local"] == [False, False]
+    assert d["leaves"] == 0
+
+
+def test_model_parallel_runs_through_dtensor():
+    d = _decisions("mp", "mlp")
+    assert d["objects"] == [True, True]
+    assert d["local"] == [False, False]
+    assert d["leaves"] == 0
+
+
+def test_without_a_distribution_the_step_calls_the_function():
+    import keras
+    from keras.src.backend.torch.distributed import local_rows
+
+    keras.distribution.set_distribution(None)
+    model = _model("mlp")
+    x = np.zeros((4, 6), "float32")
+    y = np.zeros((4, 2), "float32")
+    model.train_on_batch(x, y)
+    assert local_rows.running_step(model) is None
+    assert model.train_function._leaves == {}
