@@ -1165,12 +1165,15 @@ def _resume_after(failure, remaining, results, out_dir, world_size):
         )
         if watchdog:
             first = "its watchdog ended it"
+        stacks = watchdog[-6000:]
         results[stuck] = [
             {
                 "error": "Hang: " + first,
                 # The stacks of the ranks at the deadline (the watchdog's,
-                # or the call's), the last one's last.
-                "traceback": (watchdog + report)[-8000:],
+                # or the call's). The call's report ends with the workers'
+                # output, which earlier calls of a reused worker may have
+                # filled: it gets what the watchdog's stacks leave.
+                "traceback": stacks + report[len(stacks) - 8000 :],
             }
         ] * world_size
     elif len(pending) == len(remaining):
