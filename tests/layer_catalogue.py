@@ -1451,3 +1451,21 @@ def failure_kind(per_rank, reference):
     else:
         kind = problems[0]
     return re.sub(r"\d+", "#", kind)
+
+
+def known_failure_params(pairs, known_failures, timeout, raises):
+    """pytest parameters for `(run, case)` pairs, each bounded by `timeout`;
+    those in `known_failures` are strict xfails that must raise `raises`
+    (a case that passes, or fails another way, fails the test)."""
+    import pytest
+
+    params = []
+    for run, name in pairs:
+        marks = [pytest.mark.timeout(timeout)]
+        kind = known_failures.get((run, name))
+        if kind is not None:
+            marks.append(
+                pytest.mark.xfail(strict=True, raises=raises, reason=kind)
+            )
+        params.append(pytest.param(run, name, marks=marks))
+    return params

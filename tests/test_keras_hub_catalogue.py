@@ -33,6 +33,7 @@ import numpy as np
 import pytest
 
 from tests import hub_catalogue as hc
+from tests import layer_catalogue as lc
 from tests.harness import run_on_ranks
 
 FULL = os.environ.get("KERAS_HUB_FULL") == "1"
@@ -152,19 +153,8 @@ def test_reference_is_pristine_keras_and_trains(reference):
 
 
 def _params():
-    params = []
-    for mode, names in CASES.items():
-        for name in names:
-            marks = [pytest.mark.timeout(TIMEOUT)]
-            kind = KNOWN_FAILURES.get((mode, name))
-            if kind is not None:
-                marks.append(
-                    pytest.mark.xfail(
-                        strict=True, raises=KnownFailure, reason=kind
-                    )
-                )
-            params.append(pytest.param(mode, name, marks=marks))
-    return params
+    pairs = [(mode, name) for mode, names in CASES.items() for name in names]
+    return lc.known_failure_params(pairs, KNOWN_FAILURES, TIMEOUT, KnownFailure)
 
 
 @pytest.mark.parametrize("mode, name", _params())

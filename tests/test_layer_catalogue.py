@@ -283,19 +283,10 @@ def test_reference_is_pristine_keras_and_trains(reference):
 
 
 def _params():
-    params = []
-    for run in RUNS:
-        for name in CASES:
-            marks = [pytest.mark.timeout(RUN_TIMEOUT)]
-            kind = KNOWN_FAILURES.get((run, name))
-            if kind is not None:
-                marks.append(
-                    pytest.mark.xfail(
-                        strict=True, raises=KnownFailure, reason=kind
-                    )
-                )
-            params.append(pytest.param(run, name, marks=marks))
-    return params
+    pairs = [(run, name) for run in RUNS for name in CASES]
+    return lc.known_failure_params(
+        pairs, KNOWN_FAILURES, RUN_TIMEOUT, KnownFailure
+    )
 
 
 @pytest.mark.parametrize("run, name", _params())
