@@ -27,8 +27,11 @@ STEP_MODULES = (
     "layer_call",
 )
 ALLOWED_MODULE_STATE = {
-    # Mirrors torch's process-wide `implicit_replication` flag.
+    # Mirror torch's process-wide `implicit_replication` flag: the open
+    # contexts, whether the process has a distribution, the flag's context.
     ("layer_call", "_replication_depth"),
+    ("layer_call", "_replication_held"),
+    ("layer_call", "_implicit_replication"),
     # Per thread: the depth of the layer calls a thread makes.
     ("layer_call", "_calls"),
     # Per thread: the local call's context, for `batch_moments`.

@@ -285,6 +285,59 @@ def test_uneven_dimension_is_chunked_like_torch_chunk():
         np.testing.assert_array_equal(result["global"], value)
 
 
+def _too_short_body(rank, world_size):
+    import torch
+
+    from keras import distribution as kd
+    from keras.src.backend.torch import distribution_lib
+
+    mesh = distributions.device_mesh((2, 2))
+    results = {}
+    # Rows over 4 parts ("batch" then "model"), columns over "model".
+    for rows in (1, 2, 3, 5, 7, 8):
+        value = torch.arange(rows * 4, dtype=torch.float32).reshape(rows, 4)
+        layout = kd.TensorLayout((("batch", "model"), None), mesh)
+        laid_out = distribution_lib.distribute_tensor(value, layout)
+        results[rows] = {
+            "placements": _placements_of(laid_out),
+            "min": laid_out.min().full_tensor().item(),
+            "global": laid_out.full_tensor().numpy(),
+        }
+    return results
+
+
+def test_a_dimension_too_short_for_its_shards_is_replicated():
+    def nested_sizes(rows):
+        # DTensor cuts over "batch", then each part over "model".
+        return [
+            size
+            for part in _chunk_sizes(rows, parts=2)
+            for size in _chunk_sizes(part, parts=2)
+        ]
+
+    # 1, 2 and 3 rows leave a process an empty part; 5, 7 and 8 do not.
+    assert [0 in nested_sizes(n) for n in (1, 2, 3, 5, 7, 8)] == [
+        True,
+        True,
+        True,
+        False,
+        False,
+        False,
+    ]
+    for result in run_on_ranks(_too_short_body, world_size=4):
+        for rows, laid_out in result.items():
+            value = np.arange(rows * 4, dtype=np.float32).reshape(rows, 4)
+            if 0 in nested_sizes(rows):
+                expected = (_replicate(), _replicate())
+            else:
+                expected = (_shard(0), _shard(0))
+            assert laid_out["placements"] == _placement_strings(*expected)
+            # `min` has no identity: on an empty part it would fail on
+            # that process alone.
+            assert laid_out["min"] == 0.0
+            np.testing.assert_array_equal(laid_out["global"], value)
+
+
 # --------------------------------------------------------------------------
 # 3. Variables
 # --------------------------------------------------------------------------
@@ -1142,6 +1195,102 @@ def test_mixed_model_on_plain_inputs_matches_single_process():
         assert result["sharded"] == expected_sharded
         _assert_close(result["inference"], reference["inference"])
         _assert_close(result["training"], reference["training"])
+
+
+def _outside_layers_outputs():
+    """A layer's output stacked with plain zeros outside any layer call,
+    as keras-hub's `generate` stacks the caches its layers return with the
+    zeros it made for layers that left theirs untouched."""
+    import torch
+
+    import keras
+    from keras import ops
+
+    keras.utils.set_random_seed(SEED)
+    layer = keras.layers.Dense(4, name="dense")
+    y = layer(_inputs((3, 5)))
+    stacked = torch.stack([y, torch.zeros(3, 4)], dim=1)
+    return {
+        "stacked": ops.convert_to_numpy(stacked),
+        "output_placements": _placements_of(y),
+    }
+
+
+def _outside_layers_body(rank, world_size):
+    import warnings
+
+    import torch
+
+    import keras
+
+    distributions.use_model_parallel(
+        layout_rules={"dense/kernel": (None, "model")},
+        mesh_shape=(1, world_size),
+    )
+    result = _outside_layers_outputs()
+    y = keras.layers.Dense(4, name="dense")(_inputs((3, 5)))
+    with warnings.catch_warnings(record=True) as caught:
+        # A plain tensor of one element: DTensor's warning is silenced.
+        y * torch.ones(1)
+    result["warnings"] = [str(w.message) for w in caught]
+    keras.distribution.set_distribution(None)
+    # Without a distribution, torch's own rule holds again.
+    try:
+        torch.stack([y, torch.zeros(3, 4)], dim=1)
+        result["after_unset"] = "computed"
+    except RuntimeError as e:
+        result["after_unset"] = str(e)
+    return result
+
+
+def test_plain_tensors_outside_layer_calls_are_replicated_values():
+    reference = _reference(_outside_layers_outputs)
+    for result in run_on_ranks(_outside_layers_body, world_size=2):
+        # The layer's output is a DTensor sharded over "model".
+        assert _is_sharded(result["output_placements"])
+        _assert_close(result["stacked"], reference["stacked"])
+        assert "mixed torch.Tensor and DTensor" in result["after_unset"]
+        assert result["warnings"] == []
+
+
+def _loop_steps(distribute):
+    """Steps of a `while_loop` whose condition reduces a sharded batch: it
+    runs while any row still has an entry above the step count (rows end
+    at different steps, as keras-hub's prompts reach their stop token)."""
+    import torch
+
+    from keras import ops
+
+    x = distribute(torch.tensor([[1.0], [2.0], [5.0], [3.0]]))
+
+    def cond(x, step):
+        return ops.any(x > ops.cast(step, x.dtype))
+
+    def body(x, step):
+        return x, step + 1
+
+    _, steps = ops.while_loop(cond, body, (x, 0))
+    return int(steps)
+
+
+def _loop_body(rank, world_size):
+    from keras import distribution as kd
+
+    distributions.use_data_parallel()
+    distribution = kd.distribution()
+    return _loop_steps(
+        lambda x: kd.distribute_tensor(
+            x, distribution.get_data_layout(tuple(x.shape))
+        )
+    )
+
+
+def test_a_loop_condition_over_a_sharded_batch_is_read_whole():
+    expected = _loop_steps(lambda x: x)
+    assert expected == 5
+    # The second process' rows (5 and 3) alone would stop at 5 steps, the
+    # first's (1 and 2) at 2.
+    assert run_on_ranks(_loop_body, world_size=2) == [expected, expected]
 
 
 def _conv_outputs(x, use_bias):

@@ -259,6 +259,104 @@ def test_a_view_of_a_value_laid_out_in_another_order():
         assert counts == ["aten.view.default"]
 
 
+def _heads():
+    return torch.arange(2 * 4 * 3, dtype=torch.float32).reshape(2, 4, 3).cos()
+
+
+def _strided_shard_body(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import distribute_tensor
+
+    fallback = _fallback()
+    # (batch, heads, dim) with the heads sharded over the second axis of a
+    # 2-D mesh, as an attention layer's heads are under `ModelParallel`.
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("batch", "model"))
+    x = distribute_tensor(_heads(), mesh, [Replicate(), Shard(1)])
+    x.requires_grad_()
+    # Merged into an unsharded outer dimension: a strided shard.
+    without_mode = x.detach().reshape(8, 3)
+    with fallback.dtensor_fallback():
+        merged = x.reshape(8, 3)
+        y = merged @ merged.t()
+        (y * y).sum().backward()
+    return {
+        "without_mode": [str(p) for p in without_mode.placements],
+        "merged": [str(p) for p in merged.placements],
+        "y": y.full_tensor().detach().numpy(),
+        "grad": x.grad.full_tensor().numpy(),
+        "counts": {
+            k: (v.calls, v.gathered_bytes)
+            for k, v in fallback.fallback_counts().items()
+        },
+    }
+
+
+def test_a_strided_shard_is_gathered_along_its_mesh_axis():
+    x = _heads().requires_grad_()
+    merged = x.reshape(8, 3)
+    y = merged @ merged.t()
+    (y * y).sum().backward()
+    for result in run_on_ranks(_strided_shard_body, world_size=2):
+        # DTensor's own result is neither sharded nor replicated ...
+        assert result["without_mode"][0] == "R"
+        assert result["without_mode"][1] not in ("R", "S(0)", "S(1)")
+        # ... and, under the mode, gathered along the "model" axis.
+        assert result["merged"] == ["R", "R"]
+        np.testing.assert_allclose(result["y"], y.detach().numpy(), rtol=1e-6)
+        np.testing.assert_allclose(result["grad"], x.grad.numpy(), rtol=1e-6)
+        strided = {
+            name: count
+            for name, count in result["counts"].items()
+            if name.endswith("(strided shard)")
+        }
+        # The forward view, counted with the half of it the other rank held.
+        assert sum(calls for calls, _ in strided.values()) >= 1
+        assert any(
+            gathered == 8 * 3 * 4 // 2 for _, gathered in strided.values()
+        )
+
+
+def _numbers_body(rank, world_size):
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import distribute_tensor
+
+    fallback = _fallback()
+    x = distribute_tensor(
+        torch.arange(10, dtype=torch.float32).reshape(10, 1),
+        _mesh(),
+        [Shard(0)],
+    )
+    # One element, sharded: the second process holds nothing of it.
+    one = distribute_tensor(torch.tensor([7.0]), _mesh(), [Shard(0)])
+    without_mode = x.max().item()
+    with fallback.dtensor_fallback():
+        numbers = {
+            "max": x.max().item(),
+            "sum": float(x.sum()),
+            "positive": bool(x.min() > 0),
+            "argmax": int(x.argmax()),
+            "one": one.item(),
+        }
+    return without_mode, numbers, sorted(fallback.fallback_counts())
+
+
+def test_numbers_read_from_a_dtensor_are_its_global_value():
+    per_rank = run_on_ranks(_numbers_body, world_size=2)
+    # DTensor alone reads each process' part of the maximum (a partial).
+    assert [without_mode for without_mode, _, _ in per_rank] == [4.0, 9.0]
+    for _, numbers, counts in per_rank:
+        assert numbers == {
+            "max": 9.0,
+            "sum": 45.0,
+            "positive": False,
+            "argmax": 9,
+            "one": 7.0,
+        }
+        assert counts == ["aten._local_scalar_dense.default"]
+
+
 def _keras_summary_body(rank, world_size):
     import keras
     from keras.src.backend.torch.distributed import fallback

@@ -20,6 +20,7 @@ from keras.src import tree
 from keras.src.backend.torch.distributed import agreement
 from keras.src.backend.torch.distributed import collectives
 from keras.src.backend.torch.distributed import data_input
+from keras.src.backend.torch.distributed import layer_call
 from keras.src.backend.torch.distributed import layouts
 from keras.src.backend.torch.distributed import process_io
 from keras.src.backend.torch.distributed import runtime
@@ -176,6 +177,7 @@ def set_global_distribution(distribution):
                 runtime.sync_torch_rng()
                 _rng_agreed.add(distribution)
     runtime.set_process_distribution(distribution)
+    layer_call.hold_replication(distribution)
 
 
 def distribute_variable(value, layout):
@@ -199,7 +201,9 @@ def distribute_tensor(tensor, layout):
     Differentiable: a tensor with autograd history keeps it. A plain tensor
     is taken as the global value, identical on every process (as a plain
     array is in JAX), and cut locally without communication. Symbolic (meta)
-    tensors and non-tensors pass through.
+    tensors and non-tensors pass through. A dimension too short to give
+    every process a part (one prompt on two processes) is replicated
+    instead (see `layouts.without_empty_shards`).
 
     Args:
         tensor: a tensor, `DTensor` or nested structure of them.
@@ -223,7 +227,8 @@ def _distribute_leaf(x, layout):
         # `from_local` + `redistribute` (unlike torch's `distribute_tensor`)
         # keeps the autograd history; replicated to sharded is a local cut.
         x = layouts.replicate(x, mesh)
-    return layouts.redistribute(x, mesh, layout.placements)
+    placements = layouts.without_empty_shards(x.shape, mesh, layout.placements)
+    return layouts.redistribute(x, mesh, placements)
 
 
 def distribute_data_input(

@@ -29,6 +29,11 @@ every op as it runs, forward and backward alike (the autograd engine runs
 the backward pass under the modes of the thread that started it), and
 changes nothing where DTensor computes.
 
+The same mode gathers the one kind of result DTensor computes on but
+cannot plan for in reasonable time: a strided shard, which a view merging a
+sharded dimension into an outer one leaves (see `_without_strided_shards`).
+It is counted like a fallback.
+
 DTensor decides whether it can compute an op from its operands' global
 shapes and placements, the same on every process, before it
 communicates: so every process falls back on the same ops, in the same
@@ -44,6 +49,8 @@ import torch
 
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
+
+_LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default
 
 if runtime.DTENSOR_AVAILABLE:
     from torch.distributed.tensor import Replicate
@@ -61,6 +68,16 @@ else:  # pragma: no cover - torch without DTensor has no distribution.
 _REFUSALS = (NotImplementedError, RuntimeError, ValueError, AssertionError)
 
 _state = threading.local()
+
+# The reasons counted for what DTensor computes, but not as wanted.
+_STRIDED_SHARD = (
+    "a strided shard (a view merging a sharded dimension into an outer one), "
+    "gathered along its mesh axes"
+)
+_LOCAL_SCALAR = (
+    "a number read from a partial sum or a shard, where DTensor reads this "
+    "process' part (pytorch/pytorch#166638)"
+)
 
 
 @dataclasses.dataclass
@@ -184,6 +201,13 @@ class _FallbackMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if not any(issubclass(t, DTensor) for t in types):
             return func(*args, **kwargs)
+        if func is _LOCAL_SCALAR_DENSE and not _is_replicated(args[0]):
+            # `item()`, `float()`, `bool()` of a `DTensor`: DTensor reads the
+            # local value, a silently wrong number on a partial sum (`max`)
+            # and a failure on the processes without a part.
+            return _on_global_values(
+                func, args, kwargs, _LOCAL_SCALAR, str(func)
+            )
         mutated = _mutated_operands(func, args, kwargs)
         if any(not isinstance(x, DTensor) for x in mutated):
             # A plain tensor updated with a `DTensor` (`total += loss`):
@@ -192,11 +216,20 @@ class _FallbackMode(TorchDispatchMode):
                 func, args, kwargs, None, str(func), mutated
             )
         try:
-            return func(*args, **kwargs)
+            outputs = func(*args, **kwargs)
         except torch.distributed.DistError:
             raise
         except _REFUSALS as e:
             refusal = e
+        else:
+            if mutated:
+                return outputs
+            return _map_leaves(
+                functools.partial(
+                    _without_strided_shards, name=f"{func} (strided shard)"
+                ),
+                outputs,
+            )
         if torch.Tag.inplace_view in func.tags:
             raise _InPlaceViewRefused(
                 f"{func} changes the shape of a DTensor in place, which "
@@ -235,6 +268,54 @@ class _FunctionFallbackMode(TorchFunctionMode):
             # operand it was given, which keeps its shape.
             raise refusal
         return _on_global_values(func, args, kwargs, refusal, name)
+
+
+def _without_strided_shards(x, name):
+    """`x`, gathered along the mesh axes where it is a strided shard.
+
+    A view that merges a sharded dimension into an unsharded outer one
+    (`(batch, heads, ...) -> (batch * heads, ...)`, heads sharded) leaves
+    a shard with a stride, neither `Shard` nor `Replicate`. DTensor
+    computes on it, but then plans every later op on it with a graph
+    search over the placements of all mesh axes: on a 2-D mesh, minutes
+    for a model's first step (keras-hub's Qwen3.5: 6 minutes, 12 seconds
+    with this). Gathered along those axes, it plans as any other value.
+
+    Args:
+        x: an op's output.
+        name: the op's name, to count the gather under.
+
+    Returns:
+        `x`, or `x` replicated along the mesh axes of its strided shards.
+    """
+    if not isinstance(x, DTensor):
+        return x
+    placements = x.placements
+    if all(_is_plain(p) for p in placements):
+        return x
+    gathered = x.redistribute(
+        x.device_mesh,
+        [p if _is_plain(p) else Replicate() for p in placements],
+    )
+    _count(
+        name,
+        _STRIDED_SHARD,
+        [],
+        (gathered.to_local().numel() - x.to_local().numel()) * x.element_size(),
+    )
+    return gathered
+
+
+def _is_replicated(x):
+    return all(p.is_replicate() for p in x.placements)
+
+
+def _is_plain(placement):
+    return (
+        placement.is_shard()
+        or placement.is_replicate()
+        or placement.is_partial()
+    )
 
 
 def _on_global_values(func, args, kwargs, refusal, name, mutated=()):
@@ -346,8 +427,8 @@ def _written_arguments(func):
     )
 
 
-def _count(name, refusal, operands):
-    gathered_bytes = sum(_gathered_bytes(x) for x in operands)
+def _count(name, refusal, operands, gathered_bytes=0):
+    gathered_bytes += sum(_gathered_bytes(x) for x in operands)
     with _counts_lock:
         count = _counts.setdefault(name, FallbackCount())
         first = count.calls == 0
@@ -357,8 +438,7 @@ def _count(name, refusal, operands):
             count.reason = _first_line(refusal)
     if first:
         runtime.log_debug(
-            "DTensor cannot compute %s on these placements (%s): computed "
-            "on global values, gathering %d bytes",
+            "fallback: %s (%s), gathering %d bytes",
             name,
             count.reason,
             gathered_bytes,
@@ -376,6 +456,8 @@ def _gathered_bytes(x):
 def _first_line(error):
     if error is None:
         return "a plain tensor updated in place with a DTensor"
+    if isinstance(error, str):
+        return error
     text = " ".join(str(error).split())
     return f"{type(error).__name__}: {text[:200]}"
 

@@ -10,6 +10,7 @@ import contextlib
 import functools
 import os
 import threading
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,11 @@ CHECK_REPLICATION_ENV = "KERAS_DISTRIBUTION_CHECK_REPLICATION"
 # the whole process: the `implicit_replication` flag they set is torch's,
 # one for the process, and only the outermost entry may clear it.
 _replication_depth = 0
+# Whether a distribution is set in this process (`hold_replication`), which
+# keeps the flag on outside layer calls and steps too.
+_replication_held = False
+# The open `implicit_replication` context while the flag is on, else None.
+_implicit_replication = None
 # How many `call_layer` calls are running in this thread (a model calls its
 # layers): the depth of the calls a thread makes, not a step's state; per
 # thread, as Keras' own call context is (a layer called by a data loader's
@@ -165,10 +171,10 @@ def replicated_plain_tensors():
 
     Entered around layer calls and training steps: the inputs and the
     constants that ops create inside them are plain tensors, which DTensor
-    ops then take as replicated. Only the outermost entry acts, as torch's
-    `implicit_replication` does not nest. On CPU meshes, attention also runs
-    the math kernel of `scaled_dot_product_attention`, as DTensor has no
-    sharding rule for the CPU flash kernel.
+    ops then take as replicated. Only the outermost entry acts. On CPU
+    meshes, attention also runs the math kernel of
+    `scaled_dot_product_attention`, as DTensor has no sharding rule for the
+    CPU flash kernel.
 
     Yields:
         None.
@@ -179,14 +185,57 @@ def replicated_plain_tensors():
         if _replication_depth > 1:
             yield
             return
+        _update_implicit_replication()
         with contextlib.ExitStack() as stack:
-            stack.enter_context(implicit_replication())
             mesh = runtime.current_distribution().device_mesh.backend_mesh
             if mesh.device_type == "cpu":
                 stack.enter_context(sdpa_kernel(SDPBackend.MATH))
             yield
     finally:
         _replication_depth -= 1
+        _update_implicit_replication()
+
+
+def hold_replication(distribution):
+    """Treats plain tensors as replicated while `distribution` is set.
+
+    Code outside layer calls and steps mixes plain tensors with layer
+    outputs too: keras-hub's `generate` stacks the caches its layers return
+    with the zeros it made for the layers that left theirs untouched. As
+    in JAX, where a plain array is a replicated value wherever it meets a
+    sharded one, the flag stays on as long as the process has a
+    distribution (`set_distribution`, `Distribution.scope()`).
+
+    Args:
+        distribution: the process' distribution, or `None`.
+    """
+    global _replication_held
+    if not runtime.DTENSOR_AVAILABLE:
+        return
+    if distribution is not None and not _replication_held:
+        # DTensor warns, on every process, each time it takes a plain
+        # tensor of one element (a keras-hub sampling step's index) as
+        # replicated: here that is the rule, not an accident.
+        warnings.filterwarnings(
+            "ignore",
+            message="Found a non-scalar tensor with numel=1",
+            category=UserWarning,
+        )
+    _replication_held = distribution is not None
+    _update_implicit_replication()
+
+
+def _update_implicit_replication():
+    """Turns torch's process-wide `implicit_replication` flag on while a
+    context or a distribution wants it, off when none does any more."""
+    global _implicit_replication
+    wanted = _replication_held or _replication_depth > 0
+    if wanted and _implicit_replication is None:
+        _implicit_replication = contextlib.ExitStack()
+        _implicit_replication.enter_context(implicit_replication())
+    elif not wanted and _implicit_replication is not None:
+        _implicit_replication.close()
+        _implicit_replication = None
 
 
 def loop_function(function):
@@ -212,6 +261,37 @@ def loop_function(function):
             return function(*args)
 
     return replicated_function
+
+
+def loop_condition(cond):
+    """A `while_loop` condition, run under the distribution.
+
+    As `loop_function`; besides, the loop reads the condition's result as
+    a Python `bool`, outside any layer call: a `DTensor` result (a
+    reduction over a sharded batch, such as keras-hub's "every prompt has
+    stopped") is made its global value first, which every process reads
+    alike. DTensor would read each process' own part of it, and the
+    processes would leave the loop at different steps.
+
+    Args:
+        cond: the loop's condition.
+
+    Returns:
+        `cond` itself without a distribution, else a function that calls
+        it under the distribution and returns a plain value.
+    """
+    function = loop_function(cond)
+    if function is cond:
+        return cond
+
+    @functools.wraps(cond)
+    def global_condition(*args):
+        result = function(*args)
+        if isinstance(result, DTensor):
+            result = result.full_tensor()
+        return result
+
+    return global_condition
 
 
 def check_replicated(values, name):

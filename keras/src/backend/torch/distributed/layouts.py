@@ -263,6 +263,48 @@ def chunk_bounds(length, num_parts, index):
     return start, min(start + part_size, length)
 
 
+def without_empty_shards(shape, mesh, placements):
+    """`placements`, a dimension that would leave a process nothing whole.
+
+    DTensor cuts an uneven dimension like `torch.chunk`, which leaves the
+    last processes empty parts when there are too few items (one prompt on
+    two processes). On an empty part, a reduction without an identity
+    (`min`, `max`) fails on those processes alone, and the others wait for
+    them in the next collective. Such a dimension is replicated along the
+    mesh axes that shard it: the value is the same, each process holds it
+    all.
+
+    Args:
+        shape: the global shape.
+        mesh: the torch `DeviceMesh`.
+        placements: one placement per mesh dimension.
+
+    Returns:
+        The placements, as a tuple.
+    """
+    placements = list(placements)
+    for dim, length in enumerate(shape):
+        mesh_dims = [
+            d
+            for d, p in enumerate(placements)
+            if p.is_shard() and p.dim % len(shape) == dim
+        ]
+        sizes = {length}
+        for mesh_dim in mesh_dims:
+            parts = mesh.size(mesh_dim)
+            sizes = {
+                stop - start
+                for size in sizes
+                for start, stop in (
+                    chunk_bounds(size, parts, i) for i in range(parts)
+                )
+            }
+        if 0 in sizes:
+            for mesh_dim in mesh_dims:
+                placements[mesh_dim] = Replicate()
+    return tuple(placements)
+
+
 def local_region(shape, mesh, placements):
     """The slices of a global tensor that this process' shard holds.
 
