@@ -41,8 +41,8 @@ import torch.distributed as dist
 from keras.src import tree
 from keras.src.backend.common.masking import get_keras_mask
 from keras.src.backend.common.masking import set_keras_mask
-from keras.src.backend.common.stateless_scope import StatelessScope
 from keras.src.backend.torch.distributed import layouts
+from keras.src.backend.torch.distributed import local_state
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
 
@@ -120,11 +120,13 @@ def call(call_function, layer, args, kwargs):
     sharding = _batch_sharding((args, kwargs))
     if sharding is None or (step is not None and step.runs_through_dtensor):
         return None
-    if not _per_sample(layer):
-        return None
     mesh, global_rows, local_rows = sharding
-    variables = list(layer.variables)
-    if not all(_replicated_on(v.value, mesh) for v in variables):
+    # A step decides once, for its step function (`step.local_variables`).
+    if step is not None:
+        variables = step.local_variables(mesh)
+    else:
+        variables = local_variables(layer, mesh)
+    if variables is None:
         return None
     local_args, local_kwargs = tree.map_structure(_to_local, (args, kwargs))
     mapping = [(v, _local_weight(v, step)) for v in variables]
@@ -132,7 +134,7 @@ def call(call_function, layer, args, kwargs):
     # below must leave them as it found them.
     rng_states = _rng_states()
     with runtime.distribution_suspended(), _in_local_call(mesh, global_rows):
-        with StatelessScope(state_mapping=mapping) as scope:
+        with local_state.stateless_scope(mapping) as scope:
             entered = dict(scope.state_mapping)
             outputs = call_function(layer, *local_args, **local_kwargs)
     leaves = [x for x in tree.flatten(outputs) if x is not None]
@@ -236,13 +238,43 @@ def may_run_locally(model):
     """Whether `call` may call `model` on the local rows, before the call:
     a data-parallel distribution, a model of Keras' own per-sample layers,
     all its weights replicated."""
-    distribution = runtime.current_distribution()
-    mesh = distribution.device_mesh.backend_mesh
-    if mesh.ndim != 1:
-        return False
+    mesh = runtime.current_distribution().device_mesh.backend_mesh
+    return mesh.ndim == 1 and local_variables(model, mesh) is not None
+
+
+def local_variables(model, mesh):
+    """The variables of `model` if it may be called on the local rows.
+
+    Args:
+        model: the outermost layer of a call.
+        mesh: the (1-D) mesh its batch is sharded over.
+
+    Returns:
+        The list of the model's variables if every layer in it is one of
+        Keras' own per-sample layers (see `_per_sample`) and every variable
+        is replicated on `mesh`, else `None`.
+    """
     if not _per_sample(model):
-        return False
-    return all(_replicated_on(v.value, mesh) for v in model.variables)
+        return None
+    variables = list(model.variables)
+    if not all(_replicated_on(v.value, mesh) for v in variables):
+        return None
+    return variables
+
+
+def classification_final(model):
+    """Whether what `local_variables` says of `model` holds from now on.
+
+    Once every layer in the model is built, its layers, their variables and
+    the variables' layouts no longer change (assignments keep a variable's
+    layout): a step function may keep the answer (Keras' own compiled
+    steps, JAX's too, also see the model as it was when first traced).
+    Before, a layer still to be built answers `False` for now.
+    """
+    return all(
+        sublayer.built
+        for sublayer in model._flatten_layers(include_self=True, recursive=True)
+    )
 
 
 def _batch_sharding(values):
