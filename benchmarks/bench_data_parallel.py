@@ -28,7 +28,14 @@ torch's ``SyncBatchNorm``, which runs on CUDA only); DDP's over each
 process' share. A step is timed from a barrier until it returns; a step's
 time is its slowest process'. Process 0 prints the medians and the ratios
 the target is stated in: ``keras_dp / torch_ddp`` against the floor
-``keras_one / torch_one``, and ``keras_dp / keras_one``.
+``keras_one / torch_one``, and ``keras_dp / keras_one``, then the largest
+relative gap between ``keras_dp``'s and ``keras_one``'s losses, step by
+step (both train the same model on the same batch, the same number of
+steps): `DataParallel` must give one process' numbers.
+
+``--jit-compile`` compiles every step: Keras' ``jit_compile=True`` (under
+`DataParallel`, `compiled_step`), the torch models through
+``torch.compile`` (DDP's too); the warmup steps compile.
 """
 
 import argparse
@@ -204,7 +211,9 @@ def timed(step, alone, results=None):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=("cnn", "resnet", "lstm", "all"))
+    parser.add_argument(
+        "--model", choices=("cnn", "resnet", "lstm", "all"), default="all"
+    )
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=3)
