@@ -286,14 +286,6 @@ def _global_moments(x, axes, keepdims, group):
     return mean.to(dtype), variance.to(dtype)
 
 
-def may_run_locally(model):
-    """Whether `call` may call `model` on the local rows, before the call:
-    a data-parallel distribution, a model of Keras' own per-sample layers,
-    all its weights replicated."""
-    mesh = runtime.current_distribution().device_mesh.backend_mesh
-    return mesh.ndim == 1 and local_variables(model, mesh) is not None
-
-
 def local_variables(model, mesh):
     """The variables of `model` if it may be called on the local rows.
 

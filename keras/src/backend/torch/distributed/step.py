@@ -174,6 +174,8 @@ class DistributedStep:
                     self._reduction = None
 
     def _may_run_locally(self):
+        """Whether the model may be called on the local rows (before the
+        call): a data-parallel (1-D) mesh, and see `local_variables`."""
         if self.runs_through_dtensor:
             return False
         mesh = runtime.current_distribution().device_mesh.backend_mesh
