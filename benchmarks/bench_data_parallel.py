@@ -28,7 +28,14 @@ torch's ``SyncBatchNorm``, which runs on CUDA only); DDP's over each
 process' share. A step is timed from a barrier until it returns; a step's
 time is its slowest process'. Process 0 prints the medians and the ratios
 the target is stated in: ``keras_dp / torch_ddp`` against the floor
-``keras_one / torch_one``, and ``keras_dp / keras_one``.
+``keras_one / torch_one``, and ``keras_dp / keras_one``, then the largest
+relative gap between ``keras_dp``'s and ``keras_one``'s losses, step by
+step (both train the same model on the same batch, the same number of
+steps): `DataParallel` must give one process' numbers.
+
+``--jit-compile`` compiles every step: Keras' ``jit_compile=True`` (under
+`DataParallel`, `compiled_step`), the torch models through
+``torch.compile`` (DDP's too); the warmup steps compile.
 """
 
 import argparse
@@ -136,24 +143,28 @@ def data(kind, batch):
     return x, y
 
 
-def keras_step(kind, x, y, distribution):
-    """A function running one Keras train step, under `distribution`."""
+def keras_step(kind, x, y, distribution, jit_compile=False):
+    """A function running one Keras train step, under `distribution`
+    (`jit_compile`: the step compiled by `torch.compile`)."""
     with distribution.scope() if distribution else _nothing():
         model = keras_model(kind)
         model.compile(
             optimizer=keras.optimizers.SGD(0.01),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            jit_compile=jit_compile,
         )
 
     def step():
         with distribution.scope() if distribution else _nothing():
-            model.train_on_batch(x, y)
+            return model.train_on_batch(x, y)
 
     return step
 
 
-def torch_step(kind, x, y, ddp):
-    """A function running one torch train step (DDP on this rank's rows)."""
+def torch_step(kind, x, y, ddp, jit_compile=False):
+    """A function running one torch train step (DDP on this rank's rows;
+    `jit_compile`: the model compiled by `torch.compile`, as Keras'
+    `jit_compile=True` compiles its step)."""
     model = torch_model(kind)
     if kind != "lstm":
         x = np.transpose(x, (0, 3, 1, 2))
@@ -165,6 +176,8 @@ def torch_step(kind, x, y, ddp):
         model = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     loss_function = torch.nn.CrossEntropyLoss()
+    if jit_compile:
+        model = torch.compile(model, dynamic=False)
 
     def step():
         optimizer.zero_grad()
@@ -182,13 +195,15 @@ class _nothing:
         return False
 
 
-def timed(step, alone):
+def timed(step, alone, results=None):
     """One step's wall time, the slowest rank's (`alone`: process 0 runs,
-    the others wait)."""
+    the others wait); what the step returned is appended to `results`."""
     dist.barrier()
     start = time.perf_counter()
     if not alone or dist.get_rank() == 0:
-        step()
+        result = step()
+        if results is not None:
+            results.append(result)
     elapsed = torch.tensor([time.perf_counter() - start])
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return float(elapsed)
@@ -196,11 +211,19 @@ def timed(step, alone):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=("cnn", "resnet", "lstm", "all"))
+    parser.add_argument(
+        "--model", choices=("cnn", "resnet", "lstm", "all"), default="all"
+    )
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument(
+        "--jit-compile",
+        action="store_true",
+        help="compiled steps: Keras' `jit_compile=True`, `torch.compile`d "
+        "torch models (DDP included), compiled in the warmup steps",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     keras.distribution.initialize()
@@ -208,31 +231,39 @@ def main():
     for kind in kinds:
         x, y = data(kind, args.batch)
         dp = keras.distribution.DataParallel()
+        jit = args.jit_compile
         steps = {
-            "keras_dp": (keras_step(kind, x, y, dp), False),
-            "torch_ddp": (torch_step(kind, x, y, ddp=True), False),
-            "keras_one": (keras_step(kind, x, y, None), True),
-            "torch_one": (torch_step(kind, x, y, ddp=False), True),
+            "keras_dp": (keras_step(kind, x, y, dp, jit), False),
+            "torch_ddp": (torch_step(kind, x, y, True, jit), False),
+            "keras_one": (keras_step(kind, x, y, None, jit), True),
+            "torch_one": (torch_step(kind, x, y, False, jit), True),
         }
-        for step, alone in steps.values():
+        # Each Keras model's losses, step by step: DataParallel's must be
+        # one process'.
+        losses = {"keras_dp": [], "keras_one": []}
+        for name, (step, alone) in steps.items():
             for _ in range(args.warmup):
-                timed(step, alone)
+                timed(step, alone, losses.get(name))
         times = {name: [] for name in steps}
         names = list(steps)
         for r in range(args.rounds):
             # Rotated order: no implementation always runs first.
             for name in names[r % len(names) :] + names[: r % len(names)]:
                 step, alone = steps[name]
-                times[name] += [timed(step, alone) for _ in range(args.steps)]
+                times[name] += [
+                    timed(step, alone, losses.get(name))
+                    for _ in range(args.steps)
+                ]
         if dist.get_rank() == 0:
-            _report(kind, args, times)
+            _report(kind, args, times, losses)
 
 
-def _report(kind, args, times):
+def _report(kind, args, times, losses):
     median = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     print(
         f"model={kind} world_size={dist.get_world_size()} "
-        f"batch={args.batch} rounds={args.rounds} torch={torch.__version__} "
+        f"batch={args.batch} rounds={args.rounds} "
+        f"jit_compile={args.jit_compile} torch={torch.__version__} "
         f"load={[round(v, 2) for v in os.getloadavg()]}"
     )
     for name, value in median.items():
@@ -243,6 +274,12 @@ def _report(kind, args, times):
         f"  keras_dp / torch_ddp {over_ddp:.2f}x; floor keras_one / "
         f"torch_one {floor:.2f}x (target <= {floor * 1.05:.2f}x); "
         f"keras_dp / keras_one {median['keras_dp'] / median['keras_one']:.2f}x"
+    )
+    dp, one = np.array(losses["keras_dp"]), np.array(losses["keras_one"])
+    gap = float(np.max(np.abs(dp - one) / np.maximum(np.abs(one), 1e-12)))
+    print(
+        f"  losses: keras_dp last {dp[-1]:.6f}, keras_one last {one[-1]:.6f}; "
+        f"largest relative gap over {len(one)} steps {gap:.1e}"
     )
 
 

@@ -388,3 +388,36 @@ def test_epoch_end_within_a_pass_reads_the_rest_anew():
         reference = pm.run_single(_epoch_within_pass, "single")
     assert caught and all("ran out of data" in str(w.message) for w in caught)
     _assert_parity(per_rank, reference)
+
+
+def test_batch_structures_are_mapped_as_tree_maps_them():
+    """`data_input`'s own walk of a step's batch (lists and tuples of
+    arrays, walked without `keras.tree`'s cost) gives `keras.tree`'s
+    leaves and structure, and hands other containers to `keras.tree`."""
+    import collections
+
+    from keras.src import tree
+    from keras.src.backend.torch.distributed import data_input
+
+    a, b = np.zeros((4, 2)), np.ones(4)
+    pair = collections.namedtuple("pair", "p q")
+    batches = [
+        [(a, b)],
+        [(a, b, None)],
+        [({"x": a, "y": b}, b)],
+        [(pair(a, b), b)],
+        [((a, [a, b]), b, np.float32(1.0))],
+        [(a,)],
+        a,
+        [("text", 3, a)],
+        collections.OrderedDict(x=a, y=[b, None]),
+    ]
+    for batch in batches:
+        leaves = data_input._flatten(batch)
+        assert [id(x) for x in leaves] == [id(x) for x in tree.flatten(batch)]
+        mapped = data_input._map_structure(lambda x: ("leaf", id(x)), batch)
+        expected = tree.map_structure(lambda x: ("leaf", id(x)), batch)
+        assert mapped == expected
+        assert type(mapped) is type(expected)
+        if isinstance(batch, list):
+            assert type(mapped[0]) is type(expected[0])

@@ -211,3 +211,88 @@ def test_without_a_distribution_the_step_calls_the_function():
     model.train_on_batch(x, y)
     assert local_rows.running_step(model) is None
     assert model.train_function._leaves == {}
+
+
+def _lazy_model_steps(setting):
+    """Train steps of a `Sequential` built by its first step, a weight made
+    untrainable after two; the losses, and what the step decided when.
+
+    Counts the walks of the model's layers (`local_rows._per_sample`), the
+    bucketings of its weights (`step_reduction._reverse_buckets`) and the
+    calls on the local rows, after the first step and after the others.
+    """
+    import keras
+    from keras.src.backend.torch.distributed import local_rows
+    from keras.src.backend.torch.distributed import step_reduction
+
+    distributions.use_setting(setting)
+    keras.utils.set_random_seed(5)
+    model = keras.Sequential(
+        [
+            keras.layers.Dense(8, activation="relu", name="fc1"),
+            keras.layers.BatchNormalization(name="bn"),
+            keras.layers.Dense(2, name="fc2"),
+        ]
+    )
+    model.compile(optimizer="sgd", loss="mse")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 6)).astype("float32")
+    y = rng.normal(size=(8, 2)).astype("float32")
+    counts = {"walks": 0, "bucketings": 0, "local": 0}
+    per_sample = local_rows._per_sample
+    reverse_buckets = step_reduction._reverse_buckets
+    call = local_rows.call
+
+    def counting(name, function):
+        def counted(*args):
+            result = function(*args)
+            counts[name] += 1 if name != "local" else result is not None
+            return result
+
+        return counted
+
+    local_rows._per_sample = counting("walks", per_sample)
+    step_reduction._reverse_buckets = counting("bucketings", reverse_buckets)
+    local_rows.call = counting("local", call)
+    losses, snapshots = [], []
+    try:
+        for i in range(5):
+            if i == 3:
+                # Other trainable weights: other buckets.
+                model.get_layer("fc1").trainable = False
+            losses.append(float(model.train_on_batch(x, y)))
+            snapshots.append(dict(counts))
+    finally:
+        local_rows._per_sample = per_sample
+        step_reduction._reverse_buckets = reverse_buckets
+        local_rows.call = call
+        keras.distribution.set_distribution(None)
+    return {"losses": losses, "counts": snapshots}
+
+
+def _lazy_model_body(rank, world_size):
+    return _lazy_model_steps("dp")
+
+
+def test_the_step_classifies_and_buckets_its_model_once():
+    """Decided once the model is built, not in every step; decided anew
+    for other trainable weights; one process' losses throughout."""
+    from tests import parity_models as pm
+
+    per_rank = run_on_ranks(_lazy_model_body, world_size=2)
+    reference = pm.run_single(_lazy_model_steps, "single")
+    for result in per_rank:
+        np.testing.assert_allclose(
+            result["losses"], reference["losses"], rtol=1e-5
+        )
+        first, third, fourth, last = [result["counts"][i] for i in (0, 2, 3, 4)]
+        # Every step ran on the local rows.
+        assert [c["local"] for c in result["counts"]] == [1, 2, 3, 4, 5]
+        # Built by the first step: classified in it (before the call,
+        # unbuilt, and again in the call), never after.
+        assert first["walks"] >= 1
+        assert last["walks"] == first["walks"]
+        # Bucketed once for the first three steps, once more when fc1's
+        # weights stopped training, then kept.
+        assert first["bucketings"] == third["bucketings"] == 1
+        assert fourth["bucketings"] == last["bucketings"] == 2

@@ -168,3 +168,61 @@ def test_masked_batch_normalization_runs_on_dtensor():
     for rank, (result, local_calls) in enumerate(per_rank):
         assert local_calls == 0, local_calls
         pm.assert_close(result, reference, f"rank {rank}")
+
+
+def _dtensor_moments_body(rank, world_size):
+    """Batch moments of a batch-sharded DTensor: the values and gradients,
+    and the collectives of the forward and backward passes."""
+    import numpy as np
+    import torch
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    import keras
+    from keras.src.backend.torch import nn
+    from tests import distributions
+
+    distribution = distributions.use_setting("dp")
+    mesh = distribution.device_mesh.backend_mesh
+    data = np.random.default_rng(0).normal(size=(8, 3, 4)).astype("float32")
+    x = distribute_tensor(torch.from_numpy(data), mesh, [Shard(0)])
+    x.requires_grad_()
+    try:
+        with CommDebugMode() as comms:
+            mean, variance = nn.moments(x, axes=(0, 1))
+            both = mean.full_tensor() + variance.full_tensor()
+            (both * torch.arange(1.0, 5.0)).sum().backward()
+    finally:
+        keras.distribution.set_distribution(None)
+    return {
+        "collectives": comms.get_total_counts(),
+        "mean": mean.full_tensor().detach().numpy(),
+        "variance": variance.full_tensor().detach().numpy(),
+        "grad": x.grad.full_tensor().numpy(),
+    }
+
+
+def test_batch_moments_of_a_dtensor_batch_are_reduced_once():
+    # Batch normalization through DTensor (a compiled step, or a model
+    # that runs through DTensor): the sums of x and x * x are packed into
+    # one all-reduce, the only collective of the forward and backward
+    # passes here (upstream's two means: 4), with one process' moments
+    # and gradients.
+    import numpy as np
+    import torch
+
+    per_rank = run_on_ranks(_dtensor_moments_body, world_size=2)
+    data = np.random.default_rng(0).normal(size=(8, 3, 4)).astype("float32")
+    x = torch.from_numpy(data).requires_grad_()
+    mean = x.mean(dim=(0, 1))
+    variance = x.var(dim=(0, 1), unbiased=False)
+    weights = torch.arange(1.0, 5.0)
+    ((mean + variance) * weights).sum().backward()
+    for result in per_rank:
+        assert result["collectives"] == 1, result["collectives"]
+        np.testing.assert_allclose(result["mean"], mean.detach(), rtol=1e-5)
+        np.testing.assert_allclose(
+            result["variance"], variance.detach(), rtol=1e-5
+        )
+        np.testing.assert_allclose(result["grad"], x.grad, rtol=1e-4, atol=1e-6)

@@ -29,6 +29,27 @@ def all_replicated(values):
     return True
 
 
+def stateless_scope(mapping):
+    """A `StatelessScope` in which each variable reads the value given.
+
+    `StatelessScope(state_mapping=...)` converts and checks each value (a
+    device and dtype conversion and a shape comparison per variable, in
+    every step for every weight and optimizer variable); the values here
+    are the variables' own local tensors, of their device, dtype and shape
+    already, and enter the scope as updates do (`add_update`).
+
+    Args:
+        mapping: pairs `(variable, its local tensor)`.
+
+    Returns:
+        The scope, not entered.
+    """
+    scope = StatelessScope()
+    for variable, value in mapping:
+        scope.add_update((variable, value))
+    return scope
+
+
 def local_value(x):
     """The local tensor of a `DTensor`; anything else as it is."""
     return x.to_local() if isinstance(x, DTensor) else x
@@ -49,7 +70,7 @@ def on_local_values(variables):
         Nothing.
     """
     local_values = [(v, local_value(v.value)) for v in variables]
-    with StatelessScope(state_mapping=local_values) as scope:
+    with stateless_scope(local_values) as scope:
         yield
     with torch.no_grad():
         for variable, local in local_values:

@@ -94,9 +94,15 @@ class DistributedStep:
             model
         )
         self.runs_through_dtensor = False
+        # `(mesh, variables)`: what `local_rows.local_variables` said of the
+        # model once it was built (see `local_variables`).
+        self._local_variables = None
         # The plain leaves standing for the weights, kept from one step to
         # the next (see `step_reduction.OverlappedReduction.local_leaf`).
         self._leaves = {}
+        # The buckets of the overlapped reduction, kept from one step to
+        # the next (see `step_reduction.overlapped_reduction`).
+        self._buckets = {}
         # Of the step running now: its overlapped reduction, and the
         # `(output, local tensor)` of the model's calls on the local rows.
         self._reduction = None
@@ -159,7 +165,7 @@ class DistributedStep:
             if not self._overlaps_reduction:
                 return self.eager_step_function(data)
             with step_reduction.overlapped_reduction(
-                self.model, self._leaves
+                self.model, self._leaves, self._buckets
             ) as reduction:
                 self._reduction = reduction
                 try:
@@ -168,9 +174,35 @@ class DistributedStep:
                     self._reduction = None
 
     def _may_run_locally(self):
-        return not self.runs_through_dtensor and local_rows.may_run_locally(
-            self.model
-        )
+        """Whether the model may be called on the local rows (before the
+        call): a data-parallel (1-D) mesh, and see `local_variables`."""
+        if self.runs_through_dtensor:
+            return False
+        mesh = runtime.current_distribution().device_mesh.backend_mesh
+        return mesh.ndim == 1 and self.local_variables(mesh) is not None
+
+    def local_variables(self, mesh):
+        """`local_rows.local_variables` of the model, decided once.
+
+        The model's layers are walked and its variables' layouts checked
+        on every call until the model is built (see
+        `local_rows.classification_final`); then the answer is kept for
+        this step function, as long as the batch comes on the same mesh.
+
+        Args:
+            mesh: the mesh the batch is sharded over.
+
+        Returns:
+            The model's variables, or `None` if the model cannot be called
+            on the local rows.
+        """
+        kept = self._local_variables
+        if kept is not None and kept[0] is mesh:
+            return kept[1]
+        variables = local_rows.local_variables(self.model, mesh)
+        if local_rows.classification_final(self.model):
+            self._local_variables = (mesh, variables)
+        return variables
 
     def local_leaf(self, variable):
         """The plain leaf standing for a weight in a call on the local rows.

@@ -79,7 +79,7 @@ def reduce_with_loss(reduction, optimizer, gradients, loss):
 
 
 @contextlib.contextmanager
-def overlapped_reduction(model, leaves):
+def overlapped_reduction(model, leaves, plans=None):
     """All-reduces gradient buckets as the backward pass produces them.
 
     Entered around Keras' own eager train step, which takes the reduced
@@ -94,24 +94,28 @@ def overlapped_reduction(model, leaves):
         model: the model whose train step runs in the block.
         leaves: a dict kept from one step to the next, in which the plain
             leaves standing for the weights are kept (see `local_leaf`).
+        plans: optionally, a dict kept from one step to the next, in which
+            the buckets are kept for the model's trainable weights (see
+            `_BucketPlan`): computed once, not in every step.
 
     Yields:
         The `OverlappedReduction`, or `None` if there is nothing to reduce.
     """
-    # Data parallelism only (a 1-D mesh): on a model-parallel mesh the
-    # backward pass runs collectives of its own, which these would race.
-    variables = [
-        v
-        for v in getattr(model, "trainable_weights", ())
-        if isinstance(v.value, DTensor)
-        and v.value.requires_grad
-        and v.value.device_mesh.ndim == 1
-    ]
+    trainable = list(getattr(model, "trainable_weights", ()))
+    # The same weights (made trainable or not since: other weights) have
+    # the same buckets.
+    key = tuple(id(v) for v in trainable)
+    plan = None if plans is None else plans.get(key)
+    if plan is None:
+        plan = _BucketPlan(trainable)
+        if plans is not None:
+            plans.clear()  # Only the current weights' plan is kept.
+            plans[key] = plan
     optimizer = getattr(model, "optimizer", None)
-    if optimizer is None or not variables:
+    if optimizer is None or not plan.buckets:
         yield None
         return
-    reduction = OverlappedReduction(optimizer, model, variables, leaves)
+    reduction = OverlappedReduction(optimizer, plan, leaves)
     for bucket in reduction.buckets[:-1]:
         for v in bucket:
             reduction.handles.append(
@@ -152,6 +156,40 @@ def _reverse_buckets(variables):
     return buckets
 
 
+class _BucketPlan:
+    """The buckets of a model's trainable weights, for every step.
+
+    Args:
+        trainable: the model's trainable weights, in the order of the
+            train step's gradients.
+
+    Attributes:
+        trainable: the weights, as given.
+        buckets: the lists of weights reduced together, in the order the
+            backward pass produces them (see `_reverse_buckets`): the
+            weights of a 1-D mesh only (data parallelism; on a
+            model-parallel mesh the backward pass runs collectives of its
+            own, which these would race).
+        positions: `id(weight)` -> `(bucket index, index in the bucket)`.
+    """
+
+    def __init__(self, trainable):
+        self.trainable = trainable
+        variables = [
+            v
+            for v in trainable
+            if isinstance(v.value, DTensor)
+            and v.value.requires_grad
+            and v.value.device_mesh.ndim == 1
+        ]
+        self.buckets = _reverse_buckets(variables)
+        self.positions = {
+            id(v): (b, i)
+            for b, bucket in enumerate(self.buckets)
+            for i, v in enumerate(bucket)
+        }
+
+
 class OverlappedReduction:
     """The buckets of one train step, launched as their gradients arrive.
 
@@ -160,18 +198,19 @@ class OverlappedReduction:
     plain gradient: a partial sum over the variable's (1-D) mesh. The
     leaves are kept from one step to the next, by the step that owns the
     reduction.
+
+    Args:
+        optimizer: the optimizer (its flat buffers are reused).
+        plan: the `_BucketPlan` of the model's trainable weights.
+        leaves: the plain leaves made so far, by `id(variable)`.
     """
 
-    def __init__(self, optimizer, model, variables, leaves):
+    def __init__(self, optimizer, plan, leaves):
         self.buffers = gradients_lib.optimizer_buffers(optimizer)
         # The variables in the order of the train step's gradients.
-        self.trainable = list(model.trainable_weights)
-        self.buckets = _reverse_buckets(variables)
-        self.positions = {
-            id(v): (b, i)
-            for b, bucket in enumerate(self.buckets)
-            for i, v in enumerate(bucket)
-        }
+        self.trainable = plan.trainable
+        self.buckets = plan.buckets
+        self.positions = plan.positions
         self.arrived = [[None] * len(bucket) for bucket in self.buckets]
         # Every leaf made so far, by id(variable): kept from step to step.
         self.leaves = leaves
