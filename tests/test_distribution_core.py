@@ -338,6 +338,37 @@ def test_a_dimension_too_short_for_its_shards_is_replicated():
             np.testing.assert_array_equal(laid_out["global"], value)
 
 
+def _unit_axis_body(rank, world_size):
+    import torch
+
+    from keras import distribution as kd
+    from keras.src.backend.torch import distribution_lib
+
+    mesh = distributions.device_mesh((1, 2))
+    value = torch.arange(4 * 6, dtype=torch.float32).reshape(4, 6)
+    results = {}
+    for axes in (("batch", "model"), ("batch", None), ("model", None)):
+        laid_out = distribution_lib.distribute_tensor(
+            value, kd.TensorLayout(axes, mesh)
+        )
+        results[axes] = _placements_of(laid_out)
+    return results
+
+
+def test_a_mesh_axis_of_size_one_shards_nothing():
+    for result in run_on_ranks(_unit_axis_body, world_size=2):
+        # "batch" has size 1: the rows stay whole, as they are anyway.
+        assert result[("batch", "model")] == _placement_strings(
+            _replicate(), _shard(1)
+        )
+        assert result[("batch", None)] == _placement_strings(
+            _replicate(), _replicate()
+        )
+        assert result[("model", None)] == _placement_strings(
+            _replicate(), _shard(0)
+        )
+
+
 # --------------------------------------------------------------------------
 # 3. Variables
 # --------------------------------------------------------------------------

@@ -194,11 +194,16 @@ def test_one_output_layout_lays_out_lstm_sequence_and_states(setting):
             )
         ranks = [ndim for ndim, _ in result["outputs"]]
         assert ranks == [3, 2, 2]
-        if setting != "data_parallel":
+        if setting == "batch_sharded":
             # ("batch", None) shards the batch of every output, whatever
             # its rank; the trailing dimensions are replicated.
             for _, placements in result["outputs"]:
                 assert placements == _placements(0, "R")
+        if setting == "model_sharded":
+            # The "batch" axis has size 1 here: it shards nothing, and the
+            # outputs are replicated on it.
+            for _, placements in result["outputs"]:
+                assert placements == _placements("R", "R")
 
 
 def _short_layouts_body(rank, world_size):

@@ -203,7 +203,10 @@ def distribute_tensor(tensor, layout):
     array is in JAX), and cut locally without communication. Symbolic (meta)
     tensors and non-tensors pass through. A dimension too short to give
     every process a part (one prompt on two processes) is replicated
-    instead (see `layouts.without_empty_shards`).
+    instead (see `layouts.without_empty_shards`), and so is one sharded
+    over a mesh axis of size 1 (it splits nothing, and some torch versions
+    then refuse views that merge it: torch 2.15's `matmul` of keras-hub's
+    RWKV7 prompts on a (1, 2) mesh).
 
     Args:
         tensor: a tensor, `DTensor` or nested structure of them.
@@ -227,7 +230,9 @@ def _distribute_leaf(x, layout):
         # `from_local` + `redistribute` (unlike torch's `distribute_tensor`)
         # keeps the autograd history; replicated to sharded is a local cut.
         x = layouts.replicate(x, mesh)
-    placements = layouts.without_empty_shards(x.shape, mesh, layout.placements)
+    placements = layouts.without_empty_shards(
+        x.shape, mesh, layouts.drop_unit_shards(mesh, layout.placements)
+    )
     return layouts.redistribute(x, mesh, placements)
 
 
