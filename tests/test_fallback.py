@@ -357,6 +357,55 @@ def test_numbers_read_from_a_dtensor_are_its_global_value():
         assert counts == ["aten._local_scalar_dense.default"]
 
 
+def _logits():
+    return torch.arange(4 * 3 * 6, dtype=torch.float32).reshape(4, 3, 6).sin()
+
+
+def _argmax_body(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import distribute_tensor
+
+    fallback = _fallback()
+    # The vocabulary of the logits sharded, as a 2x2 layout's embedding
+    # leaves them (keras-hub's accuracy metric takes their argmax).
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("batch", "model"))
+    x = distribute_tensor(_logits(), mesh, [Shard(2), Replicate()])
+    with fallback.dtensor_fallback():
+        positions = {
+            "argmax": x.argmax(-1),
+            "argmin": x.argmin(2),
+            "argmax_all": x.argmax(),
+            # Along a dimension that is not sharded: DTensor computes it.
+            "argmax_rows": x.argmax(0),
+        }
+    return (
+        {k: v.full_tensor().numpy() for k, v in positions.items()},
+        {
+            k: (v.calls, v.gathered_bytes)
+            for k, v in fallback.fallback_counts().items()
+        },
+    )
+
+
+def test_positions_over_a_sharded_dimension_are_global_positions():
+    x = _logits()
+    expected = {
+        "argmax": x.argmax(-1),
+        "argmin": x.argmin(2),
+        "argmax_all": x.argmax(),
+        "argmax_rows": x.argmax(0),
+    }
+    for positions, counts in run_on_ranks(_argmax_body, world_size=4):
+        for name, value in expected.items():
+            np.testing.assert_array_equal(positions[name], value.numpy())
+        # Three over the sharded dimension, each gathering the other half.
+        assert counts["aten.argmax.default"] == (2, 2 * x.numel() // 2 * 4)
+        assert counts["aten.argmin.default"] == (1, x.numel() // 2 * 4)
+        assert len(counts) == 2
+
+
 def _keras_summary_body(rank, world_size):
     import keras
     from keras.src.backend.torch.distributed import fallback

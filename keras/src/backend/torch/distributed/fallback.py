@@ -51,6 +51,13 @@ from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
 
 _LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default
+# Reductions that return positions: a shard's own `argmax` is a position in
+# the shard, which no collective of the shards' results turns into the
+# global one.
+_POSITION_REDUCTIONS = (
+    torch.ops.aten.argmax.default,
+    torch.ops.aten.argmin.default,
+)
 
 if runtime.DTENSOR_AVAILABLE:
     from torch.distributed.tensor import Replicate
@@ -73,6 +80,10 @@ _state = threading.local()
 _STRIDED_SHARD = (
     "a strided shard (a view merging a sharded dimension into an outer one), "
     "gathered along its mesh axes"
+)
+_SPLIT_POSITIONS = (
+    "positions (argmax, argmin) taken over a sharded dimension, which "
+    "torch 2.15 takes per shard"
 )
 _LOCAL_SCALAR = (
     "a number read from a partial sum or a shard, where DTensor reads this "
@@ -208,6 +219,13 @@ class _FallbackMode(TorchDispatchMode):
             return _on_global_values(
                 func, args, kwargs, _LOCAL_SCALAR, str(func)
             )
+        if func in _POSITION_REDUCTIONS and _reduces_a_split_dim(args, kwargs):
+            # torch 2.15 computes it on each shard and labels the shard's
+            # positions as a shard of the result: wrong numbers, and a
+            # result whose local tensor has the wrong shape.
+            return _on_global_values(
+                func, args, kwargs, _SPLIT_POSITIONS, str(func)
+            )
         mutated = _mutated_operands(func, args, kwargs)
         if any(not isinstance(x, DTensor) for x in mutated):
             # A plain tensor updated with a `DTensor` (`total += loss`):
@@ -304,6 +322,21 @@ def _without_strided_shards(x, name):
         (gathered.to_local().numel() - x.to_local().numel()) * x.element_size(),
     )
     return gathered
+
+
+def _reduces_a_split_dim(args, kwargs):
+    """Whether `argmax(x, dim)` / `argmin` reduces a dimension of `x` that
+    is sharded or partial (all of them when `dim` is None)."""
+    x = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    for placement in x.placements:
+        if placement.is_partial():
+            return True
+        if placement.is_shard() and (
+            dim is None or placement.dim % x.ndim == dim % max(x.ndim, 1)
+        ):
+            return True
+    return False
 
 
 def _is_replicated(x):
