@@ -1666,7 +1666,11 @@ def _summary_model():
 
 def _summary_body(rank, world_size):
     from keras import distribution as kd
+    from keras.src.backend.torch.distributed import fallback
 
+    # The worker may have run other tests' fallbacks, which the summary
+    # would list after its total.
+    fallback.reset_fallback_counts()
     distributions.use_model_parallel(
         layout_rules={
             "dense/kernel": (None, "model"),
