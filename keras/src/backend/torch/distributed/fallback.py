@@ -13,11 +13,9 @@ Here every op on `DTensor`s that runs inside a layer call or a step goes
 through one torch dispatch mode. DTensor computes the op as usual; only
 if it refuses, the op's `DTensor` operands are gathered to their global
 values, the op runs on plain tensors as one process runs it, and each
-result is laid out again: like an operand of the same shape (its
-partial sums reduced), else replicated. An in-place op writes its result
-back into its operand in the operand's own layout. The numbers are one
-process'; the price is the gathers, which `fallback_counts` records op by
-op (`keras.distribution.sharding_summary` prints them).
+result is laid out again (`global_values.py`). The numbers are one
+process'; the price is the gathers, which `global_values.fallback_counts`
+records op by op (`keras.distribution.sharding_summary` prints them).
 
 Why a dispatch mode, and not `register_sharding`: a strategy registered
 with `torch.distributed.tensor.experimental.register_sharding` replaces
@@ -41,12 +39,12 @@ order, and the gathers pair up.
 """
 
 import contextlib
-import dataclasses
 import functools
 import threading
 
 import torch
 
+from keras.src.backend.torch.distributed import global_values
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
 
@@ -76,6 +74,11 @@ _REFUSALS = (NotImplementedError, RuntimeError, ValueError, AssertionError)
 
 _state = threading.local()
 
+# What the fallback computed on global values, op by op: counted where the
+# gathers happen, read here by the summary and the tests.
+fallback_counts = global_values.fallback_counts
+reset_fallback_counts = global_values.reset_fallback_counts
+
 # The reasons counted for what DTensor computes, but not as wanted.
 _STRIDED_SHARD = (
     "a strided shard (a view merging a sharded dimension into an outer one), "
@@ -89,43 +92,6 @@ _LOCAL_SCALAR = (
     "a number read from a partial sum or a shard, where DTensor reads this "
     "process' part (pytorch/pytorch#166638)"
 )
-
-
-@dataclasses.dataclass
-class FallbackCount:
-    """How often an op fell back, and what it gathered.
-
-    Attributes:
-        calls: how many times the op was computed on global values.
-        gathered_bytes: the bytes of the global values this process
-            assembled from other processes' shards and partial sums.
-        reason: the first line of DTensor's error, the first time.
-    """
-
-    calls: int = 0
-    gathered_bytes: int = 0
-    reason: str = ""
-
-
-_counts = {}
-_counts_lock = threading.Lock()
-
-
-def fallback_counts():
-    """The ops this process computed on global values, so far.
-
-    Returns:
-        A dict from the op's name (`"aten.avg_pool2d_backward.default"`) to
-        a copy of its `FallbackCount`.
-    """
-    with _counts_lock:
-        return {k: dataclasses.replace(v) for k, v in _counts.items()}
-
-
-def reset_fallback_counts():
-    """Forgets the ops counted by `fallback_counts`."""
-    with _counts_lock:
-        _counts.clear()
 
 
 @contextlib.contextmanager
@@ -216,21 +182,21 @@ class _FallbackMode(TorchDispatchMode):
             # `item()`, `float()`, `bool()` of a `DTensor`: DTensor reads the
             # local value, a silently wrong number on a partial sum (`max`)
             # and a failure on the processes without a part.
-            return _on_global_values(
+            return global_values.on_global_values(
                 func, args, kwargs, _LOCAL_SCALAR, str(func)
             )
         if func in _POSITION_REDUCTIONS and _reduces_a_split_dim(args, kwargs):
             # torch 2.15 computes it on each shard and labels the shard's
             # positions as a shard of the result: wrong numbers, and a
             # result whose local tensor has the wrong shape.
-            return _on_global_values(
+            return global_values.on_global_values(
                 func, args, kwargs, _SPLIT_POSITIONS, str(func)
             )
-        mutated = _mutated_operands(func, args, kwargs)
+        mutated = global_values.mutated_operands(func, args, kwargs)
         if any(not isinstance(x, DTensor) for x in mutated):
             # A plain tensor updated with a `DTensor` (`total += loss`):
             # DTensor would write into it, then refuse to return it.
-            return _on_global_values(
+            return global_values.on_global_values(
                 func, args, kwargs, None, str(func), mutated
             )
         try:
@@ -242,7 +208,7 @@ class _FallbackMode(TorchDispatchMode):
         else:
             if mutated:
                 return outputs
-            return _map_leaves(
+            return global_values.map_leaves(
                 functools.partial(
                     _without_strided_shards, name=f"{func} (strided shard)"
                 ),
@@ -253,7 +219,7 @@ class _FallbackMode(TorchDispatchMode):
                 f"{func} changes the shape of a DTensor in place, which "
                 "DTensor cannot do on these placements."
             ) from refusal
-        return _on_global_values(
+        return global_values.on_global_values(
             func, args, kwargs, refusal, str(func), mutated
         )
 
@@ -285,7 +251,7 @@ class _FunctionFallbackMode(TorchFunctionMode):
             # An in-place function of the caller's: its result must be the
             # operand it was given, which keeps its shape.
             raise refusal
-        return _on_global_values(func, args, kwargs, refusal, name)
+        return global_values.on_global_values(func, args, kwargs, refusal, name)
 
 
 def _without_strided_shards(x, name):
@@ -315,7 +281,7 @@ def _without_strided_shards(x, name):
         x.device_mesh,
         [p if _is_plain(p) else Replicate() for p in placements],
     )
-    _count(
+    global_values.count(
         name,
         _STRIDED_SHARD,
         [],
@@ -349,166 +315,3 @@ def _is_plain(placement):
         or placement.is_replicate()
         or placement.is_partial()
     )
-
-
-def _on_global_values(func, args, kwargs, refusal, name, mutated=()):
-    """`func` computed on the global values of its `DTensor` operands.
-
-    Args:
-        func: an op, or a torch function.
-        args: its positional arguments.
-        kwargs: its keyword arguments.
-        refusal: DTensor's error, or `None`.
-        name: the name it is counted under.
-        mutated: the operands it writes into.
-
-    Returns:
-        Its results, laid out again.
-    """
-    operands = [x for x in _leaves((args, kwargs)) if isinstance(x, DTensor)]
-    mesh = operands[0].device_mesh
-    gathered = {}
-
-    def global_value(x):
-        if not isinstance(x, DTensor):
-            return x
-        if id(x) not in gathered:
-            # Contiguous, as a fresh tensor in one process is: a global
-            # value assembled from transposed shards may not take a `view`
-            # that one process' tensor takes.
-            gathered[id(x)] = x.full_tensor().contiguous()
-        return gathered[id(x)]
-
-    global_args, global_kwargs = _map_leaves(global_value, (args, kwargs))
-    try:
-        outputs = func(*global_args, **global_kwargs)
-    except Exception as e:
-        # The op fails on plain tensors too: its own error is the one to
-        # show, with DTensor's for context.
-        raise e from refusal
-    _count(name, refusal, operands)
-    for operand in mutated:
-        if isinstance(operand, DTensor):
-            _write_back(operand, gathered[id(operand)])
-    if mutated and len(mutated) == len(_leaves(outputs)):
-        # An in-place op returns the operands it wrote into; a plain one
-        # holds the global value, as plain tensors do here.
-        return mutated[0] if len(mutated) == 1 else tuple(mutated)
-    return _map_leaves(
-        lambda y: (
-            _laid_out(y, mesh, operands) if isinstance(y, torch.Tensor) else y
-        ),
-        outputs,
-    )
-
-
-def _laid_out(value, mesh, operands):
-    """`value` as a `DTensor`: laid out like the first operand of its shape
-    (its partial sums reduced), else replicated."""
-    placements = [Replicate()] * mesh.ndim
-    for x in operands:
-        if x.shape == value.shape and x.device_mesh == mesh:
-            placements = [
-                Replicate() if p.is_partial() else p for p in x.placements
-            ]
-            break
-    replicated = DTensor.from_local(
-        value, mesh, [Replicate()] * mesh.ndim, run_check=False
-    )
-    if all(p.is_replicate() for p in placements):
-        return replicated
-    # From replicated to sharded is a local slice: no communication.
-    return replicated.redistribute(mesh, placements)
-
-
-def _write_back(operand, value):
-    """Writes a global `value` into `operand`'s shards, in its layout.
-
-    A partial sum over `n` processes holds `value / n` on each (DTensor
-    does not redistribute to `Partial`); an average, a maximum or a
-    minimum holds `value` itself.
-    """
-    mesh = operand.device_mesh
-    replicated = DTensor.from_local(
-        value, mesh, [Replicate()] * mesh.ndim, run_check=False
-    )
-    sharded = [Replicate() if p.is_partial() else p for p in operand.placements]
-    local = replicated.redistribute(mesh, sharded).to_local()
-    for mesh_dim, placement in enumerate(operand.placements):
-        if placement.is_partial() and placement.reduce_op == "sum":
-            local = local / mesh.size(mesh_dim)
-    with torch.no_grad():
-        operand.to_local().copy_(local)
-
-
-def _mutated_operands(func, args, kwargs):
-    """The tensor arguments that `func` writes into."""
-    mutated = []
-    for position, name in _written_arguments(func):
-        value = args[position] if position < len(args) else kwargs.get(name)
-        mutated.extend(x for x in _leaves(value) if torch.is_tensor(x))
-    return mutated
-
-
-@functools.lru_cache(maxsize=None)
-def _written_arguments(func):
-    """`(position, name)` of each argument `func`'s schema writes into."""
-    return tuple(
-        (i, argument.name)
-        for i, argument in enumerate(func._schema.arguments)
-        if argument.alias_info is not None and argument.alias_info.is_write
-    )
-
-
-def _count(name, refusal, operands, gathered_bytes=0):
-    gathered_bytes += sum(_gathered_bytes(x) for x in operands)
-    with _counts_lock:
-        count = _counts.setdefault(name, FallbackCount())
-        first = count.calls == 0
-        count.calls += 1
-        count.gathered_bytes += gathered_bytes
-        if first:
-            count.reason = _first_line(refusal)
-    if first:
-        runtime.log_debug(
-            "fallback: %s (%s), gathering %d bytes",
-            name,
-            count.reason,
-            gathered_bytes,
-        )
-
-
-def _gathered_bytes(x):
-    """The bytes of `x`'s global value that this process does not hold."""
-    held = x.to_local().numel()
-    if any(p.is_partial() for p in x.placements):
-        held = 0
-    return (x.numel() - held) * x.element_size()
-
-
-def _first_line(error):
-    if error is None:
-        return "a plain tensor updated in place with a DTensor"
-    if isinstance(error, str):
-        return error
-    text = " ".join(str(error).split())
-    return f"{type(error).__name__}: {text[:200]}"
-
-
-def _leaves(value):
-    if isinstance(value, (list, tuple)):
-        return [leaf for x in value for leaf in _leaves(x)]
-    if isinstance(value, dict):
-        return [leaf for x in value.values() for leaf in _leaves(x)]
-    return [value]
-
-
-def _map_leaves(function, value):
-    if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
-        mapped = [_map_leaves(function, x) for x in value]
-        return (
-            type(value)(mapped) if isinstance(value, list) else (tuple(mapped))
-        )
-    if isinstance(value, dict):
-        return {k: _map_leaves(function, x) for k, x in value.items()}
-    return function(value)

@@ -14,7 +14,8 @@ What couples the samples of a batch inside the model is made global by
 one mechanism each:
 
 - moments over the batch axis (`BatchNormalization` in training) are
-  computed from sums all-reduced across processes (`batch_moments`), as
+  computed from sums all-reduced across processes
+  (`batch_statistics.batch_moments`), as
   torch's `SyncBatchNorm` does; the moving statistics a layer updates are
   written back to its variables;
 - a model whose call draws random numbers (it advances a layer's
@@ -29,14 +30,11 @@ one mechanism each:
 """
 
 import contextlib
-import functools
-import math
 import random
 import threading
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from keras.src import tree
 from keras.src.backend.common.masking import get_keras_mask
@@ -48,7 +46,6 @@ from keras.src.backend.torch.distributed.runtime import DTensor
 
 if runtime.DTENSOR_AVAILABLE:
     from torch.distributed.tensor import Partial
-    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor import Shard
 
 # Layers of Keras' own that run code of the user's.
@@ -187,103 +184,11 @@ def _in_local_call(mesh, global_rows):
         _local_call.current = None
 
 
-def batch_moments(function):
-    """`moments` over the global batch, with one all-reduce forward.
-
-    Moments whose axes include the batch axis (batch normalization) are
-    computed from the sums of `x` and `x * x` and the count of values over
-    every process' rows, all-reduced in one collective:
-
-    - inside a call on the local rows, in one differentiable collective;
-      the gradient of each process' rows comes back through the
-      all-reduce;
-    - on a `DTensor` batch sharded over a 1-D mesh (data parallelism
-      through DTensor, compiled steps included), the two sums are packed
-      into one partial sum that DTensor all-reduces once. Upstream's
-      `mean(x)` and `mean(x * x)` are two partial values, each reduced on
-      its own, and their gradients again (`tests/test_local_rows.py`
-      counts 4 collectives against 1; a compiled step of
-      `bench_data_parallel.py`'s CNN issued 16 a step, 8 packed).
-
-    Args:
-        function: the backend's `moments(x, axes, keepdims, synchronized)`.
-
-    Returns:
-        The wrapped function.
-    """
-
-    @functools.wraps(function)
-    def moments(x, axes, keepdims=False, synchronized=False):
-        current = getattr(_local_call, "current", None)
-        axes = tuple(axes) if isinstance(axes, (list, tuple)) else (axes,)
-        if 0 not in [a % x.ndim for a in axes]:
-            return function(x, axes, keepdims, synchronized)
-        if current is not None:
-            return _global_moments(x, axes, keepdims, group=current[0])
-        if _batch_sharded(x):
-            return _packed_moments(x, axes, keepdims)
-        return function(x, axes, keepdims, synchronized)
-
-    return moments
-
-
-def _batch_sharded(x):
-    """Whether `x` is a `DTensor` sharded on its first axis over a 1-D mesh
-    (and only there)."""
-    return (
-        isinstance(x, DTensor)
-        and x.device_mesh.ndim == 1
-        and tuple(x.placements) == (Shard(0),)
-    )
-
-
-def _packed_moments(x, axes, keepdims):
-    """`_global_moments` of a batch-sharded `DTensor`, through DTensor.
-
-    The sums over the batch are partial sums; packed into one tensor,
-    DTensor reduces them in one all-reduce. The count is the global
-    shape's.
-    """
-    dtype = x.dtype
-    if dtype in (torch.float16, torch.bfloat16):
-        # As upstream: statistics in float32.
-        x = x.float()
-    sums = torch.sum(x, dim=axes, keepdim=True)
-    squares = torch.sum(x * x, dim=axes, keepdim=True)
-    packed = torch.cat([sums.reshape(-1), squares.reshape(-1)])
-    packed = packed.redistribute(placements=[Replicate()])
-    total = 1
-    for a in axes:  # A loop: dynamo cannot trace `math.prod` of a generator.
-        total *= x.shape[a]
-    size = sums.numel()
-    mean = (packed[:size] / total).reshape(sums.shape)
-    variance = (packed[size:] / total).reshape(sums.shape) - mean * mean
-    if not keepdims:
-        mean = torch.squeeze(mean, dim=axes)
-        variance = torch.squeeze(variance, dim=axes)
-    return mean.to(dtype), variance.to(dtype)
-
-
-def _global_moments(x, axes, keepdims, group):
-    dtype = x.dtype
-    if dtype in (torch.float16, torch.bfloat16):
-        # As upstream: statistics in float32.
-        x = x.float()
-    sums = torch.sum(x, dim=axes, keepdim=True)
-    squares = torch.sum(x * x, dim=axes, keepdim=True)
-    count = sums.new_full((1,), math.prod(x.shape[a] for a in axes))
-    packed = torch.cat([sums.reshape(-1), squares.reshape(-1), count])
-    packed = _AllReduceSum.apply(packed, group)
-    size = sums.numel()
-    total = packed[-1]
-    mean = (packed[:size] / total).reshape(sums.shape)
-    variance = (packed[size : 2 * size] / total).reshape(sums.shape) - (
-        mean * mean
-    )
-    if not keepdims:
-        mean = torch.squeeze(mean, dim=axes)
-        variance = torch.squeeze(variance, dim=axes)
-    return mean.to(dtype), variance.to(dtype)
+def local_call_group():
+    """The process group of the call on the local rows this thread runs
+    (its mesh's), or `None` outside such a call."""
+    current = getattr(_local_call, "current", None)
+    return None if current is None else current[0]
 
 
 def local_variables(model, mesh):
@@ -347,24 +252,6 @@ def _batch_sharding(values):
         return None
     start, stop = parts[mesh.get_local_rank()]
     return mesh, global_rows, stop - start
-
-
-class _AllReduceSum(torch.autograd.Function):
-    """A sum over processes; its gradient is the sum of theirs (each
-    process' rows reach every process' moments)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        total = x.clone()
-        dist.all_reduce(total, group=group)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad):
-        total = grad.clone()
-        dist.all_reduce(total, group=ctx.group)
-        return total, None
 
 
 def _per_sample(layer):
