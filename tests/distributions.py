@@ -156,6 +156,19 @@ def use_setting(setting, *, layout_rules=None, auto_shard_dataset=True):
     )
 
 
+def run_without_distribution(function, *args):
+    """Runs `function(*args)` in this process with no distribution, in a
+    fresh Keras session; returns its result."""
+    import keras
+
+    keras.distribution.set_distribution(None)
+    keras.backend.clear_session()
+    try:
+        return function(*args)
+    finally:
+        keras.backend.clear_session()
+
+
 def _use(distribution):
     from keras import distribution as kd
 

@@ -21,6 +21,7 @@ import functools
 import numpy as np
 import pytest
 
+from tests import distributions
 from tests.harness import run_on_ranks
 
 # Generous: the machine is small and shared, a loaded run must not flake.
@@ -80,16 +81,7 @@ def _set_model_parallel(mesh_shape, layouts):
     )
 
 
-def _single_process(function, *args):
-    """Runs `function` in this process with no distribution, fresh state."""
-    import keras
-
-    keras.distribution.set_distribution(None)
-    keras.backend.clear_session()
-    try:
-        return function(*args)
-    finally:
-        keras.backend.clear_session()
+_single_process = distributions.run_without_distribution
 
 
 # --------------------------------------------------------------------------

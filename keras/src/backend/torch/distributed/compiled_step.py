@@ -17,6 +17,7 @@ import warnings
 import torch
 
 from keras.src import tree
+from keras.src.backend.torch.distributed import fsdp
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
 
@@ -123,6 +124,13 @@ def eager_reason(model):
     """Why a compiled step of `model` must run eagerly, or `None`."""
     if not evenly_sharded(model.variables):
         return "some of its variables are sharded unevenly"
+    if fsdp.has_gathered_weights(model, runtime.current_distribution()):
+        return (
+            "weights sharded over the batch axis are gathered one layer at "
+            "a time and freed after use, which torch.compile cannot trace "
+            f"(set {fsdp.GATHER_WEIGHTS_ENV}=off to compile DTensor's own "
+            "plan instead)"
+        )
     return None
 
 

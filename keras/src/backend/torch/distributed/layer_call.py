@@ -20,6 +20,7 @@ from keras.src.backend.common.keras_tensor import KerasTensor
 from keras.src.backend.common.masking import get_keras_mask
 from keras.src.backend.common.masking import set_keras_mask
 from keras.src.backend.torch.distributed import fallback
+from keras.src.backend.torch.distributed import fsdp
 from keras.src.backend.torch.distributed import layout_rules
 from keras.src.backend.torch.distributed import layouts
 from keras.src.backend.torch.distributed import local_rows
@@ -93,13 +94,19 @@ def call_layer(call_function, layer, *args, **kwargs):
     args, kwargs = tree.map_structure(
         functools.partial(layouts.replicate, mesh=mesh), (args, kwargs)
     )
+    symbolic = _is_symbolic((args, kwargs))
     _calls.depth = _call_depth() + 1
     try:
-        with replicated_plain_tensors(), fallback.dtensor_fallback():
-            outputs = call_function(layer, *args, **kwargs)
+        with (
+            replicated_plain_tensors(),
+            fallback.dtensor_fallback(),
+            # Weights sharded over the batch axis, one layer at a time.
+            fsdp.gathered_weights(layer, distribution, not symbolic) as release,
+        ):
+            outputs = release(call_function(layer, *args, **kwargs))
     finally:
         _calls.depth -= 1
-    if _calls.depth == 0 and not _is_symbolic((args, kwargs)):
+    if _calls.depth == 0 and not symbolic:
         # The outermost call on data (not while a functional model that
         # calls this one is built): a whole model, built by now.
         layout_rules.check_model(layer, distribution)

@@ -1,0 +1,245 @@
+"""Weights sharded over the batch axis are gathered one layer at a time.
+
+`torch/distributed/fsdp.py`: a layer call gathers the layer's own weights
+sharded over the batch axis, frees the gathered storage once the call
+returns, gathers it again for the backward pass, and reduce-scatters the
+gradient to the weight's shards. Each body runs on 2 gloo ranks with
+kernels `("batch", None)` on a (2, 1) ("batch", "model") mesh; the
+reference is the same code in this process without a distribution (the
+path `tests/test_single_process_path.py` shows to be upstream's).
+"""
+
+import numpy as np
+import pytest
+
+from tests import distributions
+from tests.harness import run_on_ranks
+
+_LAYERS = 3
+_DIM = 8
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, _DIM)).astype("float32")
+    y = rng.standard_normal((6, _DIM)).astype("float32")
+    return x, y
+
+
+def _dense_model():
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((_DIM,))]
+        + [
+            keras.layers.Dense(_DIM, activation="tanh", name=f"dense_{i}")
+            for i in range(_LAYERS)
+        ]
+    )
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    return model
+
+
+def _train(model, steps=2):
+    x, y = _data()
+    losses = [float(model.train_on_batch(x, y)) for _ in range(steps)]
+    weights = [np.asarray(w) for w in model.get_weights()]
+    return losses, weights
+
+
+def _set_fsdp(gather=None):
+    """Kernels (and tables) `("batch", None)` on a (2, 1) mesh; `gather`
+    is `KERAS_DISTRIBUTION_GATHER_WEIGHTS` (unset: the default)."""
+    import os
+
+    from keras.src.backend.torch.distributed import fsdp
+
+    if gather is None:
+        os.environ.pop(fsdp.GATHER_WEIGHTS_ENV, None)
+    else:
+        os.environ[fsdp.GATHER_WEIGHTS_ENV] = gather
+    distributions.use_model_parallel(
+        layout_rules={".*(kernel|table)": ("batch", None)}, mesh_shape=(2, 1)
+    )
+
+
+_single_process = distributions.run_without_distribution
+
+
+def _assert_equal_to_one_process(results, reference):
+    ref_losses, ref_weights = reference
+    for losses, weights in results:
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-4, atol=1e-6)
+        for w, r in zip(weights, ref_weights):
+            np.testing.assert_allclose(w, r, rtol=1e-4, atol=1e-6)
+
+
+def _step_collectives(model):
+    """The loss and collectives of one train step (not of reading the
+    weights)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    x, y = _data()
+    with CommDebugMode() as comm:
+        loss = float(model.train_on_batch(x, y))
+    return loss, {
+        str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()
+    }
+
+
+def _gathered_step_body(rank, world_size):
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    _set_fsdp()
+    model = _dense_model()
+    losses, _ = _train(model, steps=1)
+    x, y = _data()
+    kernels = {id(layer.kernel.value) for layer in model.layers}
+    saved = []
+
+    def pack(t):
+        # What autograd keeps of the gathered kernels: whole DTensors.
+        if isinstance(t, DTensor) and tuple(t.shape) == (_DIM, _DIM):
+            if id(t) not in kernels and t.placements[0].is_replicate():
+                saved.append(t)
+        return t
+
+    # One forward pass with gradients: the gathered storage is freed once
+    # each layer returns, though autograd keeps the tensors.
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        outputs = model(x, training=True)
+    after_forward = [t.to_local().untyped_storage().nbytes() for t in saved]
+    outputs.sum().backward()
+    after_backward = [t.to_local().untyped_storage().nbytes() for t in saved]
+    grads = [str(layer.kernel.value.grad.placements) for layer in model.layers]
+    model.zero_grad()
+
+    loss, counts = _step_collectives(model)
+    losses.append(loss)
+    _, weights = _train(model, steps=0)
+    return {
+        "saved": len(saved),
+        "after_forward": after_forward,
+        "after_backward": after_backward,
+        "grads": grads,
+        "counts": counts,
+        "run": (losses, weights),
+    }
+
+
+def test_weights_are_gathered_per_layer_and_freed_after_use():
+    results = run_on_ranks(_gathered_step_body, world_size=2)
+    reference = _single_process(lambda: _train(_dense_model()))
+    _assert_equal_to_one_process([r["run"] for r in results], reference)
+    for r in results:
+        # Autograd kept every gathered kernel but the first layer's (its
+        # input needs no gradient), and they held no memory after the
+        # forward pass, nor after backward.
+        assert r["saved"] == _LAYERS - 1, r
+        assert r["after_forward"] == [0] * r["saved"], r
+        assert r["after_backward"] == [0] * r["saved"], r
+        # Gradients reach the optimizer in the kernels' own shards.
+        assert r["grads"] == ["(Shard(dim=0), Replicate())"] * _LAYERS, r
+        # Per layer: a gather forward, one backward, a reduce-scatter.
+        assert r["counts"].get("all_gather_into_tensor") == 2 * _LAYERS, r
+        assert r["counts"].get("reduce_scatter_tensor") == _LAYERS, r
+
+
+def _dtensor_plan_body(rank, world_size, gather):
+    _set_fsdp(gather)
+    model = _dense_model()
+    losses, _ = _train(model, steps=1)
+    loss, counts = _step_collectives(model)
+    losses.append(loss)
+    _set_fsdp()
+    return {"counts": counts, "run": (losses, _train(model, steps=0)[1])}
+
+
+def test_gathering_can_be_turned_off_or_extended_to_every_axis():
+    reference = _single_process(lambda: _train(_dense_model()))
+    off = run_on_ranks(
+        _dtensor_plan_body, world_size=2, kwargs={"gather": "off"}
+    )
+    _assert_equal_to_one_process([r["run"] for r in off], reference)
+    # DTensor's own plan: no per-layer reduce-scatter of the gradients.
+    assert all("reduce_scatter_tensor" not in r["counts"] for r in off), off
+    every = run_on_ranks(
+        _dtensor_plan_body, world_size=2, kwargs={"gather": "all"}
+    )
+    _assert_equal_to_one_process([r["run"] for r in every], reference)
+    assert all(
+        r["counts"].get("reduce_scatter_tensor") == _LAYERS for r in every
+    ), every
+
+
+def test_an_unknown_gather_choice_is_a_value_error(monkeypatch):
+    from keras import distribution as kd
+    from keras.src.backend.torch.distributed import fsdp
+
+    monkeypatch.setenv(fsdp.GATHER_WEIGHTS_ENV, "sometimes")
+    mesh = kd.DeviceMesh((1, 1), ["batch", "model"], ["cpu:0"])
+    distribution = kd.ModelParallel(
+        layout_map=kd.LayoutMap(mesh), batch_dim_name="batch"
+    )
+    with pytest.raises(ValueError, match="sometimes"):
+        fsdp.gathered_mesh_dims(distribution)
+
+
+def _table_model(jit_compile=False):
+    """A layer whose output is a view of its weight (keras-hub's
+    `PositionEmbedding` slices its table), and a SpectralNormalization
+    that assigns its kernel in its call."""
+    import keras
+
+    class Table(keras.layers.Layer):
+        def build(self, input_shape):
+            self.table = self.add_weight((6, _DIM), name="table")
+
+        def call(self, x):
+            return self.table[:4]
+
+    class TableModel(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.rows = Table(name="table")
+            self.dense = keras.layers.SpectralNormalization(
+                keras.layers.Dense(_DIM, name="dense"), name="spectral"
+            )
+
+        def call(self, x, training=None):
+            rows = self.rows(x)
+            return self.dense(
+                x + keras.ops.mean(rows, axis=0), training=training
+            )
+
+    keras.utils.set_random_seed(0)
+    model = TableModel()
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=jit_compile
+    )
+    return model
+
+
+def _table_body(rank, world_size, jit_compile):
+    import warnings
+
+    _set_fsdp()
+    model = _table_model(jit_compile)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run = _train(model, steps=3)
+    return {"run": run, "warnings": [str(w.message) for w in caught]}
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_weight_views_assignments_and_compiled_steps(jit_compile):
+    results = run_on_ranks(
+        _table_body, world_size=2, kwargs={"jit_compile": jit_compile}
+    )
+    reference = _single_process(lambda: _train(_table_model(), steps=3))
+    _assert_equal_to_one_process([r["run"] for r in results], reference)
+    eager = [w for w in results[0]["warnings"] if "gathered one layer" in w]
+    # A compiled step says why it runs eagerly.
+    assert bool(eager) == jit_compile, results[0]["warnings"]
