@@ -38,6 +38,9 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# A keras-hub Llama with its own `get_layout_map` (kernels over both axes)
+# on a (2, 2) mesh, weights gathered or left to DTensor: `--llama`.
+LLAMA_IMPLS = ("hub_llama_2x2", "hub_llama_2x2_dtensor")
 IMPLS = (
     "keras_fsdp",
     "keras_fsdp_dtensor",
@@ -52,7 +55,7 @@ def parse_args(argv=None):
     """Command-line flags."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--procs", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    p.add_argument("--impls", nargs="*", default=list(IMPLS), choices=IMPLS)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--dim", type=int, default=4096)
     p.add_argument("--batch", type=int, default=64)
@@ -60,9 +63,24 @@ def parse_args(argv=None):
     p.add_argument("--time-layers", type=int, default=4)
     p.add_argument("--time-dim", type=int, default=512)
     p.add_argument("--time-steps", type=int, default=20)
+    p.add_argument(
+        "--llama",
+        action="store_true",
+        help="also a keras-hub Llama on a (2, 2) mesh (4 processes; needs "
+        "keras-hub, the `test` extra)",
+    )
+    p.add_argument(
+        "--phases",
+        nargs="+",
+        default=["memory", "time"],
+        choices=["memory", "time"],
+        help="without the time phase, step times are the memory runs'",
+    )
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--json", metavar="PATH", help="write the results here")
-    p.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--worker", choices=IMPLS + LLAMA_IMPLS, help=argparse.SUPPRESS
+    )
     p.add_argument(
         "--phase", choices=("memory", "time"), help=argparse.SUPPRESS
     )
@@ -78,8 +96,16 @@ def main(argv=None):
     for procs in args.procs:
         for impl in args.impls:
             row = {"procs": procs, "impl": impl}
-            for phase in ("memory", "time"):
+            for phase in args.phases:
                 row.update(_launch(args, procs, impl, phase))
+            row.setdefault("step_ms", row.get("memory_step_ms"))
+            results.append(row)
+            print(_row_text(row), flush=True)
+    if args.llama:
+        for impl in LLAMA_IMPLS:
+            row = {"procs": 4, "impl": impl}
+            row.update(_launch(args, 4, impl, "memory"))
+            row["step_ms"] = row["memory_step_ms"]
             results.append(row)
             print(_row_text(row), flush=True)
     print()
@@ -168,7 +194,7 @@ def report(results):
 
 def _worker(args):
     os.environ["KERAS_BACKEND"] = "torch"
-    if args.worker == "keras_fsdp_dtensor":
+    if args.worker.endswith("_dtensor"):
         os.environ["KERAS_DISTRIBUTION_GATHER_WEIGHTS"] = "off"
     import torch
     import torch.distributed as dist
@@ -198,6 +224,8 @@ def _worker(args):
     before = memory_kib()[0] * 1024
     if args.worker == "native_fsdp2":
         step, parameters = _native_fsdp2(dims, x, y, procs, rank)
+    elif args.worker in LLAMA_IMPLS:
+        step, parameters = _hub_llama(args.batch)
     else:
         step, parameters = _keras(args.worker, dims, x, y, procs)
     step()  # warm-up: the optimizer's slots, lazy imports
@@ -220,7 +248,9 @@ def _worker(args):
             result["peak_mib"] = max(float(g[0]) for g in gathered) / MIB
             result["peaks_mib"] = [float(g[0]) / MIB for g in gathered]
             result["ideal_mib"] = 4 * parameters * 4 / procs / MIB
-            result["memory_loss"] = float(loss)
+            result["memory_step_ms"] = (
+                float(np.median([float(g[1]) for g in gathered])) * 1e3
+            )
         else:
             result["step_ms"] = (
                 float(np.median([float(g[1]) for g in gathered])) * 1e3
@@ -272,6 +302,48 @@ def _keras(impl, dims, x, y, procs):
 
     def step():
         return model.train_on_batch(x, y)
+
+    return step, parameters
+
+
+def _hub_llama(batch):
+    """A keras-hub Llama under its own layout map on a (2, 2) mesh."""
+    import keras_hub
+
+    import keras
+
+    devices = keras.distribution.list_devices()
+    mesh = keras.distribution.DeviceMesh((2, 2), ("batch", "model"), devices)
+    layout_map = keras_hub.models.LlamaBackbone.get_layout_map(mesh)
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(
+            layout_map=layout_map, batch_dim_name="batch"
+        )
+    )
+    keras.utils.set_random_seed(0)
+    vocabulary, sequence = 8192, 64
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=vocabulary,
+        num_layers=4,
+        num_query_heads=8,
+        num_key_value_heads=8,
+        hidden_dim=512,
+        intermediate_dim=1408,
+    )
+    lm = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+    lm.compile(optimizer=keras.optimizers.Adam(1e-3))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, vocabulary, size=(batch, sequence + 1))
+    x = {
+        "token_ids": tokens[:, :-1].astype("int32"),
+        "padding_mask": np.ones((batch, sequence), bool),
+    }
+    y = tokens[:, 1:].astype("int32")
+    parameters = sum(int(np.prod(v.shape)) for v in lm.trainable_variables)
+
+    def step():
+        # The loss, without the compiled metrics.
+        return lm.train_on_batch(x, y)[0]
 
     return step, parameters
 

@@ -6,7 +6,9 @@ memory check and its failure path), never how fast anything is.
 """
 
 import json
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -181,3 +183,38 @@ def test_bench_memory_fails_above_the_bound():
     assert sorted(rows) == [0, 1], result.stdout + result.stderr
     assert all(row[-1] == "FAIL" for row in rows.values())
     assert result.returncode != 0
+
+
+def test_bench_fsdp_compares_the_same_work(tmp_path):
+    # bench_fsdp.py launches its own torchrun per implementation.
+    path = tmp_path / "fsdp.json"
+    impls = ["keras_fsdp", "keras_fsdp_dtensor", "native_fsdp2"]
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "bench_fsdp.py"),
+            "--procs=2",
+            "--layers=2",
+            "--dim=64",
+            "--batch=8",
+            "--steps=1",
+            "--phases=memory",
+            "--timeout=300",
+            f"--json={path}",
+            "--impls",
+            *impls,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **CPU_ENV},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = {r["impl"]: r for r in json.loads(path.read_text())["results"]}
+    assert sorted(rows) == sorted(impls)
+    # The Keras runs train the same model on the same data: one loss.
+    keras_losses = {rows[i]["loss"] for i in impls if i.startswith("keras")}
+    assert max(keras_losses) - min(keras_losses) < 1e-4 * max(keras_losses)
+    for impl in impls:
+        assert f"| 2 | {impl} |" in result.stdout
+        assert rows[impl]["peak_mib"] > 0 and rows[impl]["ideal_mib"] > 0

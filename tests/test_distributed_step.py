@@ -25,6 +25,7 @@ STEP_MODULES = (
     "local_loss",
     "local_state",
     "layer_call",
+    "fsdp",
 )
 ALLOWED_MODULE_STATE = {
     # Mirror torch's process-wide `implicit_replication` flag: the open
@@ -36,6 +37,10 @@ ALLOWED_MODULE_STATE = {
     ("layer_call", "_calls"),
     # Per thread: the local call's context, for `batch_moments`.
     ("local_rows", "_local_call"),
+    # The variables a layer call has swapped for their gathered values (as
+    # the variables' own `_value`, process-wide): a layer called inside
+    # its own call keeps them.
+    ("fsdp", "_gathered_now"),
 }
 _MUTABLE_CALLS = {
     "dict",
