@@ -20,11 +20,16 @@ batch split over the processes):
 Memory: each process' peak resident memory (VmHWM) during `--steps`
 training steps, after one warm-up step, above its resident memory before
 the model was built; the ideal is weights + gradients + 2 Adam slots
-divided by N. Time: the median step of `--time-steps` steps on a smaller
-stack (`--time-layers` kernels alternating `--time-dim` x `4 * --time-dim`
-and back, the MLP of issue #25) in separate runs of the same workers.
-The table gives each implementation's peak over the ideal, over
-`native_fsdp2`'s, and its step time over `keras_dp`'s.
+divided by N. The memory runs allocate every block of 64 KiB or more with
+`mmap` (`--mmap-threshold`), so that freed memory leaves the resident set:
+with glibc's default dynamic threshold, blocks of a few MiB freed and
+allocated again (gathered weights, gradients) stay in its heap, and the
+peak measures its fragmentation as much as what is live. Time: the
+median step of `--time-steps` steps on a smaller stack (`--time-layers`
+kernels alternating `--time-dim` x `4 * --time-dim` and back, the MLP
+of issue #25) in separate runs of the same workers. The table gives each
+implementation's peak over the ideal, over `native_fsdp2`'s, and its step
+time over `keras_dp`'s.
 """
 
 import argparse
@@ -75,6 +80,14 @@ def parse_args(argv=None):
         default=["memory", "time"],
         choices=["memory", "time"],
         help="without the time phase, step times are the memory runs'",
+    )
+    p.add_argument(
+        "--mmap-threshold",
+        type=int,
+        default=65536,
+        help="MALLOC_MMAP_THRESHOLD_ of the memory runs (bytes; 0: glibc's "
+        "default): freed tensors leave the resident memory, which then "
+        "measures what is live rather than what glibc's heap retains",
     )
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--json", metavar="PATH", help="write the results here")
@@ -132,6 +145,9 @@ def _launch(args, procs, impl, phase):
             f"--out={out}",
         ] + _shape_flags(args)
         env = dict(os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1")
+        if args.mmap_threshold and phase == "memory":
+            # Not for the time phase: a system call per tensor is slow.
+            env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
         start = time.perf_counter()
         done = subprocess.run(
             command,

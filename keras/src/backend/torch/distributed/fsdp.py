@@ -43,6 +43,7 @@ eagerly when weights are gathered (see `compiled_step.eager_reason`).
 
 import contextlib
 import os
+import weakref
 
 import torch
 
@@ -295,11 +296,19 @@ class _GatheredWeight:
         # Once the weight's gradient is complete, every backward op that
         # read the gathered value has run.
         value.register_hook(self._release_after_backward)
+        # Held weakly from now on: if autograd saved neither the value nor
+        # a view of it (the first layer's kernel, whose input needs no
+        # gradient), it is gone once the call returns, and the backward
+        # pass need not gather it again.
+        self.value = weakref.ref(value)
         return True
 
     def restore(self):
-        """Gathers the value again into its storage, if it was freed."""
+        """Gathers the value again into its storage, if it was freed and
+        autograd still holds it."""
         if self.storage is None or self.storage.nbytes() == self.nbytes:
+            return
+        if self.value() is None:
             return
         with torch.no_grad():
             fresh = self.sharded.redistribute(
