@@ -24,6 +24,8 @@ Modes (`MODES`):
         `get_layout_map(mesh)` on a (1, 1) mesh (one process: DTensors
         all the same), a (1, 2) and a (2, 2) mesh (only the models that
         have one, `OWN_LAYOUT_MODELS`).
+    "auto_1x2", "auto_1x4", "auto_2x2": `AutoModelParallel` (no layout
+        map) on a (1, 2), (1, 4) and (2, 2) mesh.
 
 The generic layout maps are built from the variable paths of the model
 built once without a distribution, one exact key (`re.escape(path)`) per
@@ -106,6 +108,9 @@ MODES = {
     "own_1x1": ((1, 1), "own"),
     "own_1x2": ((1, 2), "own"),
     "own_2x2": ((2, 2), "own"),
+    "auto_1x2": ((1, 2), "auto"),
+    "auto_1x4": ((1, 4), "auto"),
+    "auto_2x2": ((2, 2), "auto"),
 }
 DISTRIBUTED_MODES = tuple(m for m in MODES if m != "single")
 
@@ -405,6 +410,10 @@ def use_mode(name, mode):
             kd.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
         )
         return {}
+    if kind == "auto":
+        mesh = distributions.device_mesh(mesh_shape)
+        kd.set_distribution(kd.AutoModelParallel(device_mesh=mesh))
+        return {}
     rules, _ = generic_layout_rules(variable_specs(name), kind)
     distributions.use_model_parallel(layout_rules=rules, mesh_shape=mesh_shape)
     return rules
@@ -500,7 +509,20 @@ def train_and_generate(name, mode):
         "tokens": np.asarray(generated["token_ids"]),
         "tokens_one_prompt": np.asarray(generated_one["token_ids"]),
         "fallbacks": fallbacks,
+        "parameter_bytes": parameter_bytes(lm),
     }
+
+
+def parameter_bytes(model):
+    """`(bytes this process stores, bytes of the whole model)` of `model`'s
+    weights (local metadata only: no collective)."""
+    local = total = 0
+    for variable in model.weights:
+        value = variable.value
+        shard = value.to_local() if hasattr(value, "to_local") else value
+        local += shard.numel() * shard.element_size()
+        total += value.numel() * value.element_size()
+    return local, total
 
 
 def _layer_catalogue():
