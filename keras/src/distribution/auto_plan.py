@@ -54,6 +54,11 @@ from keras.src.backend.common import global_state
 # Roles a kernel can take in the plan.
 COLUMN = "column"
 ROW = "row"
+STACK = "stack"
+# A projection to at most this many features that reads a width no column
+# layer left open (a router, a gate, a classifier head) keeps its output
+# whole: its consumer (softmax, top-k) reads every feature.
+NARROW_WIDTH = 256
 
 _EQUATION = re.compile(r"^([a-zA-Z.]+),([a-zA-Z]+)->([a-zA-Z.]+)$")
 
@@ -106,6 +111,8 @@ class Plan:
             return self._embedding_axes(layer, shape)
         if kind == "einsum" and variable.name == "kernel":
             return self._einsum_axes(layer, parent, shape)
+        if kind == "layer" and (len(shape) > 2 or self._is_stacked(layer)):
+            return self._stack_axes(layer, shape)
         # Dense kernels, convolution kernels (the last two dimensions are
         # input and output channels) and any layer's own matrices.
         scope = parent if kind in ("dense", "conv") else layer
@@ -119,6 +126,8 @@ class Plan:
         shape = tuple(variable.shape)
         replicated = (None,) * len(shape)
         role = self._roles.get(layer) if layer is not None else None
+        if role is not None and role[0] == STACK and len(shape) > 1:
+            return self._stack_axes(layer, shape)
         if role is None or role[0] != COLUMN:
             return replicated, "replicated: " + (
                 "vector" if len(shape) == 1 else "bias"
@@ -186,6 +195,12 @@ class Plan:
         role = self._pair_role(
             scope, shape[in_dim], shape[out_dim], fallback=parent
         )
+        if role == COLUMN and _is_narrow(shape[in_dim], shape[out_dim]):
+            return (
+                self._axes(shape, [], lambda d: "", model=False)[0],
+                f"replicated over model: narrow output ({kind} "
+                f"{shape[in_dim]}->{shape[out_dim]})",
+            )
         order = [out_dim, in_dim] if role == COLUMN else [in_dim, out_dim]
         axes, reason = self._axes(
             shape,
@@ -196,6 +211,24 @@ class Plan:
         )
         if axes[order[0]] == self._model_axis() and layer is not None:
             self._roles[layer] = (role, shape[order[0]])
+        return axes, reason
+
+    def _is_stacked(self, layer):
+        role = self._roles.get(layer) if layer is not None else None
+        return role is not None and role[0] == STACK
+
+    def _stack_axes(self, layer, shape):
+        """A layer's stack of matrices (experts) is split between processes,
+        each multiplying whole matrices: the stacking dimension is sharded,
+        for all the layer's weights that share it (biases included)."""
+        role = self._roles.get(layer) if layer is not None else None
+        if role is not None and role[0] == STACK and shape[0] != role[1]:
+            return self._axes(shape, [], lambda d: "")
+        axes, reason = self._axes(
+            shape, [0], lambda d: f"stacked matrices ({shape[0]} experts)"
+        )
+        if axes[0] == self._model_axis() and layer is not None:
+            self._roles[layer] = (STACK, shape[0])
         return axes, reason
 
     # Pairing.
@@ -235,7 +268,7 @@ class Plan:
     def _model_axis(self):
         return self.model_dim_name
 
-    def _axes(self, shape, order, describe):
+    def _axes(self, shape, order, describe, model=True):
         """Shards the first dimension of `order` the model axis divides.
 
         The batch axis, when longer than one, takes the largest other
@@ -244,7 +277,7 @@ class Plan:
         axes = [None] * len(shape)
         reasons = []
         model_dim = None
-        if self.model_size > 1:
+        if self.model_size > 1 and model and order:
             candidates = list(order) + [
                 d for d in range(len(shape)) if d not in order
             ]
@@ -272,7 +305,7 @@ class Plan:
                     reasons.append(f"dimension {d} over batch")
                     break
         if not reasons:
-            reasons.append(describe(order[0]))
+            reasons.append(describe(order[0]) if order else "replicated")
         return tuple(axes), "; ".join(reasons)
 
 
@@ -335,6 +368,10 @@ def _einsum_bias_axes(layer, shape, letter, axis_name):
     if len(letters) != len(shape) or letter not in letters:
         return None
     return tuple(axis_name if c == letter else None for c in letters)
+
+
+def _is_narrow(in_width, out_width):
+    return out_width < in_width and out_width <= NARROW_WIDTH
 
 
 def _is_float(dtype):
