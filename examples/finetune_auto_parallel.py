@@ -18,16 +18,12 @@ plan decided it), the progress bars, the generated tokens and one
 """
 
 import argparse
-import json
 import os
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
-import numpy as np  # noqa: E402
-from finetune_keras_hub import SEED  # noqa: E402
 from finetune_keras_hub import VOCAB_SIZE  # noqa: E402
-from finetune_keras_hub import make_dataset  # noqa: E402
-from finetune_keras_hub import make_prompts  # noqa: E402
+from finetune_keras_hub import fine_tune_and_generate  # noqa: E402
 
 import keras  # noqa: E402
 
@@ -106,42 +102,9 @@ def main():
         distribution = make_distribution(args.batch_parallel)
         # Every variable created from now on is laid out by the plan.
         keras.distribution.set_distribution(distribution)
-    is_chief = (
-        distribution is None
-        or keras.distribution.mesh_info()["process_id"] == 0
+    fine_tune_and_generate(
+        lambda: build_causal_lm(args.model), distribution, args
     )
-
-    keras.utils.set_random_seed(SEED)
-    causal_lm = build_causal_lm(args.model)
-    if distribution and is_chief:
-        keras.distribution.sharding_summary(causal_lm, print_fn=print)
-    causal_lm.compile(
-        optimizer=keras.optimizers.Adam(learning_rate=3e-3),
-        sampler="greedy",
-    )
-    x, y, sample_weight = make_dataset(args.samples)
-    history = causal_lm.fit(
-        x,
-        y,
-        sample_weight=sample_weight,
-        batch_size=args.batch_size,
-        epochs=args.epochs,
-        shuffle=False,
-        verbose=1 if is_chief else 0,
-    )
-    generated = causal_lm.generate(make_prompts(x), stop_token_ids=None)
-    tokens = np.asarray(generated["token_ids"]).tolist()
-    if is_chief:
-        for row in tokens:
-            print("generated:", row)
-        result = {
-            "epoch_losses": history.history["loss"],
-            "generated": tokens,
-            "mesh_shape": (
-                list(distribution.device_mesh.shape) if distribution else None
-            ),
-        }
-        print("RESULT " + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":
