@@ -774,6 +774,33 @@ def table(reference, results, seconds):
     return lines
 
 
+def bytes_lines(results):
+    """Per model-parallel mode, the largest share of the model's parameter
+    bytes one process stores, and the models above 1/N of it plus 5%."""
+    lines = []
+    for mode, by_model in results.items():
+        if MODES[mode][1] in (None, "data_parallel"):
+            continue
+        shares = {}
+        for name, per_rank in by_model.items():
+            stored = [
+                r["parameter_bytes"] for r in per_rank if "error" not in r
+            ]
+            if stored:
+                shares[name] = max(local / total for local, total in stored)
+        if not shares:
+            continue
+        bound = 1 / world_size(mode) + 0.05
+        over = sorted(n for n, share in shares.items() if share > bound)
+        largest = max(shares, key=shares.get)
+        lines.append(
+            f"{mode}: largest share of the parameter bytes on one process "
+            f"{shares[largest]:.3f} ({largest}); bound 1/N + 0.05 = "
+            f"{bound:.3f}; over it: {', '.join(over) or 'none'}"
+        )
+    return lines
+
+
 def fallback_lines(results, mode="own_2x2", name="Llama"):
     """The ops model `name` computed on global values in its first step."""
     per_rank = results.get(mode, {}).get(name)
@@ -853,6 +880,7 @@ def main(argv=None):
     print("\n".join(table(reference, results, seconds)))
     print()
     print("\n".join(fallback_lines(results)))
+    print("\n".join(bytes_lines(results)))
     if args.details:
         print("\n".join(detail_lines(reference, results)))
 
