@@ -50,7 +50,7 @@ def _mlp():
     inputs = keras.Input((8,))
     x = keras.layers.Dense(32, activation="gelu", name="up")(inputs)
     x = keras.layers.Dense(8, name="down")(x)
-    keras.Model(inputs, keras.layers.LayerNormalization(name="norm")(x))
+    return keras.Model(inputs, keras.layers.LayerNormalization(name="norm")(x))
 
 
 def test_dense_pair_is_column_then_row():
@@ -191,7 +191,12 @@ def test_layout_map_rules_override_the_plan():
     layout_map["up/kernel"] = ("model", None)
     distribution = kd.AutoModelParallel(layout_map=layout_map)
     with distribution.scope():
-        _mlp()
+        model = _mlp()
+        rows = kd.sharding_summary(model)
+    # The summary says what placed each variable: the rule, or the plan.
+    reasons = {row["path"]: row["layout_rule"] for row in rows}
+    assert reasons["up/kernel"] == "up/kernel"
+    assert reasons["down/kernel"].startswith("auto: ")
     assert distribution.layout_reason("up/kernel") == "rule: up/kernel"
     assert distribution.layout_reason("down/kernel").startswith("auto: ")
     assert distribution.layout_reason("nothing") is None
