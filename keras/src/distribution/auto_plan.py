@@ -192,15 +192,22 @@ class Plan:
 
     def _matmul_axes(self, layer, scope, parent, shape, kind):
         in_dim, out_dim = len(shape) - 2, len(shape) - 1
-        role = self._pair_role(
-            scope, shape[in_dim], shape[out_dim], fallback=parent
-        )
-        if role == COLUMN and _is_narrow(shape[in_dim], shape[out_dim]):
+        in_width, out_width = shape[in_dim], shape[out_dim]
+        reads = self._reads(in_width, scope, parent)
+        # A narrow projection starting a pair, or one beside the block's
+        # column kernels whose output the model axis does not divide (a
+        # gate of one feature), keeps its output whole.
+        if (
+            reads != ROW
+            and _is_narrow(in_width, out_width)
+            and (reads is None or out_width % self.model_size)
+        ):
             return (
                 self._axes(shape, [], lambda d: "", model=False)[0],
                 f"replicated over model: narrow output ({kind} "
-                f"{shape[in_dim]}->{shape[out_dim]})",
+                f"{in_width}->{out_width})",
             )
+        role = self._pair_role(scope, in_width, out_width, fallback=parent)
         order = [out_dim, in_dim] if role == COLUMN else [in_dim, out_dim]
         axes, reason = self._axes(
             shape,
@@ -232,6 +239,16 @@ class Plan:
         return axes, reason
 
     # Pairing.
+
+    def _reads(self, in_width, scope, fallback):
+        """`COLUMN` if a kernel of `in_width` reads the block's stream,
+        `ROW` if it reads an open width, else `None` (it starts a pair)."""
+        for key in (scope, fallback):
+            if in_width in self._stream.get(self._key(key), set()):
+                return COLUMN
+            if in_width in self._open.get(self._key(key), set()):
+                return ROW
+        return None
 
     def _pair_role(self, scope, in_width, out_width, fallback=None):
         """Column or row parallel, from what a kernel reads.
