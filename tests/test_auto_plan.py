@@ -1,7 +1,8 @@
 """The plan of `AutoModelParallel` (`keras/src/distribution/auto_plan.py`).
 
 In one process: a recording distribution asks the planner for each variable
-as it is created and keeps its answer (the variable itself stays plain).
+as it is created and keeps its answer (the variable itself stays plain,
+`tests/auto_plan_recorder.py`).
 The multi-process runs, numbers equal to one process, are the keras-hub
 catalogue's `auto_*` modes (`tests/test_keras_hub_catalogue.py`) and
 `tests/test_auto_parallel.py`.
@@ -11,39 +12,11 @@ import numpy as np
 import pytest
 
 import keras
-from keras.src.backend.torch.distributed import variables
-from keras.src.distribution import auto_plan
-
-
-class _Recorder:
-    """Stands in for the distribution: plans, records, lays out nothing."""
-
-    def __init__(self, mesh_shape):
-        self.plan = auto_plan.Plan(mesh_shape, "model", "batch")
-        self.axes = {}
-        self.reasons = {}
-
-    def get_variable_layout(self, variable):
-        axes, reason = self.plan.layout_axes(variable)
-        self.axes[variable.path] = axes
-        self.reasons[variable.path] = reason
-        return None
-
-
-class _Runtime:
-    """`variables.runtime` with the recorder for the distribution, which
-    only variable creation sees (layer calls run as with none)."""
-
-    def __init__(self, recorder):
-        self.current_distribution = lambda: recorder
+from tests.auto_plan_recorder import record_plan
 
 
 def _plan(build, mesh_shape=None):
-    recorder = _Recorder(mesh_shape or {"batch": 1, "model": 2})
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(variables, "runtime", _Runtime(recorder))
-        build()
-    return recorder
+    return record_plan(build, mesh_shape)
 
 
 def _mlp():
