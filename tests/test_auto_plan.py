@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import keras
+from keras.src.distribution import auto_plan
 from tests.auto_plan_recorder import record_plan
 
 
@@ -127,6 +128,13 @@ def test_embedding_shards_vocabulary_and_2d_mesh_adds_batch_axis():
     assert axes["up/kernel"] == ("batch", "model")
     assert axes["down/kernel"] == ("model", "batch")
     assert axes["up/bias"] == ("model",)
+
+
+def test_one_axis_mesh_shards_kernels_over_it_once():
+    # A 1-D mesh: the batch and the model share the axis "x".
+    plan = auto_plan.Plan({"x": 2}, "x", "x")
+    axes, _ = plan._axes((4, 6), [1, 0], lambda d: "column")
+    assert axes == (None, "x")
 
 
 def test_nothing_divisible_is_replicated():

@@ -76,7 +76,13 @@ class Plan:
 
     def __init__(self, mesh_shape, model_dim_name, batch_dim_name):
         self.model_size = mesh_shape[model_dim_name]
-        self.batch_size = mesh_shape.get(batch_dim_name, 1)
+        # On a 1-D mesh the batch and the model share the one axis: only
+        # tensor parallelism shards kernels over it.
+        self.batch_size = (
+            mesh_shape.get(batch_dim_name, 1)
+            if batch_dim_name != model_dim_name
+            else 1
+        )
         self.model_dim_name = model_dim_name
         self.batch_dim_name = batch_dim_name
         # Widths left open by column-parallel layers, per enclosing layer.
