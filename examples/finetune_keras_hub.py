@@ -156,13 +156,26 @@ def main():
         )
         # Variables created from now on get their layouts from the LayoutMap.
         keras.distribution.set_distribution(distribution)
+    fine_tune_and_generate(
+        lambda: build_causal_lm(args.model), distribution, args
+    )
+
+
+def fine_tune_and_generate(build, distribution, args):
+    """Builds a causal LM under `distribution`, fits it, generates.
+
+    Args:
+        build: returns the keras-hub causal LM (called after seeding).
+        distribution: the distribution set, or `None` (one process).
+        args: `epochs`, `batch_size` and `samples` from the command line.
+    """
     is_chief = (
         distribution is None
         or keras.distribution.mesh_info()["process_id"] == 0
     )
 
     keras.utils.set_random_seed(SEED)
-    causal_lm = build_causal_lm(args.model)
+    causal_lm = build()
     if distribution and is_chief:
         keras.distribution.sharding_summary(causal_lm, print_fn=print)
     causal_lm.compile(

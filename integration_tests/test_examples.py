@@ -8,6 +8,9 @@ through its flags) and the tests check what it printed and saved:
 * `examples/train_model_parallel.py` on a 1x2 and a 2x2 (batch, model) mesh,
   and as one plain process: the LayoutMap shards the intended kernels, and
   the losses are those of the single process.
+* `examples/finetune_auto_parallel.py` (keras-hub, `AutoModelParallel`, no
+  layout map) on 2 processes and as one: the same losses and tokens, and
+  the summary says the plan placed the variables.
 
 The saved `.keras` files are loaded here, in the pytest process (no
 distribution), and must give the loss the example reported.
@@ -37,6 +40,9 @@ from tests.harness import run_torchrun  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 DATA_PARALLEL = REPO / "examples" / "train_data_parallel.py"
 MODEL_PARALLEL = REPO / "examples" / "train_model_parallel.py"
+AUTO_PARALLEL = REPO / "examples" / "finetune_auto_parallel.py"
+# Two epochs of two global batches: keras-hub's fit and generate.
+AUTO_ARGS = ["--samples", 16, "--batch-size", 8, "--epochs", 2]
 TIMEOUT = 300
 
 # Tiny sizes: a few steps per epoch, a few seconds per run.
@@ -319,3 +325,23 @@ def test_model_parallel_saved_model_loads_and_predicts(model_parallel_2x2):
     )
     # The file holds the trained weights: the loss the example evaluated.
     np.testing.assert_allclose(loss, _result(stdout)["loss"], rtol=1e-4)
+
+
+# --------------------------------------------------------------------------
+# AutoModelParallel (keras-hub)
+# --------------------------------------------------------------------------
+
+
+def test_auto_parallel_example_matches_one_process():
+    pytest.importorskip("keras_hub")
+    distributed = _run_distributed(AUTO_PARALLEL, nproc=2, args=AUTO_ARGS)
+    single = _result(_run_single_process(AUTO_PARALLEL, AUTO_ARGS))
+    result = _result(distributed)
+    np.testing.assert_allclose(
+        result["epoch_losses"], single["epoch_losses"], rtol=1e-4, atol=1e-6
+    )
+    assert result["generated"] == single["generated"]
+    assert result["mesh_shape"] == [1, 2]
+    # The plan, not a rule, placed the variables, and sharded some.
+    assert "auto: column-parallel over heads" in distributed
+    assert "auto: embedding vocabulary" in distributed

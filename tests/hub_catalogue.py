@@ -24,6 +24,8 @@ Modes (`MODES`):
         `get_layout_map(mesh)` on a (1, 1) mesh (one process: DTensors
         all the same), a (1, 2) and a (2, 2) mesh (only the models that
         have one, `OWN_LAYOUT_MODELS`).
+    "auto_1x2", "auto_1x4", "auto_2x2": `AutoModelParallel` (no layout
+        map) on a (1, 2), (1, 4) and (2, 2) mesh.
 
 The generic layout maps are built from the variable paths of the model
 built once without a distribution, one exact key (`re.escape(path)`) per
@@ -106,6 +108,9 @@ MODES = {
     "own_1x1": ((1, 1), "own"),
     "own_1x2": ((1, 2), "own"),
     "own_2x2": ((2, 2), "own"),
+    "auto_1x2": ((1, 2), "auto"),
+    "auto_1x4": ((1, 4), "auto"),
+    "auto_2x2": ((2, 2), "auto"),
 }
 DISTRIBUTED_MODES = tuple(m for m in MODES if m != "single")
 
@@ -405,6 +410,10 @@ def use_mode(name, mode):
             kd.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
         )
         return {}
+    if kind == "auto":
+        mesh = distributions.device_mesh(mesh_shape)
+        kd.set_distribution(kd.AutoModelParallel(device_mesh=mesh))
+        return {}
     rules, _ = generic_layout_rules(variable_specs(name), kind)
     distributions.use_model_parallel(layout_rules=rules, mesh_shape=mesh_shape)
     return rules
@@ -500,7 +509,20 @@ def train_and_generate(name, mode):
         "tokens": np.asarray(generated["token_ids"]),
         "tokens_one_prompt": np.asarray(generated_one["token_ids"]),
         "fallbacks": fallbacks,
+        "parameter_bytes": parameter_bytes(lm),
     }
+
+
+def parameter_bytes(model):
+    """`(bytes this process stores, bytes of the whole model)` of `model`'s
+    weights (local metadata only: no collective)."""
+    local = total = 0
+    for variable in model.weights:
+        value = variable.value
+        shard = value.to_local() if hasattr(value, "to_local") else value
+        local += shard.numel() * shard.element_size()
+        total += value.numel() * value.element_size()
+    return local, total
 
 
 def _layer_catalogue():
@@ -752,6 +774,33 @@ def table(reference, results, seconds):
     return lines
 
 
+def bytes_lines(results):
+    """Per model-parallel mode, the largest share of the model's parameter
+    bytes one process stores, and the models above 1/N of it plus 5%."""
+    lines = []
+    for mode, by_model in results.items():
+        if MODES[mode][1] in (None, "data_parallel"):
+            continue
+        shares = {}
+        for name, per_rank in by_model.items():
+            stored = [
+                r["parameter_bytes"] for r in per_rank if "error" not in r
+            ]
+            if stored:
+                shares[name] = max(local / total for local, total in stored)
+        if not shares:
+            continue
+        bound = 1 / world_size(mode) + 0.05
+        over = sorted(n for n, share in shares.items() if share > bound)
+        largest = max(shares, key=shares.get)
+        lines.append(
+            f"{mode}: largest share of the parameter bytes on one process "
+            f"{shares[largest]:.3f} ({largest}); bound 1/N + 0.05 = "
+            f"{bound:.3f}; over it: {', '.join(over) or 'none'}"
+        )
+    return lines
+
+
 def fallback_lines(results, mode="own_2x2", name="Llama"):
     """The ops model `name` computed on global values in its first step."""
     per_rank = results.get(mode, {}).get(name)
@@ -831,6 +880,7 @@ def main(argv=None):
     print("\n".join(table(reference, results, seconds)))
     print()
     print("\n".join(fallback_lines(results)))
+    print("\n".join(bytes_lines(results)))
     if args.details:
         print("\n".join(detail_lines(reference, results)))
 

@@ -25,6 +25,8 @@ per-epoch losses and the final weights; the modes are:
         batch axis too).
     "2x2": a (2, 2) mesh of 4 processes; the last divisible dimension
         sharded over "model", the first other divisible one over "batch".
+    "auto", "auto_2x2": `AutoModelParallel` (its own plan, no layout map)
+        on a (1, N) and a (2, 2) mesh.
 
 The model-parallel layouts are derived from the variables themselves: the
 case is built once with no distribution to learn each variable's path and
@@ -61,7 +63,16 @@ NUM_OUTPUTS = 3
 VOCAB_SIZE = 12
 LEARNING_RATE = 0.05
 
-MODES = ("single", "dp", "mp_last", "mp_first", "fsdp", "2x2")
+MODES = (
+    "single",
+    "dp",
+    "mp_last",
+    "mp_first",
+    "fsdp",
+    "2x2",
+    "auto",
+    "auto_2x2",
+)
 # The distributed runs of the sweep: name -> (mode, number of processes).
 RUNS = {
     "dp2": ("dp", 2),
@@ -70,6 +81,9 @@ RUNS = {
     "mp_first": ("mp_first", 2),
     "fsdp": ("fsdp", 2),
     "2x2": ("2x2", 4),
+    "auto": ("auto", 2),
+    "auto4": ("auto", 4),
+    "auto_2x2": ("auto_2x2", 4),
 }
 # Comparison with the reference (float32 over 6 steps).
 LOSS_RTOL, LOSS_ATOL = 1e-4, 1e-6
@@ -755,6 +769,13 @@ def _use_mode(mode, rules):
     from keras import distribution
 
     num_devices = len(distribution.list_devices())
+    if mode.startswith("auto"):
+        shape = (2, 2) if mode == "auto_2x2" else (1, num_devices)
+        return distribution.set_distribution(
+            distribution.AutoModelParallel(
+                device_mesh=distributions.device_mesh(shape)
+            )
+        )
     mesh_shape = {
         "mp_last": (1, num_devices),
         "mp_first": (1, num_devices),
@@ -786,7 +807,9 @@ def run_case(name, mode, num_samples=NUM_SAMPLES):
     case = CASES[name]
     keras.distribution.set_distribution(None)
     rules = {}
-    if mode not in ("single", "dp"):
+    if mode.startswith("auto"):
+        _use_mode(mode, rules)
+    elif mode not in ("single", "dp"):
         # The variables' paths and shapes, from a build in one process.
         keras.utils.set_random_seed(SEED)
         rules = layout_rules(build_model(name), mode)

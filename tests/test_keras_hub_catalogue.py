@@ -69,6 +69,11 @@ CI_CASES = {
     "own_1x1": ("Gemma",),
     "own_1x2": ("Qwen",),
     "own_2x2": ("Qwen",),
+    # AutoModelParallel: a model with one key/value head (indivisible); a
+    # 4-way model axis; experts on a 2-D mesh.
+    "auto_1x2": ("Gemma",),
+    "auto_1x4": ("Llama",),
+    "auto_2x2": ("Qwen3Moe",),
 }
 # Failure kinds CI leaves to the full sweep: each costs the watchdog.
 NOT_IN_CI = ("Hang: its watchdog ended it",)
@@ -163,6 +168,30 @@ def test_model_equals_one_process(mode, name, reference, mode_results):
         raise KnownFailure(message)
     tracebacks = [r.get("traceback", "") for r in per_rank]
     pytest.fail(message + "\n" + next((t for t in tracebacks if t), ""))
+
+
+# The bound of `AutoModelParallel`'s parameter bytes on one process: 1/N of
+# the model plus this fraction of it (the replicated norm scales and biases).
+AUTO_BYTES_SLACK = 0.05
+
+
+@pytest.mark.parametrize(
+    "mode, name",
+    [
+        (m, n)
+        for m, names in CASES.items()
+        if m.startswith("auto")
+        for n in names
+    ],
+)
+def test_auto_plan_stores_a_share_of_the_model(mode, name, mode_results):
+    per_rank = mode_results(mode)[name]
+    num_processes = hc.world_size(mode)
+    for rank, result in enumerate(per_rank):
+        assert "error" not in result, result.get("traceback")
+        local, total = result["parameter_bytes"]
+        bound = total / num_processes + AUTO_BYTES_SLACK * total
+        assert local <= bound, (mode, name, rank, local, total)
 
 
 def _repeat_body(rank, world_size, mode, names, repeats):

@@ -15,6 +15,7 @@ import functools
 
 import torch
 
+from keras.src.backend.torch.distributed import fallback
 from keras.src.backend.torch.distributed import layouts
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
@@ -49,6 +50,32 @@ def conv_operands(inputs, kernel):
         ]
         inputs = layouts.redistribute(inputs, inputs.device_mesh, batch_only)
     return inputs, kernel
+
+
+def reshape(x, newshape):
+    """`torch.reshape`, on global values where DTensor refuses the view.
+
+    Layer calls and steps compute refused ops on global values already
+    (`fallback`); a reshape outside them, such as keras-hub's RWKV7 building
+    its generation cache by calling its layers' `call` directly, splitting
+    a dimension whose shards cut its pieces (a head split between 4
+    processes), is computed the same way here. DTensor refuses before it
+    communicates, so every process takes the same path.
+
+    Args:
+        x: a tensor.
+        newshape: the new shape.
+
+    Returns:
+        `x` reshaped.
+    """
+    if not isinstance(x, DTensor):
+        return torch.reshape(x, newshape)
+    try:
+        return torch.reshape(x, newshape)
+    except RuntimeError:
+        with fallback.dtensor_fallback():
+            return torch.reshape(x, newshape)
 
 
 def einsum_operands(operands):

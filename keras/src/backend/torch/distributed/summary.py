@@ -80,16 +80,22 @@ def sharding_summary(model, print_fn=None):
         for a plain tensor),
         `local_shape` and `local_bytes` (what this process stores), and
         `layout_rule`: the key of the distribution's `LayoutMap` that matched
-        the variable's path, `None` if none did (or there is no `LayoutMap`).
+        the variable's path, `None` if none did (or there is no `LayoutMap`);
+        under `AutoModelParallel`, what its plan decided and why
+        (`"auto: ..."`) for the variables no rule matched.
     """
-    layout_map = layout_rules.layout_map_of(runtime.current_distribution())
-    rows = [_variable_row(v, layout_map) for v in model.variables]
+    distribution = runtime.current_distribution()
+    layout_map = layout_rules.layout_map_of(distribution)
+    # `AutoModelParallel` says what laid out each variable: a rule or its
+    # plan.
+    reason_of = getattr(distribution, "layout_reason", None)
+    rows = [_variable_row(v, layout_map, reason_of) for v in model.variables]
     if print_fn is not None:
         print_fn(_format_rows(rows))
     return rows
 
 
-def _variable_row(variable, layout_map):
+def _variable_row(variable, layout_map, reason_of=None):
     value = variable.value
     if isinstance(value, DTensor):
         placements = tuple(str(p) for p in value.placements)
@@ -100,6 +106,8 @@ def _variable_row(variable, layout_map):
     rule = None
     if layout_map is not None:
         rule = layout_rules.matching_rule(layout_map, variable.path)
+    if rule is None and reason_of is not None:
+        rule = reason_of(variable.path)
     return {
         "path": variable.path,
         "dtype": str(variable.dtype),

@@ -1,0 +1,165 @@
+"""`AutoModelParallel`: model parallelism with no `LayoutMap` to write.
+
+A `ModelParallel` distribution whose variable layouts come from a plan
+derived from the model's structure (`auto_plan.py`, which says how and why)
+for every variable that no rule of an optional `LayoutMap` lays out. The
+plan is made as variables are created, so it works for models built from a
+preset, functional, `Sequential` and subclassed models alike, and under
+every backend with a `distribution_lib` (it produces `TensorLayout`s).
+"""
+
+import re
+
+from keras.src.api_export import keras_export
+from keras.src.distribution import auto_plan
+from keras.src.distribution.distribution_lib import DeviceMesh
+from keras.src.distribution.distribution_lib import LayoutMap
+from keras.src.distribution.distribution_lib import ModelParallel
+from keras.src.distribution.distribution_lib import TensorLayout
+from keras.src.distribution.distribution_lib import list_devices
+
+DEFAULT_BATCH_DIM_NAME = "batch"
+DEFAULT_MODEL_DIM_NAME = "model"
+# What `layout_reason` says of a variable a `LayoutMap` rule laid out.
+RULE_PREFIX = "rule: "
+AUTO_PREFIX = "auto: "
+
+
+@keras_export("keras.distribution.AutoModelParallel")
+class AutoModelParallel(ModelParallel):
+    """Tensor parallelism planned from the model itself.
+
+    Shards every model Megatron-style over the model axis of the mesh
+    (and, on a mesh whose batch axis is longer than one, each kernel's
+    largest other dimension over the batch axis), with no `LayoutMap` to
+    write. Set it before creating the model:
+
+    ```python
+    keras.distribution.set_distribution(
+        keras.distribution.AutoModelParallel()
+    )
+    model = keras_hub.models.CausalLM.from_preset(...)
+    keras.distribution.sharding_summary(model, print_fn=print)
+    model.fit(...)
+    ```
+
+    Args:
+        device_mesh: a `DeviceMesh`. Defaults to the mesh of `layout_map`
+            if given, else every device on a `("batch", "model")` mesh of
+            shape `(1, N)`.
+        batch_dim_name: the mesh axis the batch is split over. Defaults to
+            `"batch"` if the mesh has that axis, else its first axis.
+        model_dim_name: the mesh axis tensor parallelism shards over.
+            Defaults to `"model"` if the mesh has that axis, else its last
+            axis.
+        layout_map: an optional `LayoutMap` on the same mesh whose rules
+            override the plan for the variables they match (and lay out
+            layer outputs, as under `ModelParallel`).
+        auto_shard_dataset: as for `ModelParallel`.
+    """
+
+    def __init__(
+        self,
+        device_mesh=None,
+        batch_dim_name=None,
+        model_dim_name=None,
+        layout_map=None,
+        auto_shard_dataset=True,
+    ):
+        device_mesh = _resolve_mesh(device_mesh, layout_map)
+        if layout_map is None:
+            layout_map = LayoutMap(device_mesh)
+        axis_names = list(device_mesh.axis_names)
+        batch_dim_name = batch_dim_name or _default_axis(
+            axis_names, DEFAULT_BATCH_DIM_NAME, 0
+        )
+        model_dim_name = model_dim_name or _default_axis(
+            axis_names, DEFAULT_MODEL_DIM_NAME, -1
+        )
+        if model_dim_name not in axis_names:
+            raise ValueError(
+                f"`model_dim_name='{model_dim_name}'` is not an axis of the "
+                f"device mesh, whose axes are {axis_names}. Pass the name of "
+                "the mesh axis to shard the model over."
+            )
+        if model_dim_name == batch_dim_name and len(axis_names) > 1:
+            raise ValueError(
+                f"`model_dim_name` and `batch_dim_name` are both "
+                f"'{model_dim_name}'. Pass two different axes of the mesh "
+                f"{axis_names}."
+            )
+        super().__init__(
+            layout_map=layout_map,
+            batch_dim_name=batch_dim_name,
+            auto_shard_dataset=auto_shard_dataset,
+        )
+        self.model_dim_name = model_dim_name
+        mesh_shape = dict(zip(axis_names, device_mesh.shape))
+        self._plan = auto_plan.Plan(mesh_shape, model_dim_name, batch_dim_name)
+        self._reasons = {}
+
+    def get_variable_layout(self, variable):
+        if getattr(variable, "_layout", None) is not None:
+            return variable._layout
+        layout = self._layout_map[variable.path]
+        if layout is not None:
+            self._reasons[variable.path] = RULE_PREFIX + _rule_key(
+                self._layout_map, variable.path
+            )
+            return layout
+        axes, reason = self._plan.layout_axes(variable)
+        self._reasons[variable.path] = AUTO_PREFIX + reason
+        return TensorLayout(axes, self.device_mesh)
+
+    def layout_reason(self, path):
+        """What laid out the variable at `path`: a rule, or the plan.
+
+        Args:
+            path: a variable path.
+
+        Returns:
+            `"rule: <key>"` for a `LayoutMap` rule, `"auto: <reason>"` for
+            the plan, `None` for a variable this distribution did not lay
+            out (created before it was set).
+        """
+        return self._reasons.get(path)
+
+
+def _resolve_mesh(device_mesh, layout_map):
+    if layout_map is not None and not isinstance(layout_map, LayoutMap):
+        raise ValueError(
+            "Argument `layout_map` must be a `LayoutMap` instance or `None`. "
+            f"Received: layout_map={layout_map}"
+        )
+    if device_mesh is None:
+        if layout_map is not None:
+            return layout_map.device_mesh
+        devices = list_devices()
+        return DeviceMesh(
+            (1, len(devices)),
+            (DEFAULT_BATCH_DIM_NAME, DEFAULT_MODEL_DIM_NAME),
+            devices,
+        )
+    if layout_map is not None and layout_map.device_mesh is not device_mesh:
+        raise ValueError(
+            "`layout_map` must be built on the `device_mesh` passed to "
+            "`AutoModelParallel`. Received a layout map on a mesh of shape "
+            f"{layout_map.device_mesh.shape} and a device mesh of shape "
+            f"{device_mesh.shape}. Pass only one of them, or build the "
+            "layout map with `LayoutMap(device_mesh)`."
+        )
+    return device_mesh
+
+
+def _default_axis(axis_names, name, index):
+    return name if name in axis_names else axis_names[index]
+
+
+def _rule_key(layout_map, path):
+    # Not `path in layout_map`: `LayoutMap` answers every lookup.
+    if path in list(layout_map):
+        return path
+    for key in layout_map:
+        if re.fullmatch(key, path):
+            return key
+    return path

@@ -1,0 +1,401 @@
+"""A tensor-parallel plan for any model, decided as each variable is created.
+
+`AutoModelParallel` (`auto_parallel.py`) asks this planner for the layout of
+every variable that no `LayoutMap` rule lays out. The plan is Megatron-style
+tensor parallelism over the mesh's model axis, plus, where the mesh has a
+batch axis longer than one, the kernel's largest other dimension sharded
+over it (as keras-hub's hand-written maps do: FSDP-like).
+
+When: at variable creation. keras-hub's `from_preset` creates (and then
+loads) every variable in the model's constructor, and a model's variables
+must be laid out when they are created: under JAX an array is placed once,
+and under torch a variable created replicated and re-laid out later would
+hold the whole model on every process first, and its optimizer slots would
+have to move with it. Deciding at creation keeps every process' memory at
+its share from the start, and optimizer slots inherit their variable's
+layout (`add_variable_from_reference`). Tracing the model first is not
+possible for a model that does not exist yet (a preset's constructor builds
+it), and a trace under torch would not be backend-agnostic.
+
+What it reads: the layer that creates the variable (Keras opens a name scope
+with the layer as its caller around `add_weight`) and the layer around it.
+Keras builds layers in the order data flows through them: a functional or
+`Sequential` model builds each layer when it is called on its symbolic
+inputs, a subclassed model or block builds its sublayers at its first call
+or in its `build`, in call order. Within one enclosing layer, a kernel that
+widens or keeps the stream to width `H` (column parallel: its output
+features sharded) leaves `H` "open"; a later sibling kernel whose input has
+width `H` consumes that output, through whatever elementwise ops
+(activation, gating) lie between, and is row parallel: its input features
+sharded, so the pair needs one all-reduce, after the row layer. Layers
+explain themselves where they can: an `EinsumDense` equation says which
+kernel dimensions are heads (a dimension of the output that is not its
+feature axis: column parallel over heads; one contracted from the input
+that is not the input's feature axis: row parallel over heads), an
+`Embedding` shards its vocabulary (or its features when the vocabulary is
+the smaller or indivisible). Vectors and scalars (norm scales, biases of
+row-parallel layers, counters) stay replicated; a column-parallel layer's
+bias follows its output features.
+
+A dimension the model axis does not divide (Gemma's single key/value head)
+is not sharded unevenly: the next candidate dimension of the kernel is
+taken (the head size, then any dimension), else the kernel is replicated
+over the model axis. The plan decides only where data lives, never what is
+computed: any layout gives one process' numbers, so a plan that guesses a
+pairing wrong costs collectives, not correctness.
+"""
+
+import math
+import re
+import weakref
+
+from keras.src.backend.common import global_state
+
+# Roles a kernel can take in the plan.
+COLUMN = "column"
+ROW = "row"
+STACK = "stack"
+# A projection to at most this many features that reads a width no column
+# layer left open (a router, a gate, a classifier head) keeps its output
+# whole: its consumer (softmax, top-k) reads every feature.
+NARROW_WIDTH = 256
+
+_EQUATION = re.compile(r"^([a-zA-Z.]+),([a-zA-Z]+)->([a-zA-Z.]+)$")
+
+
+class Plan:
+    """The planner's state for one distribution.
+
+    Args:
+        mesh_shape: `{axis name: size}` of the device mesh.
+        model_dim_name: the mesh axis tensor parallelism shards over.
+        batch_dim_name: the mesh axis the batch is split over; kernels are
+            also sharded over it (on another dimension) when it is longer
+            than one.
+    """
+
+    def __init__(self, mesh_shape, model_dim_name, batch_dim_name):
+        self.model_size = mesh_shape[model_dim_name]
+        # On a 1-D mesh the batch and the model share the one axis: only
+        # tensor parallelism shards kernels over it.
+        self.batch_size = (
+            mesh_shape.get(batch_dim_name, 1)
+            if batch_dim_name != model_dim_name
+            else 1
+        )
+        self.model_dim_name = model_dim_name
+        self.batch_dim_name = batch_dim_name
+        # Widths left open by column-parallel layers, per enclosing layer.
+        self._open = weakref.WeakKeyDictionary()
+        # Widths column-parallel layers read, per enclosing layer.
+        self._stream = weakref.WeakKeyDictionary()
+        # The role and sharded size of each layer's kernel, for its bias.
+        self._roles = weakref.WeakKeyDictionary()
+        # The root of layers created outside any other layer.
+        self._root = _Root()
+
+    def layout_axes(self, variable):
+        """The mesh axes of each dimension of `variable`, and why.
+
+        Args:
+            variable: a Keras variable being created.
+
+        Returns:
+            `(axes, reason)`: a tuple of mesh axis names (or `None`), one per
+            dimension, and a short text saying what decided it.
+        """
+        shape = tuple(variable.shape)
+        if not shape:
+            return (), "replicated: scalar"
+        if not _is_float(variable.dtype):
+            return (None,) * len(shape), "replicated: not a float tensor"
+        layer, parent = _creating_layers()
+        if len(shape) == 1 or variable.name == "bias":
+            return self._vector_axes(variable, layer)
+        kind = _layer_kind(layer)
+        if kind == "embedding":
+            return self._embedding_axes(layer, shape)
+        if kind == "einsum" and variable.name == "kernel":
+            return self._einsum_axes(layer, parent, shape)
+        if kind == "layer" and (len(shape) > 2 or self._is_stacked(layer)):
+            return self._stack_axes(layer, shape)
+        # Dense kernels, convolution kernels (the last two dimensions are
+        # input and output channels) and any layer's own matrices.
+        scope = parent if kind in ("dense", "conv") else layer
+        return self._matmul_axes(layer, scope, parent, shape, kind)
+
+    # Layers, one kind at a time.
+
+    def _vector_axes(self, variable, layer):
+        """A bias follows its layer's sharded output; other vectors are
+        replicated."""
+        shape = tuple(variable.shape)
+        replicated = (None,) * len(shape)
+        role = self._roles.get(layer) if layer is not None else None
+        if role is not None and role[0] == STACK and len(shape) > 1:
+            return self._stack_axes(layer, shape)
+        if role is None or role[0] != COLUMN:
+            return replicated, "replicated: " + (
+                "vector" if len(shape) == 1 else "bias"
+            )
+        if len(role) > 2:
+            axes = _einsum_bias_axes(layer, shape, role[2], self._model_axis())
+            if axes is not None:
+                return axes, "column-parallel bias (heads)"
+        elif shape[-1] == role[1]:
+            return replicated[:-1] + (self._model_axis(),), (
+                "column-parallel bias"
+            )
+        return replicated, "replicated: bias"
+
+    def _embedding_axes(self, layer, shape):
+        vocab_dim = 0 if shape == (layer.input_dim, layer.output_dim) else 1
+        order = [vocab_dim, 1 - vocab_dim]
+        if shape[1 - vocab_dim] > shape[vocab_dim]:
+            order.reverse()
+        what = {vocab_dim: "vocabulary", 1 - vocab_dim: "features"}
+        return self._axes(shape, order, lambda d: f"embedding {what[d]}")
+
+    def _einsum_axes(self, layer, parent, shape):
+        parsed = _parse_equation(getattr(layer, "equation", ""))
+        if parsed is None or len(parsed[1]) != len(shape):
+            return self._matmul_axes(layer, parent, parent, shape, "einsum")
+        inputs, kernel, output = parsed
+        out_only = [c for c in kernel if c in output and c not in inputs]
+        contracted = [c for c in kernel if c in inputs and c not in output]
+        heads_out = [c for c in out_only if c != output[-1:]]
+        heads_in = [c for c in contracted if c != inputs[-1:]]
+        size = {c: shape[kernel.index(c)] for c in kernel}
+        if heads_out:
+            role, letters = (
+                COLUMN,
+                heads_out + [c for c in out_only if c not in heads_out],
+            )
+            self._open_width(parent, math.prod(size[c] for c in out_only))
+            what = "column-parallel over heads"
+        elif heads_in:
+            role, letters = (
+                ROW,
+                heads_in + [c for c in contracted if c not in heads_in],
+            )
+            what = "row-parallel over heads"
+        else:
+            in_width = math.prod(size[c] for c in contracted)
+            out_width = math.prod(size[c] for c in out_only)
+            role = self._pair_role(parent, in_width, out_width)
+            letters = out_only if role == COLUMN else contracted
+            what = f"{role}-parallel"
+        order = [kernel.index(c) for c in letters]
+        axes, reason = self._axes(
+            shape, order, lambda d: f"{what} ({layer.equation}: {kernel[d]})"
+        )
+        sharded = [
+            kernel[d] for d, a in enumerate(axes) if a == self._model_axis()
+        ]
+        if sharded:
+            self._roles[layer] = (role, size[sharded[0]], sharded[0])
+        return axes, reason
+
+    def _matmul_axes(self, layer, scope, parent, shape, kind):
+        in_dim, out_dim = len(shape) - 2, len(shape) - 1
+        in_width, out_width = shape[in_dim], shape[out_dim]
+        reads = self._reads(in_width, scope, parent)
+        # A narrow projection starting a pair, or one beside the block's
+        # column kernels whose output the model axis does not divide (a
+        # gate of one feature), keeps its output whole.
+        if (
+            reads != ROW
+            and _is_narrow(in_width, out_width)
+            and (reads is None or out_width % self.model_size)
+        ):
+            return (
+                self._axes(shape, [], lambda d: "", model=False)[0],
+                f"replicated over model: narrow output ({kind} "
+                f"{in_width}->{out_width})",
+            )
+        role = self._pair_role(scope, in_width, out_width, fallback=parent)
+        order = [out_dim, in_dim] if role == COLUMN else [in_dim, out_dim]
+        axes, reason = self._axes(
+            shape,
+            order,
+            lambda d: (
+                f"{role}-parallel {kind} ({shape[in_dim]}->{shape[out_dim]})"
+            ),
+        )
+        if axes[order[0]] == self._model_axis() and layer is not None:
+            self._roles[layer] = (role, shape[order[0]])
+        return axes, reason
+
+    def _is_stacked(self, layer):
+        role = self._roles.get(layer) if layer is not None else None
+        return role is not None and role[0] == STACK
+
+    def _stack_axes(self, layer, shape):
+        """A layer's stack of matrices (experts) is split between processes,
+        each multiplying whole matrices: the stacking dimension is sharded,
+        for all the layer's weights that share it (biases included)."""
+        role = self._roles.get(layer) if layer is not None else None
+        if role is not None and role[0] == STACK and shape[0] != role[1]:
+            return self._axes(shape, [], lambda d: "")
+        axes, reason = self._axes(
+            shape, [0], lambda d: f"stacked matrices ({shape[0]} experts)"
+        )
+        if axes[0] == self._model_axis() and layer is not None:
+            self._roles[layer] = (STACK, shape[0])
+        return axes, reason
+
+    # Pairing.
+
+    def _reads(self, in_width, scope, fallback):
+        """`COLUMN` if a kernel of `in_width` reads the block's stream,
+        `ROW` if it reads an open width, else `None` (it starts a pair)."""
+        for key in (scope, fallback):
+            if in_width in self._stream.get(self._key(key), set()):
+                return COLUMN
+            if in_width in self._open.get(self._key(key), set()):
+                return ROW
+        return None
+
+    def _pair_role(self, scope, in_width, out_width, fallback=None):
+        """Column or row parallel, from what a kernel reads.
+
+        A kernel reading the width an earlier column kernel of `scope` read
+        (the block's stream: query, key and value; gate and up) is column
+        parallel too; one reading a width an earlier column kernel left open
+        consumes its output and is row parallel; any other starts a pair.
+        """
+        for key in (scope, fallback):
+            if in_width in self._stream.get(self._key(key), set()):
+                self._open_width(scope, out_width)
+                return COLUMN
+            open_widths = self._open.get(self._key(key), set())
+            if in_width in open_widths:
+                open_widths.discard(in_width)
+                return ROW
+        self._stream.setdefault(self._key(scope), set()).add(in_width)
+        self._open_width(scope, out_width)
+        return COLUMN
+
+    def _open_width(self, scope, width):
+        widths = self._open.setdefault(self._key(scope), set())
+        widths.add(width)
+        # A fused projection split in halves (gate and up) feeds one half.
+        if width % 2 == 0:
+            widths.add(width // 2)
+
+    def _key(self, layer):
+        return self._root if layer is None else layer
+
+    # Mesh axes.
+
+    def _model_axis(self):
+        return self.model_dim_name
+
+    def _axes(self, shape, order, describe, model=True):
+        """Shards the first dimension of `order` the model axis divides.
+
+        The batch axis, when longer than one, takes the largest other
+        dimension it divides.
+        """
+        axes = [None] * len(shape)
+        reasons = []
+        model_dim = None
+        if self.model_size > 1 and model and order:
+            candidates = list(order) + [
+                d for d in range(len(shape)) if d not in order
+            ]
+            for d in candidates:
+                if shape[d] % self.model_size == 0:
+                    model_dim = d
+                    break
+            if model_dim is None:
+                reasons.append("replicated over model: no dimension divides")
+            else:
+                axes[model_dim] = self.model_dim_name
+                reasons.append(describe(model_dim))
+                if model_dim != order[0]:
+                    reasons.append(
+                        f"dimension {order[0]} indivisible by {self.model_size}"
+                    )
+        if self.batch_size > 1:
+            rest = sorted(
+                (d for d in range(len(shape)) if d != model_dim),
+                key=lambda d: -shape[d],
+            )
+            for d in rest:
+                if shape[d] % self.batch_size == 0:
+                    axes[d] = self.batch_dim_name
+                    reasons.append(f"dimension {d} over batch")
+                    break
+        if not reasons:
+            reasons.append(describe(order[0]) if order else "replicated")
+        return tuple(axes), "; ".join(reasons)
+
+
+class _Root:
+    """The enclosing "layer" of layers created outside any layer."""
+
+
+def _creating_layers():
+    """The layer creating a variable now, and the layer around it."""
+    from keras.src.layers.layer import Layer
+
+    stack = global_state.get_global_attribute("name_scope_stack") or []
+    layers = []
+    for scope in stack:
+        caller = getattr(scope, "caller", None)
+        if isinstance(caller, Layer) and (
+            not layers or layers[-1] is not caller
+        ):
+            layers.append(caller)
+    layer = layers[-1] if layers else None
+    parent = layers[-2] if len(layers) > 1 else None
+    return layer, parent
+
+
+def _layer_kind(layer):
+    from keras.src import layers
+
+    if isinstance(layer, layers.Embedding):
+        return "embedding"
+    if isinstance(layer, layers.EinsumDense):
+        return "einsum"
+    if isinstance(layer, layers.Dense):
+        return "dense"
+    if "Conv" in type(layer).__name__:
+        return "conv"
+    return "layer"
+
+
+def _parse_equation(equation):
+    """`(input, kernel, output)` letters of an `EinsumDense` equation."""
+    match = _EQUATION.match(equation.replace(" ", ""))
+    if match is None:
+        return None
+    inputs, kernel, output = match.groups()
+    return inputs.replace(".", ""), kernel, output.replace(".", "")
+
+
+def _einsum_bias_axes(layer, shape, letter, axis_name):
+    """Axes of an `EinsumDense` bias sharding kernel letter `letter`.
+
+    Keras shapes the bias like the output from its first bias axis on.
+    """
+    parsed = _parse_equation(getattr(layer, "equation", ""))
+    bias_axes = getattr(layer, "bias_axes", None)
+    if parsed is None or not bias_axes:
+        return None
+    output = parsed[2]
+    first = min(output.index(c) for c in bias_axes if c in output)
+    letters = output[first:]
+    if len(letters) != len(shape) or letter not in letters:
+        return None
+    return tuple(axis_name if c == letter else None for c in letters)
+
+
+def _is_narrow(in_width, out_width):
+    return out_width < in_width and out_width <= NARROW_WIDTH
+
+
+def _is_float(dtype):
+    return "float" in str(dtype)

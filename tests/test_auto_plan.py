@@ -1,0 +1,183 @@
+"""The plan of `AutoModelParallel` (`keras/src/distribution/auto_plan.py`).
+
+In one process: a recording distribution asks the planner for each variable
+as it is created and keeps its answer (the variable itself stays plain,
+`tests/auto_plan_recorder.py`).
+The multi-process runs, numbers equal to one process, are the keras-hub
+catalogue's `auto_*` modes (`tests/test_keras_hub_catalogue.py`) and
+`tests/test_auto_parallel.py`.
+"""
+
+import numpy as np
+import pytest
+
+import keras
+from keras.src.distribution import auto_plan
+from tests.auto_plan_recorder import record_plan
+
+
+def _plan(build, mesh_shape=None):
+    return record_plan(build, mesh_shape)
+
+
+def _mlp():
+    inputs = keras.Input((8,))
+    x = keras.layers.Dense(32, activation="gelu", name="up")(inputs)
+    x = keras.layers.Dense(8, name="down")(x)
+    return keras.Model(inputs, keras.layers.LayerNormalization(name="norm")(x))
+
+
+def test_dense_pair_is_column_then_row():
+    axes = _plan(_mlp).axes
+    assert axes["up/kernel"] == (None, "model")
+    assert axes["up/bias"] == ("model",)
+    assert axes["down/kernel"] == ("model", None)
+    # A row-parallel layer's bias and norms stay replicated.
+    assert axes["down/bias"] == (None,)
+    assert axes["norm/gamma"] == (None,)
+
+
+def test_sequential_and_subclassed_models_pair_alike():
+    def sequential():
+        model = keras.Sequential(
+            [
+                keras.Input((8,)),
+                keras.layers.Dense(32, activation="relu"),
+                keras.layers.Dense(8),
+            ]
+        )
+        return model
+
+    class Block(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.up = keras.layers.Dense(32, activation="relu")
+            self.down = keras.layers.Dense(8)
+
+        def call(self, x):
+            return self.down(self.up(x))
+
+    for build in (sequential, lambda: Block()(np.zeros((2, 8)))):
+        kernels = [a for p, a in _plan(build).axes.items() if "kernel" in p]
+        assert kernels == [(None, "model"), ("model", None)], kernels
+
+
+def test_gated_mlp_has_two_columns_and_one_row():
+    class Gated(keras.layers.Layer):
+        def build(self, shape):
+            self.gate = keras.layers.Dense(32, use_bias=False, name="gate")
+            self.gate.build(shape)
+            self.up_proj = keras.layers.Dense(32, use_bias=False, name="up")
+            self.up_proj.build(shape)
+            self.out = keras.layers.Dense(8, use_bias=False, name="out")
+            self.out.build((None, 32))
+
+        def call(self, x):
+            return self.out(keras.ops.silu(self.gate(x)) * self.up_proj(x))
+
+    axes = _plan(lambda: Gated()(np.zeros((2, 8)))).axes
+    kernels = {p.split("/")[-2]: a for p, a in axes.items()}
+    assert kernels == {
+        "gate": (None, "model"),
+        "up": (None, "model"),
+        "out": ("model", None),
+    }
+
+
+def test_multi_head_attention_shards_heads():
+    def build():
+        layer = keras.layers.MultiHeadAttention(4, 8, name="mha")
+        x = np.zeros((2, 3, 16), "float32")
+        layer(x, x)
+
+    recorder = _plan(build)
+    axes = recorder.axes
+    # Query (16, heads, 8): heads; output (heads, 8, 16): heads, row.
+    assert axes["mha/query/kernel"] == (None, "model", None)
+    assert axes["mha/query/bias"] == ("model", None)
+    assert axes["mha/attention_output/kernel"] == ("model", None, None)
+    assert axes["mha/attention_output/bias"] == (None,)
+    assert "column-parallel over heads" in recorder.reasons["mha/key/kernel"]
+    assert (
+        "row-parallel over heads"
+        in recorder.reasons["mha/attention_output/kernel"]
+    )
+
+
+def test_indivisible_heads_fall_back_to_another_dimension():
+    def build():
+        # One key/value head, as Gemma's: indivisible by a model axis of 2.
+        layer = keras.layers.EinsumDense(
+            "btd,kdh->btkh", output_shape=(None, 1, 8), name="key"
+        )
+        layer.build((None, None, 16))
+
+    recorder = _plan(build)
+    assert recorder.axes["key/kernel"] == (None, None, "model")
+    assert "indivisible" in recorder.reasons["key/kernel"]
+
+
+def test_embedding_shards_vocabulary_and_2d_mesh_adds_batch_axis():
+    def build():
+        keras.layers.Embedding(48, 16, name="embed").build((None,))
+        _mlp()
+
+    axes = _plan(build, {"batch": 2, "model": 2}).axes
+    assert axes["embed/embeddings"] == ("model", "batch")
+    # The largest other dimension goes over the batch axis (FSDP-like).
+    assert axes["up/kernel"] == ("batch", "model")
+    assert axes["down/kernel"] == ("model", "batch")
+    assert axes["up/bias"] == ("model",)
+
+
+def test_one_axis_mesh_shards_kernels_over_it_once():
+    # A 1-D mesh: the batch and the model share the axis "x".
+    plan = auto_plan.Plan({"x": 2}, "x", "x")
+    axes, _ = plan._axes((4, 6), [1, 0], lambda d: "column")
+    assert axes == (None, "x")
+
+
+def test_nothing_divisible_is_replicated():
+    def build():
+        keras.layers.Dense(3, name="odd").build((None, 5))
+
+    recorder = _plan(build, {"batch": 1, "model": 4})
+    assert recorder.axes["odd/kernel"] == (None, None)
+    assert "replicated" in recorder.reasons["odd/kernel"]
+
+
+def test_auto_model_parallel_arguments():
+    kd = keras.distribution
+    devices = kd.list_devices()
+    distribution = kd.AutoModelParallel()
+    assert list(distribution.device_mesh.axis_names) == ["batch", "model"]
+    assert distribution.device_mesh.shape == (1, len(devices))
+    assert distribution.batch_dim_name == "batch"
+    assert distribution.model_dim_name == "model"
+    mesh = kd.DeviceMesh((len(devices),), ["x"], devices)
+    with pytest.raises(ValueError, match="is not an axis"):
+        kd.AutoModelParallel(device_mesh=mesh, model_dim_name="model")
+    other = kd.DeviceMesh((1, len(devices)), ["batch", "model"], devices)
+    with pytest.raises(ValueError, match="same|built on"):
+        kd.AutoModelParallel(device_mesh=mesh, layout_map=kd.LayoutMap(other))
+    with pytest.raises(ValueError, match="LayoutMap"):
+        kd.AutoModelParallel(layout_map={"a": (None,)})
+
+
+def test_layout_map_rules_override_the_plan():
+    kd = keras.distribution
+    devices = kd.list_devices()
+    mesh = kd.DeviceMesh((1, len(devices)), ["batch", "model"], devices)
+    layout_map = kd.LayoutMap(mesh)
+    layout_map["up/kernel"] = ("model", None)
+    distribution = kd.AutoModelParallel(layout_map=layout_map)
+    with distribution.scope():
+        model = _mlp()
+        rows = kd.sharding_summary(model)
+    # The summary says what placed each variable: the rule, or the plan.
+    reasons = {row["path"]: row["layout_rule"] for row in rows}
+    assert reasons["up/kernel"] == "up/kernel"
+    assert reasons["down/kernel"].startswith("auto: ")
+    assert distribution.layout_reason("up/kernel") == "rule: up/kernel"
+    assert distribution.layout_reason("down/kernel").startswith("auto: ")
+    assert distribution.layout_reason("nothing") is None
