@@ -14,6 +14,7 @@ import pytest
 import keras
 from keras.src.distribution import auto_plan
 from tests.auto_plan_recorder import record_plan
+from tests.harness import run_on_ranks
 
 
 def _plan(build, mesh_shape=None):
@@ -164,7 +165,7 @@ def test_auto_model_parallel_arguments():
         kd.AutoModelParallel(layout_map={"a": (None,)})
 
 
-def test_layout_map_rules_override_the_plan():
+def _override_body(rank, world_size):
     kd = keras.distribution
     devices = kd.list_devices()
     mesh = kd.DeviceMesh((1, len(devices)), ["batch", "model"], devices)
@@ -174,10 +175,22 @@ def test_layout_map_rules_override_the_plan():
     with distribution.scope():
         model = _mlp()
         rows = kd.sharding_summary(model)
+    return {
+        "reasons": {row["path"]: row["layout_rule"] for row in rows},
+        "up": distribution.layout_reason("up/kernel"),
+        "down": distribution.layout_reason("down/kernel"),
+        "nothing": distribution.layout_reason("nothing"),
+    }
+
+
+def test_layout_map_rules_override_the_plan():
+    # On real ranks: sharded variables would start a process group in the
+    # test process, which a later test's forked child would inherit.
+    result = run_on_ranks(_override_body, world_size=2)[0]
     # The summary says what placed each variable: the rule, or the plan.
-    reasons = {row["path"]: row["layout_rule"] for row in rows}
+    reasons = result["reasons"]
     assert reasons["up/kernel"] == "up/kernel"
     assert reasons["down/kernel"].startswith("auto: ")
-    assert distribution.layout_reason("up/kernel") == "rule: up/kernel"
-    assert distribution.layout_reason("down/kernel").startswith("auto: ")
-    assert distribution.layout_reason("nothing") is None
+    assert result["up"] == "rule: up/kernel"
+    assert result["down"].startswith("auto: ")
+    assert result["nothing"] is None

@@ -52,6 +52,7 @@ ALLOWED_DISTRIBUTION_FRAMES = {
     "ops.py:conv_operands",
     "ops.py:dropout",
     "ops.py:divide_no_nan_local",
+    "ops.py:reshape",
     "runtime.py:current_distribution",
     # The step's hooks check whether a step of the model runs.
     "local_rows.py:running_step",

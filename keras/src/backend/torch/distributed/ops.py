@@ -69,7 +69,7 @@ def reshape(x, newshape):
     Returns:
         `x` reshaped.
     """
-    if not isinstance(x, DTensor):
+    if runtime.current_distribution() is None or not isinstance(x, DTensor):
         return torch.reshape(x, newshape)
     try:
         return torch.reshape(x, newshape)
