@@ -10,6 +10,9 @@ batch split over the processes):
 - `keras_fsdp`: Keras `ModelParallel`, every kernel `("batch", None)` on an
   (N, 1) ("batch", "model") mesh: weights gathered one layer at a time and
   freed after use (`torch/distributed/fsdp.py`);
+- `keras_fsdp_ahead`: the same, each layer's weights gathered while the
+  layer before computes (`KERAS_DISTRIBUTION_GATHER_AHEAD=1`; on CPUs the
+  default is `0`, as `keras_fsdp` runs);
 - `keras_fsdp_dtensor`: the same layout with
   `KERAS_DISTRIBUTION_GATHER_WEIGHTS=off`: DTensor's own plan;
 - `native_fsdp2`: torch's `fully_shard` on each `nn.Linear` and the stack;
@@ -48,6 +51,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 LLAMA_IMPLS = ("hub_llama_2x2", "hub_llama_2x2_dtensor")
 IMPLS = (
     "keras_fsdp",
+    "keras_fsdp_ahead",
     "keras_fsdp_dtensor",
     "native_fsdp2",
     "keras_mp",
@@ -180,11 +184,21 @@ def _shape_flags(args):
 
 
 def _row_text(row):
+    peak = ""
+    if "peak_mib" in row:
+        peak = (
+            f"peak {row['peak_mib']:8.0f} MiB (ideal {row['ideal_mib']:.0f}), "
+        )
     return (
-        f"{row['procs']} procs {row['impl']:<20} peak {row['peak_mib']:8.0f} "
-        f"MiB (ideal {row['ideal_mib']:.0f}), step {row['step_ms']:8.1f} ms, "
-        f"loss {row['loss']:.6f}"
+        f"{row['procs']} procs {row['impl']:<20} {peak}"
+        f"step {row['step_ms']:8.1f} ms, loss {row['loss']:.6f}"
     )
+
+
+def _ratio(row, other, key):
+    if other is None or key not in row:
+        return "-"
+    return f"{row[key] / other[key]:.2f}x"
 
 
 def report(results):
@@ -198,12 +212,12 @@ def report(results):
     for r in results:
         fsdp2 = by_key.get((r["procs"], "native_fsdp2"))
         dp = by_key.get((r["procs"], "keras_dp"))
-        vs_fsdp2 = f"{r['peak_mib'] / fsdp2['peak_mib']:.2f}x" if fsdp2 else "-"
-        vs_dp = f"{r['step_ms'] / dp['step_ms']:.2f}x" if dp else "-"
+        peak = f"{r['peak_mib']:.0f}" if "peak_mib" in r else "-"
         lines.append(
-            f"| {r['procs']} | {r['impl']} | {r['peak_mib']:.0f} | "
-            f"{r['peak_mib'] / r['ideal_mib']:.2f}x | {vs_fsdp2} | "
-            f"{r['step_ms']:.1f} | {vs_dp} |"
+            f"| {r['procs']} | {r['impl']} | {peak} | "
+            f"{_ratio(r, {'peak_mib': r.get('ideal_mib')}, 'peak_mib')} | "
+            f"{_ratio(r, fsdp2, 'peak_mib')} | {r['step_ms']:.1f} | "
+            f"{_ratio(r, dp, 'step_ms')} |"
         )
     return lines
 
@@ -212,6 +226,8 @@ def _worker(args):
     os.environ["KERAS_BACKEND"] = "torch"
     if args.worker.endswith("_dtensor"):
         os.environ["KERAS_DISTRIBUTION_GATHER_WEIGHTS"] = "off"
+    if args.worker == "keras_fsdp_ahead":
+        os.environ["KERAS_DISTRIBUTION_GATHER_AHEAD"] = "1"
     import torch
     import torch.distributed as dist
 

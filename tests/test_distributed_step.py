@@ -26,6 +26,7 @@ STEP_MODULES = (
     "local_state",
     "layer_call",
     "fsdp",
+    "fsdp_schedule",
 )
 ALLOWED_MODULE_STATE = {
     # Mirror torch's process-wide `implicit_replication` flag: the open
@@ -41,6 +42,9 @@ ALLOWED_MODULE_STATE = {
     # the variables' own `_value`, process-wide): a layer called inside
     # its own call keeps them.
     ("fsdp", "_gathered_now"),
+    # Per thread: the gather schedule of the step running in this thread
+    # (the schedule itself is the step's).
+    ("fsdp_schedule", "_running"),
 }
 _MUTABLE_CALLS = {
     "dict",

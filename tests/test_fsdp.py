@@ -48,17 +48,21 @@ def _train(model, steps=2):
     return losses, weights
 
 
-def _set_fsdp(gather=None):
+def _set_fsdp(gather=None, ahead="1"):
     """Kernels (and tables) `("batch", None)` on a (2, 1) mesh; `gather`
-    is `KERAS_DISTRIBUTION_GATHER_WEIGHTS` (unset: the default)."""
+    is `KERAS_DISTRIBUTION_GATHER_WEIGHTS` (unset: the default), `ahead`
+    `KERAS_DISTRIBUTION_GATHER_AHEAD` (on by default here, off by default
+    on CPUs: the numbers are checked with gathers ahead)."""
     import os
 
     from keras.src.backend.torch.distributed import fsdp
+    from keras.src.backend.torch.distributed import fsdp_schedule
 
     if gather is None:
         os.environ.pop(fsdp.GATHER_WEIGHTS_ENV, None)
     else:
         os.environ[fsdp.GATHER_WEIGHTS_ENV] = gather
+    os.environ[fsdp_schedule.GATHER_AHEAD_ENV] = ahead
     distributions.use_model_parallel(
         layout_rules={".*(kernel|table)": ("batch", None)}, mesh_shape=(2, 1)
     )
@@ -146,6 +150,141 @@ def test_weights_are_gathered_per_layer_and_freed_after_use():
         # autograd kept nothing of it), a reduce-scatter.
         assert r["counts"].get("all_gather_into_tensor") == 2 * _LAYERS - 1, r
         assert r["counts"].get("reduce_scatter_tensor") == _LAYERS, r
+
+
+def _prefetch_body(rank, world_size, ahead):
+    from keras.src.backend.torch.distributed import fsdp
+
+    _set_fsdp(ahead=ahead)
+    model = _dense_model()
+    # Whether each gather had been started ahead, forward and backward.
+    taken = {"forward": [], "backward": []}
+    enter, restore = fsdp._GatheredWeight.enter, fsdp._GatheredWeight.restore
+
+    def recording_enter(weight):
+        taken["forward"].append(weight.ahead is not None)
+        return enter(weight)
+
+    def recording_restore(weight):
+        ahead = weight.ahead is not None
+        restored = restore(weight)
+        if restored:
+            taken["backward"].append(ahead)
+        return restored
+
+    fsdp._GatheredWeight.enter = recording_enter
+    fsdp._GatheredWeight.restore = recording_restore
+    steps = []
+    try:
+        for _ in range(3):
+            taken = {"forward": [], "backward": []}
+            losses, _ = _train(model, steps=1)
+            steps.append(taken)
+    finally:
+        fsdp._GatheredWeight.enter = enter
+        fsdp._GatheredWeight.restore = restore
+    return steps
+
+
+def test_gathering_ahead_is_off_on_cpus_unless_asked(monkeypatch):
+    from keras import distribution as kd
+    from keras.src.backend.torch.distributed import fsdp_schedule
+
+    mesh = kd.DeviceMesh((1, 1), ["batch", "model"], ["cpu:0"])
+    distribution = kd.ModelParallel(
+        layout_map=kd.LayoutMap(mesh), batch_dim_name="batch"
+    )
+    monkeypatch.delenv(fsdp_schedule.GATHER_AHEAD_ENV, raising=False)
+    assert not fsdp_schedule.gathers_ahead(distribution)
+    monkeypatch.setenv(fsdp_schedule.GATHER_AHEAD_ENV, "1")
+    assert fsdp_schedule.gathers_ahead(distribution)
+    monkeypatch.setenv(fsdp_schedule.GATHER_AHEAD_ENV, "yes")
+    with pytest.raises(ValueError, match="yes"):
+        fsdp_schedule.gathers_ahead(distribution)
+    off = run_on_ranks(_prefetch_body, world_size=2, kwargs={"ahead": "0"})
+    for steps in off:
+        assert all(not any(taken["forward"]) for taken in steps), steps
+        assert all(not any(taken["backward"]) for taken in steps), steps
+
+
+def test_the_next_layers_weights_are_gathered_ahead():
+    on = run_on_ranks(_prefetch_body, world_size=2, kwargs={"ahead": "1"})
+    for steps in on:
+        # Backward, from the first step on, the last layer's gather starts
+        # the one of the layer before it, and so on (the first layer's is
+        # not gathered again). Forward, the first step learns the order of
+        # the gathers; then every layer's gather but the first is started
+        # while the layer before computes.
+        backward = [False] + [True] * (_LAYERS - 2)
+        assert steps[0] == {
+            "forward": [False] * _LAYERS,
+            "backward": backward,
+        }, steps
+        for taken in steps[1:]:
+            assert taken == {
+                "forward": [False] + [True] * (_LAYERS - 1),
+                "backward": backward,
+            }, steps
+
+
+def _mixed_precision_run():
+    """Two steps of the dense model under `mixed_bfloat16`."""
+    import keras
+
+    keras.mixed_precision.set_dtype_policy("mixed_bfloat16")
+    try:
+        return _train(_dense_model())
+    finally:
+        keras.mixed_precision.set_dtype_policy("float32")
+
+
+def _mixed_precision_body(rank, world_size):
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    import keras
+
+    _set_fsdp()
+    run = _mixed_precision_run()
+    keras.mixed_precision.set_dtype_policy("mixed_bfloat16")
+    try:
+        model = _dense_model()
+        x, _ = _data()
+        saved = []
+
+        def pack(t):
+            # The gathered kernels autograd keeps: in the compute dtype.
+            if isinstance(t, DTensor) and tuple(t.shape) == (_DIM, _DIM):
+                if t.placements[0].is_replicate():
+                    saved.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(x, training=True)
+    finally:
+        keras.mixed_precision.set_dtype_policy("float32")
+    return {
+        "run": run,
+        "saved": [
+            (str(t.dtype), t.to_local().untyped_storage().nbytes())
+            for t in saved
+        ],
+    }
+
+
+def test_mixed_precision_gathers_and_frees_the_compute_copy():
+    results = run_on_ranks(_mixed_precision_body, world_size=2)
+    reference = _single_process(_mixed_precision_run)
+    for r in results:
+        # What autograd keeps of the gathered kernels is the bfloat16 copy
+        # the layers compute with, and it holds no memory after forward.
+        assert r["saved"] == [("torch.bfloat16", 0)] * (_LAYERS - 1), r
+        # bfloat16 computations summed in another order: equal to one
+        # process within bfloat16's precision.
+        losses, weights = r["run"]
+        np.testing.assert_allclose(losses, reference[0], rtol=1e-2)
+        for w, ref in zip(weights, reference[1]):
+            np.testing.assert_allclose(w, ref, rtol=1e-2, atol=1e-3)
 
 
 def _dtensor_plan_body(rank, world_size, gather):

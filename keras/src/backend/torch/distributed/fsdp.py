@@ -34,6 +34,15 @@ The gathers are ordered by the layer calls and the backward pass, the same
 on every process. Freeing storage that autograd saved is FSDP2's own
 technique; the storage is that of the gathered copy, never the weight's.
 
+Within a step, each layer's weights can be gathered while the layer
+before it computes, as FSDP2 prefetches (see `fsdp_schedule`).
+
+Under mixed precision (a layer computing in a narrower dtype than its
+variables), a weight is cast on its shards and gathered in the compute
+dtype, as FSDP2's `MixedPrecisionPolicy(param_dtype=...)` does: the
+gathered copy autograd saves is then the one freed, the gather moves half
+the bytes, and the gradient is reduce-scattered in the compute dtype.
+
 `KERAS_DISTRIBUTION_GATHER_WEIGHTS` chooses the mesh axes: `"batch"` (the
 default: the distribution's batch axis), `"all"` (every axis a weight is
 sharded on: ZeRO-3 over the model axis too, instead of tensor parallelism)
@@ -48,6 +57,7 @@ import weakref
 import torch
 
 from keras.src import tree
+from keras.src.backend.torch.distributed import fsdp_schedule
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
 
@@ -153,10 +163,17 @@ def gathered_weights(layer, distribution, enabled=True):
     if not weights:
         yield _no_outputs_to_watch
         return
+    schedule = fsdp_schedule.running_schedule()
+    if schedule is not None:
+        schedule.take_ahead(layer, weights)
     for weight in weights:
         weight.enter()
+    if schedule is not None:
+        schedule.gather_ahead(
+            layer, lambda following: _weights_to_gather(following, distribution)
+        )
     try:
-        yield lambda outputs: _release_after_forward(weights, outputs)
+        yield lambda outputs: _release_after_forward(weights, outputs, schedule)
     finally:
         for weight in weights:
             weight.exit()
@@ -186,7 +203,7 @@ def _weights_to_gather(layer, distribution):
     return weights
 
 
-def _release_after_forward(weights, outputs):
+def _release_after_forward(weights, outputs, schedule):
     """Frees the gathered storage of `weights` once the call returned
     `outputs`, and watches the outputs' gradients to gather it again."""
     leaves = [
@@ -198,8 +215,11 @@ def _release_after_forward(weights, outputs):
         weight.write_back()
     released = [w for w in weights if w.release(leaves)]
     if released:
+        restore_ahead = None
+        if schedule is not None:
+            restore_ahead = schedule.released(released)
         watched = [x for x in leaves if x.requires_grad]
-        regather = _Regather(released)
+        regather = _Regather(released, restore_ahead)
         for x in watched:
             x.register_hook(regather)
     return outputs
@@ -208,15 +228,43 @@ def _release_after_forward(weights, outputs):
 class _Regather:
     """A gradient hook on a layer's outputs: the first gradient that reaches
     one of them gathers the layer's weights again, before its backward ops
-    read them."""
+    read them, and starts the gather of the layer before (`restore_ahead`,
+    when a step schedules the gathers)."""
 
-    def __init__(self, weights):
+    def __init__(self, weights, restore_ahead):
         self.weights = weights
+        self.restore_ahead = restore_ahead
 
     def __call__(self, grad):
+        restored = False
         for weight in self.weights:
-            weight.restore()
+            restored = weight.restore() or restored
+        if restored and self.restore_ahead is not None:
+            self.restore_ahead()
         return grad
+
+
+def _completed_gradient(grad):
+    """The gradient of an asynchronous gather's input, its reduce-scatter
+    completed."""
+    local = _local_tensor(grad)
+    if local is grad.to_local():
+        return grad
+    return DTensor.from_local(
+        local,
+        grad.device_mesh,
+        grad.placements,
+        shape=grad.shape,
+        stride=grad.stride(),
+    )
+
+
+def _local_tensor(value):
+    """The local tensor of a gathered `DTensor`, once gathered: that of an
+    asynchronous gather is a wrapper, whose `wait` returns the tensor."""
+    local = value.to_local()
+    wait = getattr(local, "wait", None)
+    return local if wait is None else wait()
 
 
 class _GatheredWeight:
@@ -231,18 +279,70 @@ class _GatheredWeight:
         self.variable = variable
         self.sharded = variable._value
         self.placements = placements
+        # The dtype the call reads the variable in: the compute dtype of a
+        # layer under mixed precision (`variable.dtype` in its autocast
+        # scope), in which the shards are cast before they are gathered.
+        self.dtype = getattr(torch, variable.dtype)
         self.value = None
         self.local = None
         self.storage = None
         self.nbytes = 0
         self.version = None
+        # An asynchronous gather: of the value before the call
+        # (`gather_ahead`, with the variable's version and the gradient
+        # mode then), or of its storage's content before its backward ops
+        # (`restore_ahead`).
+        self.ahead = None
+        self.ahead_state = None
+
+    def _gather(self, async_op=False):
+        # Differentiable: the gradient is reduce-scattered back to the
+        # variable's shards.
+        sharded = self.sharded
+        if sharded.dtype != self.dtype:
+            sharded = sharded.to(self.dtype)
+        elif async_op and sharded.requires_grad and torch.is_grad_enabled():
+            sharded = sharded.view_as(sharded)
+        if async_op and sharded.requires_grad and torch.is_grad_enabled():
+            # The backward pass of an asynchronous gather reduce-scatters
+            # asynchronously too, and the collective holds its whole input
+            # until it is waited for: the optimizer would find every
+            # layer's whole gradient alive.
+            sharded.register_hook(_completed_gradient)
+        return sharded.redistribute(
+            sharded.device_mesh, self.placements, async_op=async_op
+        )
+
+    def gather_ahead(self):
+        """Starts gathering the value, for a call to come."""
+        self.ahead = self._gather(async_op=True)
+        self.ahead_state = (self.sharded._version, torch.is_grad_enabled())
+
+    def take(self, other):
+        """Takes the value `other` gathered ahead for this call, if it is
+        what this call would gather; else drops it."""
+        if other is None:
+            return
+        if (
+            other.placements == self.placements
+            and other.dtype == self.dtype
+            and other.ahead_state
+            == (self.sharded._version, torch.is_grad_enabled())
+        ):
+            self.ahead, other.ahead = other.ahead, None
+        else:
+            other.drop_ahead()
+
+    def drop_ahead(self):
+        """Waits for a gather started ahead and forgets it."""
+        if self.ahead is not None:
+            _local_tensor(self.ahead)
+            self.ahead = None
 
     def enter(self):
         """Gathers the value and lets it stand for the variable."""
-        sharded = self.sharded
-        # Differentiable: the gradient is reduce-scattered back to the
-        # variable's shards.
-        self.value = sharded.redistribute(sharded.device_mesh, self.placements)
+        self.value = self.ahead if self.ahead is not None else self._gather()
+        self.ahead = None
         self.version = self.value._version
         self.variable._value = self.value
         _gathered_now.add(id(self.variable))
@@ -254,15 +354,19 @@ class _GatheredWeight:
 
     def write_back(self):
         """Keeps what the call assigned to the variable
-        (`SpectralNormalization` assigns its kernel), in its shards."""
+        (`SpectralNormalization` assigns its kernel), in its shards.
+
+        Not from a copy in the compute dtype: Keras assigns such a copy
+        without effect on the variable."""
         if self.value._version == self.version:
             return
-        with torch.no_grad():
-            self.sharded.copy_(
-                self.value.redistribute(
-                    self.sharded.device_mesh, self.sharded.placements
+        if self.dtype == self.sharded.dtype:
+            with torch.no_grad():
+                self.sharded.copy_(
+                    self.value.redistribute(
+                        self.sharded.device_mesh, self.sharded.placements
+                    )
                 )
-            )
         self.version = self.value._version
 
     def release(self, outputs):
@@ -280,7 +384,7 @@ class _GatheredWeight:
         if not (value.requires_grad and torch.is_grad_enabled()):
             return False
         with torch.no_grad():
-            local = value.to_local()
+            local = _local_tensor(value)
         storage = local.untyped_storage()
         shared = [self.sharded.to_local()] + [
             x.to_local() if isinstance(x, DTensor) else x for x in outputs
@@ -303,19 +407,41 @@ class _GatheredWeight:
         self.value = weakref.ref(value)
         return True
 
+    def needs_restore(self):
+        """Whether the backward pass has yet to gather the value again."""
+        return (
+            self.storage is not None
+            and self.storage.nbytes() != self.nbytes
+            and self.ahead is None
+            and self.value() is not None
+        )
+
+    def restore_ahead(self):
+        """Starts gathering the value again, for its backward ops."""
+        with torch.no_grad():
+            self.ahead = self._gather(async_op=True)
+
     def restore(self):
         """Gathers the value again into its storage, if it was freed and
-        autograd still holds it."""
+        autograd still holds it.
+
+        Returns:
+            Whether it was gathered now.
+        """
         if self.storage is None or self.storage.nbytes() == self.nbytes:
-            return
+            return False
         if self.value() is None:
-            return
+            self.drop_ahead()
+            return False
         with torch.no_grad():
-            fresh = self.sharded.redistribute(
-                self.sharded.device_mesh, self.placements
-            ).to_local()
+            fresh = self.ahead
+            if fresh is None:
+                fresh = self._gather()
+            self.ahead = None
+            fresh = _local_tensor(fresh)
             self.storage.resize_(self.nbytes)
             self.local.copy_(fresh)
+        return True
 
     def _release_after_backward(self, grad):
         if self.storage is not None:

@@ -37,6 +37,7 @@ from keras.src import tree
 from keras.src.backend.torch.distributed import compiled_step
 from keras.src.backend.torch.distributed import data_input
 from keras.src.backend.torch.distributed import fallback
+from keras.src.backend.torch.distributed import fsdp_schedule
 from keras.src.backend.torch.distributed import health
 from keras.src.backend.torch.distributed import layer_call
 from keras.src.backend.torch.distributed import layouts
@@ -107,6 +108,9 @@ class DistributedStep:
         # `(output, local tensor)` of the model's calls on the local rows.
         self._reduction = None
         self._local_outputs = []
+        # The order of the gathers of weights sharded over the batch axis,
+        # learned from one step for the next (see `fsdp_schedule`).
+        self._gathers = fsdp_schedule.GatherSchedule()
 
     def __call__(self, data):
         distribution = runtime.current_distribution()
@@ -161,7 +165,12 @@ class DistributedStep:
         global values (see `fallback`); a model that runs on the local rows
         runs its plain tensors without that mode's cost.
         """
-        with fallback.step_fallback(lazy=self._may_run_locally()):
+        with (
+            fallback.step_fallback(lazy=self._may_run_locally()),
+            fsdp_schedule.prefetching(
+                self._gathers, runtime.current_distribution()
+            ),
+        ):
             if not self._overlaps_reduction:
                 return self.eager_step_function(data)
             with step_reduction.overlapped_reduction(

@@ -1,0 +1,167 @@
+"""The order of a step's gathers, to gather each layer's weights ahead.
+
+`fsdp` gathers a layer's weights sharded over the batch axis when the
+layer is called, and again when the backward pass reaches it. Within a
+step, a `GatherSchedule` lets each of those gathers start while the layer
+before it computes, as FSDP2 prefetches: it learns the order of the step's
+gathers, and the next step issues the gather of the following layer
+asynchronously as a layer is called; in the backward pass, the gradient
+that gathers a layer's weights again also starts the gather of the layer
+before it. At most one layer's gather is ahead, forward or backward.
+
+It costs memory (one more layer's gathered weights, and the collective's
+buffers) for the overlap of communication with compute: on by default on
+CUDA devices, off on CPUs (see `gathers_ahead`).
+"""
+
+import contextlib
+import os
+import threading
+import weakref
+
+import numpy as np
+
+GATHER_AHEAD_ENV = "KERAS_DISTRIBUTION_GATHER_AHEAD"
+
+# Per thread, as Keras' own state is: the `GatherSchedule` of the step
+# running in this thread (see `prefetching`).
+_running = threading.local()
+
+
+def running_schedule():
+    """The `GatherSchedule` of the step running in this thread, or `None`."""
+    return getattr(_running, "schedule", None)
+
+
+def gathers_ahead(distribution):
+    """Whether a step's layer calls gather their weights ahead.
+
+    On CUDA devices, collectives run on a stream of their own and overlap
+    compute; on CPU processes (gloo), measured on 2 cores
+    (`benchmarks/bench_fsdp.py`), gathering ahead held 1.4x the gathered
+    memory for a step 0.97-1.04x as long, so it is off there.
+
+    Args:
+        distribution: the distribution in effect.
+
+    Returns:
+        A `bool`: `KERAS_DISTRIBUTION_GATHER_AHEAD` (`"1"` or `"0"`) if
+        set, else whether the mesh's devices are not CPUs.
+    """
+    choice = os.environ.get(GATHER_AHEAD_ENV)
+    if choice is None:
+        device = str(np.asarray(distribution.device_mesh.devices).flat[0])
+        return not device.lower().startswith("cpu")
+    if choice not in ("0", "1"):
+        raise ValueError(
+            f"{GATHER_AHEAD_ENV} must be '1' (gather the next layer's "
+            f"weights ahead) or '0'. Received: {GATHER_AHEAD_ENV}={choice!r}"
+        )
+    return choice == "1"
+
+
+@contextlib.contextmanager
+def prefetching(schedule, distribution):
+    """Lets the layer calls of one step gather their weights ahead, if
+    `gathers_ahead(distribution)`.
+
+    Args:
+        schedule: the step's `GatherSchedule`.
+        distribution: the distribution in effect.
+    """
+    if not gathers_ahead(distribution):
+        yield
+        return
+    previous = running_schedule()
+    _running.schedule = schedule
+    try:
+        yield
+    finally:
+        _running.schedule = previous
+        schedule.finish_step()
+
+
+class GatherSchedule:
+    """The order in which a step function's layer calls gather weights.
+
+    A step records the order of its gathers; the next step follows it to
+    gather each layer's weights while the layer before computes. The order
+    is the same on every process (the same model, called the same way), so
+    the asynchronous gathers are issued in the same order everywhere. A
+    weight gathered ahead stands for its variable only in the call it was
+    gathered for, with the same placements, dtype and gradient mode and an
+    unchanged variable; otherwise it is dropped once its gather completes,
+    and the call gathers anew (a call order that changed: a layer called
+    conditionally).
+    """
+
+    def __init__(self):
+        # The previous step's layer calls that gathered, as weak references.
+        self._order = []
+        self._calls = []
+        # `id(variable)`: its `_GatheredWeight` gathered ahead.
+        self._ahead = {}
+        # This step's calls whose gathered storage was freed after the
+        # forward pass, in call order: lists of `_GatheredWeight`.
+        self._released = []
+
+    def take_ahead(self, layer, weights):
+        """Gives `weights` (a call of `layer`) what was gathered for them."""
+        self._calls.append(weakref.ref(layer))
+        for weight in weights:
+            weight.take(self._ahead.pop(id(weight.variable), None))
+        self._drop_ahead()
+
+    def gather_ahead(self, layer, weights_to_gather):
+        """Starts gathering the weights of the call after `layer`'s.
+
+        Args:
+            layer: the layer being called.
+            weights_to_gather: a function of a layer: the weights a call
+                of it gathers (`_GatheredWeight`s).
+        """
+        position = len(self._calls)
+        if position >= len(self._order) or self._order[position - 1]() is not (
+            layer
+        ):
+            return
+        following = self._order[position]()
+        if following is None:
+            return
+        for weight in weights_to_gather(following):
+            weight.gather_ahead()
+            self._ahead[id(weight.variable)] = weight
+
+    def released(self, weights):
+        """Records a call's weights freed after the forward pass.
+
+        Returns:
+            A function that, in the backward pass, starts gathering again
+            the weights of the call released before these.
+        """
+        self._released.append(weights)
+        index = len(self._released) - 1
+        return lambda: self._restore_ahead(index)
+
+    def _restore_ahead(self, index):
+        for weights in reversed(self._released[:index]):
+            pending = [w for w in weights if w.needs_restore()]
+            if pending:
+                for weight in pending:
+                    weight.restore_ahead()
+                return
+
+    def _drop_ahead(self):
+        for weight in self._ahead.values():
+            weight.drop_ahead()
+        self._ahead.clear()
+
+    def finish_step(self):
+        """Drops what was gathered for calls that did not come, and keeps
+        this step's order for the next."""
+        self._drop_ahead()
+        for weights in self._released:
+            for weight in weights:
+                weight.drop_ahead()
+        self._released = []
+        self._order, self._calls = self._calls, []
