@@ -328,31 +328,36 @@ def test_an_unknown_gather_choice_is_a_value_error(monkeypatch):
 
 
 def _table_model(jit_compile=False):
-    """A layer whose output is a view of its weight (keras-hub's
-    `PositionEmbedding` slices its table), and a SpectralNormalization
+    """Layers whose output is a view of their weight (keras-hub's
+    `PositionEmbedding` slices its table; the second table's weight is
+    gathered ahead, while the first computes), and a SpectralNormalization
     that assigns its kernel in its call."""
     import keras
 
     class Table(keras.layers.Layer):
+        def __init__(self, rows, **kwargs):
+            super().__init__(**kwargs)
+            self.rows = rows
+
         def build(self, input_shape):
             self.table = self.add_weight((6, _DIM), name="table")
 
         def call(self, x):
-            return self.table[:4]
+            return self.table[: self.rows]
 
     class TableModel(keras.Model):
         def __init__(self):
             super().__init__()
-            self.rows = Table(name="table")
+            self.some_rows = Table(4, name="some_rows")
+            self.all_rows = Table(6, name="all_rows")
             self.dense = keras.layers.SpectralNormalization(
                 keras.layers.Dense(_DIM, name="dense"), name="spectral"
             )
 
         def call(self, x, training=None):
-            rows = self.rows(x)
-            return self.dense(
-                x + keras.ops.mean(rows, axis=0), training=training
-            )
+            rows = keras.ops.mean(self.some_rows(x), axis=0)
+            rows = rows + keras.ops.mean(self.all_rows(x), axis=0)
+            return self.dense(x + rows, training=training)
 
     keras.utils.set_random_seed(0)
     model = TableModel()

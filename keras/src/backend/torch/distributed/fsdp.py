@@ -260,9 +260,10 @@ def _completed_gradient(grad):
 
 
 def _local_tensor(value):
-    """The local tensor of a gathered `DTensor`, once gathered: that of an
-    asynchronous gather is a wrapper, whose `wait` returns the tensor."""
-    local = value.to_local()
+    """The local tensor of `value` (a tensor or `DTensor`), once computed:
+    that of an asynchronous gather is a wrapper, whose `wait` returns the
+    tensor."""
+    local = value.to_local() if isinstance(value, DTensor) else value
     wait = getattr(local, "wait", None)
     return local if wait is None else wait()
 
@@ -386,9 +387,7 @@ class _GatheredWeight:
         with torch.no_grad():
             local = _local_tensor(value)
         storage = local.untyped_storage()
-        shared = [self.sharded.to_local()] + [
-            x.to_local() if isinstance(x, DTensor) else x for x in outputs
-        ]
+        shared = [self.sharded.to_local()] + [_local_tensor(x) for x in outputs]
         if any(
             x.untyped_storage().data_ptr() == storage.data_ptr() for x in shared
         ):
