@@ -356,8 +356,9 @@ def apply_diff(diff_text, original, target, diff_name):
             raise OverlayError(
                 f"{diff_name}: hunk {number} ({header}) does not apply to "
                 f"upstream {target}: its context and removed lines are "
-                "nowhere after the previous hunk. Update the diff "
-                f"(python tools/overlay.py edit --force {target})."
+                "nowhere after the previous hunk. Update the diff, or add a "
+                "variant for this base (python tools/overlay.py edit --force "
+                f"[--base REQUIREMENT] {target})."
             )
         if old_start:
             offset = at - (old_start - 1)
