@@ -17,9 +17,17 @@ import pytest  # noqa: E402
 
 from tests import harness  # noqa: E402
 
-# Test modules of keras-hub models (the auto-parallel tests of Keras' own
-# models run on both bases).
-KERAS_HUB_MODULES = ("test_keras_hub.py", "test_keras_hub_catalogue.py")
+# Test modules that cannot run on the nightly base, and why.
+NOT_ON_KERAS_MASTER = {
+    # The auto-parallel tests of Keras' own models run on both bases.
+    "test_keras_hub.py": "keras-hub 0.31.1 does not import with Keras master",
+    "test_keras_hub_catalogue.py": (
+        "keras-hub 0.31.1 does not import with Keras master"
+    ),
+    "test_upstream_distribution_tests.py": (
+        "the keras-nightly wheel (and sdist) ships no upstream tests to run"
+    ),
+}
 
 
 def on_keras_master():
@@ -29,16 +37,17 @@ def on_keras_master():
 
 
 def pytest_collection_modifyitems(config, items):
-    """Skips the keras-hub tests on the nightly base, saying why."""
+    """Skips, on the nightly base, what cannot run there, saying why."""
     if not on_keras_master():
         return
-    skip = pytest.mark.skip(
-        reason="keras-hub 0.31.1 does not import with Keras master "
-        "(keras-nightly): its tests run on the 3.15.1 base only"
-    )
     for item in items:
-        if item.path.name in KERAS_HUB_MODULES:
-            item.add_marker(skip)
+        reason = NOT_ON_KERAS_MASTER.get(item.path.name)
+        if reason is not None:
+            item.add_marker(
+                pytest.mark.skip(
+                    reason=f"{reason} (keras-nightly): runs on 3.15.1 only"
+                )
+            )
 
 
 @pytest.fixture(scope="session", autouse=True)
