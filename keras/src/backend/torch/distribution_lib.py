@@ -76,7 +76,9 @@ def batch_step(model, kind, step_function, eager_step_function):
         return lambda data: function(data[0])
 
     eager = on_first(eager_step_function)
-    if step_function is eager_step_function:
+    # `==`: a bound method (`model.train_step`) is a new object at each
+    # access, equal to the others.
+    if step_function == eager_step_function:
         distributed = step.DistributedStep(model, kind, eager, eager)
     else:
         distributed = step.DistributedStep(
