@@ -88,6 +88,19 @@ def default_base(source):
     return Base(f"keras=={version}")
 
 
+def base_of(source, version):
+    """The base a package of ours was built on, from its version.
+
+    ``3.15.1+torchdist`` gives the default base; another upstream version
+    (``3.16.0.dev2026102704+torchdist``) a ``keras-nightly`` one.
+    """
+    default = default_base(source)
+    upstream = upstream_version(version)
+    if upstream == default.version:
+        return default
+    return Base(f"keras-nightly=={upstream}")
+
+
 def resolve_base(source, requirement=None):
     """Returns ``Base(requirement)``, or the default base when it is None."""
     if not requirement:

@@ -29,16 +29,7 @@ NIGHTLY = overlaylib.Base(
 )
 
 
-def _installed_base():
-    """The base the installed package was built on, from its version."""
-    version = importlib.metadata.version("keras").split("+")[0]
-    default = overlaylib.default_base(REPO)
-    if version == default.version:
-        return default
-    return overlaylib.Base(f"keras-nightly=={version}")
-
-
-BASE = _installed_base()
+BASE = overlaylib.base_of(REPO, importlib.metadata.version("keras"))
 
 
 def _pristine(base):
