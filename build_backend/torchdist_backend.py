@@ -8,6 +8,13 @@ upstream Keras, taken from the build requirement ``keras==3.15.1``, with every
 (dependencies, Requires-Python, summary, license...) with our version and the
 extras of ``[project.optional-dependencies]``.
 
+The base is a build-time choice, the PEP 517 config setting ``base``:
+``pip install . -C base=keras-nightly==3.16.0.dev2026102704`` builds on that
+Keras master nightly instead (its ``*.nightly.diff`` variants applied), as
+``keras`` at ``3.16.0.dev2026102704+torchdist``. The base is a build
+requirement returned by the ``get_requires_for_build_*`` hooks, so pip
+installs it into the isolated build environment.
+
 ``pip install -e .`` builds the tree into ``<repo>/build/editable/keras/``:
 upstream files are copies (patched where a diff exists), our new modules are
 symlinks to the repository's files, and the editable wheel holds only a
@@ -35,16 +42,46 @@ ZIP_DATE = (1980, 1, 1, 0, 0, 0)
 SDIST_PATHS = ("pyproject.toml", "README.md", "build_backend", "keras", "tools")
 
 
-def _upstream(version):
-    """Returns the root of the build requirement keras==<upstream version>."""
-    wanted = overlaylib.upstream_version(version)
-    root = overlaylib.installed_upstream(wanted)
+def _base(config_settings):
+    """The base of this build: the ``base`` config setting, or the default."""
+    return overlaylib.resolve_base(".", (config_settings or {}).get("base"))
+
+
+def _upstream(base):
+    """Returns the root of the installed build requirement, the base."""
+    root = overlaylib.installed_upstream(base.version, base.distribution)
     if root is None:
         raise overlaylib.OverlayError(
-            f"the build environment lacks keras=={wanted} "
+            f"the build environment lacks {base.requirement} "
             "(a build requirement: build with pip's default build isolation)"
         )
     return root
+
+
+def _requires(config_settings):
+    return [_base(config_settings).requirement]
+
+
+def get_requires_for_build_wheel(config_settings=None):
+    """PEP 517 hook: the base Keras (``keras==3.15.1`` by default)."""
+    return _requires(config_settings)
+
+
+def get_requires_for_build_editable(config_settings=None):
+    """PEP 660 hook: the base Keras, as for a wheel."""
+    return _requires(config_settings)
+
+
+def get_requires_for_build_sdist(config_settings=None):
+    """PEP 517 hook: the base Keras, whose metadata PKG-INFO takes."""
+    return _requires(config_settings)
+
+
+def _project(base):
+    """The ``[project]`` table, with our version on this base."""
+    project = dict(overlaylib.project_table("."))
+    project["version"] = overlaylib.our_version(project, base)
+    return project
 
 
 def core_metadata(upstream_metadata, project):
@@ -55,9 +92,10 @@ def core_metadata(upstream_metadata, project):
         project: the ``[project]`` table of pyproject.toml.
     """
     head, blank, body = upstream_metadata.partition("\n\n")
+    ours = {"Version": project["version"], "Name": project["name"]}
     lines = [
-        f"Version: {project['version']}"
-        if line.startswith("Version:")
+        f"{line.partition(':')[0]}: {ours[line.partition(':')[0]]}"
+        if line.partition(":")[0] in ours
         else line
         for line in head.split("\n")
     ]
@@ -72,12 +110,9 @@ def core_metadata(upstream_metadata, project):
     return "\n".join(lines) + blank + body
 
 
-def _dist_info_files(upstream_root, project):
+def _dist_info_files(upstream_root, project, base):
     """Returns ``{name: bytes}`` for our dist-info, from upstream's."""
-    upstream_info = (
-        Path(upstream_root)
-        / f"keras-{overlaylib.upstream_version(project['version'])}.dist-info"
-    )
+    upstream_info = Path(upstream_root) / base.dist_info
     files = {
         "METADATA": core_metadata(
             overlaylib.read_text(upstream_info / "METADATA"), project
@@ -146,10 +181,11 @@ def write_wheel(wheel_directory, project, files, dist_info):
 
 def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
     """PEP 517 hook: upstream Keras with the overlay applied."""
-    project = overlaylib.project_table(".")
-    upstream_root = _upstream(project["version"])
+    base = _base(config_settings)
+    project = _project(base)
+    upstream_root = _upstream(base)
     with tempfile.TemporaryDirectory() as tmp:
-        overlaylib.build_tree(".", upstream_root, tmp)
+        overlaylib.build_tree(".", upstream_root, tmp, variant=base.variant)
         files = {
             rel: (Path(tmp) / rel).read_bytes()
             for rel in overlaylib.tree_files(tmp)
@@ -158,25 +194,36 @@ def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
         wheel_directory,
         project,
         files,
-        _dist_info_files(upstream_root, project),
+        _dist_info_files(upstream_root, project, base),
     )
 
 
 def build_editable(
     wheel_directory, config_settings=None, metadata_directory=None
 ):
-    """PEP 660 hook: build/editable/keras plus a .pth file pointing at it."""
-    project = overlaylib.project_table(".")
-    upstream_root = _upstream(project["version"])
-    editable_root = Path("build", "editable").resolve()
-    overlaylib.build_tree(".", upstream_root, editable_root, link_new=True)
+    """PEP 660 hook: build/editable/keras plus a .pth file pointing at it.
+
+    On a variant base the tree is ``build/editable-<variant>/`` (``-nightly``),
+    so that environments of both bases can be editable at once.
+    """
+    base = _base(config_settings)
+    project = _project(base)
+    upstream_root = _upstream(base)
+    suffix = f"-{base.variant}" if base.variant else ""
+    editable_root = Path("build", f"editable{suffix}").resolve()
+    overlaylib.build_tree(
+        ".", upstream_root, editable_root, link_new=True, variant=base.variant
+    )
     pth = {
         f"{project['name']}-torchdist-editable.pth": (
             f"{editable_root}\n".encode()
         )
     }
     return write_wheel(
-        wheel_directory, project, pth, _dist_info_files(upstream_root, project)
+        wheel_directory,
+        project,
+        pth,
+        _dist_info_files(upstream_root, project, base),
     )
 
 
@@ -192,10 +239,9 @@ def _sdist_filter(info):
 
 def build_sdist(sdist_directory, config_settings=None):
     """PEP 517 hook: our repository files (overlay, backend, tools)."""
-    project = overlaylib.project_table(".")
-    metadata = _dist_info_files(_upstream(project["version"]), project)[
-        "METADATA"
-    ]
+    base = _base(config_settings)
+    project = _project(base)
+    metadata = _dist_info_files(_upstream(base), project, base)["METADATA"]
     stem = f"{project['name']}-{project['version']}"
     with tarfile.open(Path(sdist_directory) / f"{stem}.tar.gz", "w:gz") as tar:
         for path in SDIST_PATHS:

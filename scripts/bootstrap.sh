@@ -12,13 +12,32 @@
 #     never a bare `pip install torch`, which pulls GBs of CUDA;
 #   - the package is (re)installed with a regular `pip install .` only when
 #     keras/, build_backend/ or pyproject.toml changed since the last install
-#     (their hash is kept in $KERAS_VENV/.keras-overlay-hash).
+#     (their hash is kept in $KERAS_VENV/.keras-overlay-hash);
+#   - KERAS_BASE=nightly builds it on the Keras master nightly that
+#     pyproject.toml pins (`[tool.keras-torchdist] nightly-base`), with
+#     `pip install -C base=...`, in its own venv (default <repo>/.venv-nightly).
 #
 # Sets REPO_ROOT, VENV and PY (the venv's python). pip's output goes to
 # stderr so that the launched program owns stdout.
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${KERAS_VENV:-$REPO_ROOT/.venv}"
+case "${KERAS_BASE:-}" in
+  "" | default) KERAS_BASE_REQUIREMENT="" ;;
+  nightly)
+    KERAS_BASE_REQUIREMENT="$(sed -n 's/^nightly-base = "\(.*\)"$/\1/p' \
+      "$REPO_ROOT/pyproject.toml")"
+    ;;
+  *)
+    echo "[bootstrap] KERAS_BASE must be 'default' or 'nightly'." \
+      "Received: KERAS_BASE=$KERAS_BASE" >&2
+    return 1
+    ;;
+esac
+if [[ -n "$KERAS_BASE_REQUIREMENT" ]]; then
+  VENV="${KERAS_VENV:-$REPO_ROOT/.venv-nightly}"
+else
+  VENV="${KERAS_VENV:-$REPO_ROOT/.venv}"
+fi
 PY="$VENV/bin/python"
 
 bootstrap_log() { echo "[bootstrap] $*" >&2; }
@@ -28,7 +47,8 @@ overlay_hash() {
   (cd "$REPO_ROOT" &&
     find keras build_backend pyproject.toml -type f \
       ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 |
-    LC_ALL=C sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)
+    LC_ALL=C sort -z | xargs -0 sha256sum |
+    { cat; echo "base $KERAS_BASE_REQUIREMENT"; } | sha256sum | cut -d' ' -f1)
 }
 
 torch_constraints() {
@@ -72,8 +92,13 @@ _bootstrap_locked() {
   local want
   want="$(overlay_hash)"
   if [[ "$(cat "$VENV/.keras-overlay-hash" 2>/dev/null)" != "$want" ]]; then
-    bootstrap_log "installing keras with our overlay (pip install $REPO_ROOT)"
-    "$PY" -m pip install -q "$REPO_ROOT" >&2 || return 1
+    local base_setting=()
+    if [[ -n "$KERAS_BASE_REQUIREMENT" ]]; then
+      base_setting=(-C "base=$KERAS_BASE_REQUIREMENT")
+    fi
+    bootstrap_log "installing keras with our overlay" \
+      "(pip install ${base_setting[*]} $REPO_ROOT)"
+    "$PY" -m pip install -q "${base_setting[@]}" "$REPO_ROOT" >&2 || return 1
     echo "$want" >"$VENV/.keras-overlay-hash"
   fi
 }

@@ -201,6 +201,8 @@ def _resume_body(rank, world_size, directory):
     uninterrupted = _fit(model, 2)
     expected = _state(model)
     keras.backend.clear_session()
+    # Keras master's `clear_session()` also unsets the distribution.
+    use_model_parallel(layout_rules=RULES_1X2, mesh_shape=(1, 2))
     model = _model()
     callback = keras.callbacks.DistributedCheckpoint(directory)
     _fit(model, 1, [callback])
@@ -366,6 +368,8 @@ def _backup_body(rank, world_size, directory):
     uninterrupted = _fit(model, EPOCHS)
     expected = _state(model)
     keras.backend.clear_session()
+    # Keras master's `clear_session()` also unsets the distribution.
+    use_data_parallel()
 
     def interrupt(epoch, logs):
         if epoch == 1:
@@ -386,6 +390,7 @@ def _backup_body(rank, world_size, directory):
     names = sorted(os.listdir(directory))
     shards = sorted(os.listdir(os.path.join(directory, "latest.checkpoint")))
     keras.backend.clear_session()
+    use_data_parallel()
     model = _model()
     backup = keras.callbacks.BackupAndRestore(directory)
     resumed = _fit(model, EPOCHS, [backup])

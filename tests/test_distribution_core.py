@@ -895,14 +895,14 @@ def _mask_set_in_call_body(rank, world_size):
     import torch
 
     import keras
-    from keras.src import backend
+    from keras.src.backend.common import masking
 
     class MarkPositive(keras.layers.Layer):
         """Sets its output's mask in `call` (no `compute_mask`)."""
 
         def call(self, x):
             outputs = x * 2.0
-            backend.set_keras_mask(outputs, keras.ops.sum(x, axis=-1) > 0)
+            masking.set_keras_mask(outputs, keras.ops.sum(x, axis=-1) > 0)
             return outputs
 
     # Nothing sharded: outputs are replicated over "model".
@@ -915,7 +915,7 @@ def _mask_set_in_call_body(rank, world_size):
         # Replicated over "model" and requiring a gradient: the output is
         # wrapped to reduce partial-sum gradients in the backward pass.
         outputs = MarkPositive()(dense(x))
-    mask = backend.get_keras_mask(outputs)
+    mask = masking.get_keras_mask(outputs)
     return (
         None if mask is None else np.asarray(keras.ops.convert_to_numpy(mask))
     )

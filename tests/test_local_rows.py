@@ -170,6 +170,14 @@ def test_masked_batch_normalization_runs_on_dtensor():
         pm.assert_close(result, reference, f"rank {rank}")
 
 
+def _backend_nn():
+    """The torch backend's `nn` module, on either Keras base (Keras master
+    moved it to `torch/ops/nn.py`)."""
+    import keras.src.backend.torch as torch_backend
+
+    return getattr(torch_backend, "ops", torch_backend).nn
+
+
 def _dtensor_moments_body(rank, world_size):
     """Batch moments of a batch-sharded DTensor: the values and gradients,
     and the collectives of the forward and backward passes."""
@@ -180,7 +188,6 @@ def _dtensor_moments_body(rank, world_size):
     from torch.distributed.tensor.debug import CommDebugMode
 
     import keras
-    from keras.src.backend.torch import nn
     from tests import distributions
 
     distribution = distributions.use_setting("dp")
@@ -190,7 +197,7 @@ def _dtensor_moments_body(rank, world_size):
     x.requires_grad_()
     try:
         with CommDebugMode() as comms:
-            mean, variance = nn.moments(x, axes=(0, 1))
+            mean, variance = _backend_nn().moments(x, axes=(0, 1))
             both = mean.full_tensor() + variance.full_tensor()
             (both * torch.arange(1.0, 5.0)).sum().backward()
     finally:

@@ -1,7 +1,9 @@
-"""The installed package is upstream Keras 3.15.1 plus exactly our overlay.
+"""The installed package is upstream Keras plus exactly our overlay.
 
-Runs in the environment that run_tests.sh sets up (the package installed).
-Pristine upstream is downloaded once into build/upstream/.
+Runs in the environment that run_tests.sh sets up (the package installed):
+Keras 3.15.1 in `.venv`, the pinned Keras master nightly in `.venv-nightly`
+(`run_tests.sh --base nightly`); the base is read from the installed
+version. Pristine upstream is downloaded once into build/upstream/.
 """
 
 import difflib
@@ -10,6 +12,7 @@ import importlib.util
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -19,15 +22,32 @@ sys.path.insert(0, str(REPO / "build_backend"))
 import overlaylib  # noqa: E402
 
 PROJECT = overlaylib.project_table(REPO)
-UPSTREAM_VERSION = overlaylib.upstream_version(PROJECT["version"])
+NIGHTLY = overlaylib.Base(
+    tomllib.loads((REPO / "pyproject.toml").read_text())["tool"][
+        "keras-torchdist"
+    ]["nightly-base"]
+)
+
+
+BASE = overlaylib.base_of(REPO, importlib.metadata.version("keras"))
+
+
+def _pristine(base):
+    return overlaylib.pristine_upstream(
+        base.version, REPO / "build" / "upstream", base.distribution
+    )
 
 
 @pytest.fixture(scope="session")
 def pristine():
     """A root holding pristine upstream keras/ and its dist-info."""
-    return overlaylib.pristine_upstream(
-        UPSTREAM_VERSION, REPO / "build" / "upstream"
-    )
+    return _pristine(BASE)
+
+
+@pytest.fixture(scope="session")
+def pristine_nightly():
+    """The pinned nightly base (`nightly-base` of pyproject.toml)."""
+    return _pristine(NIGHTLY)
 
 
 @pytest.fixture(scope="session")
@@ -40,9 +60,11 @@ def installed():
     return package.parent
 
 
-def _overlay(pristine):
+def _overlay(pristine, variant=BASE.variant):
     """Returns (new files, {patched upstream path: diff path}) of the repo."""
-    return overlaylib.read_overlay(REPO, set(overlaylib.tree_files(pristine)))
+    return overlaylib.read_overlay(
+        REPO, set(overlaylib.tree_files(pristine)), variant
+    )
 
 
 def _apply_patch(tree, patch_text):
@@ -86,16 +108,20 @@ def _requires_dist(metadata):
 def test_version_and_metadata_match_upstream(pristine):
     ours = importlib.metadata.metadata("keras")
     upstream = importlib.metadata.Distribution.at(
-        pristine / f"keras-{UPSTREAM_VERSION}.dist-info"
+        pristine / BASE.dist_info
     ).metadata
-    assert importlib.metadata.version("keras") == "3.15.1+torchdist"
-    assert ours["Version"] == PROJECT["version"]
-    plain = [r for r in _requires_dist(ours) if "extra ==" not in r]
-    assert plain == _requires_dist(upstream)
+    assert importlib.metadata.version("keras") == f"{BASE.version}+torchdist"
+    assert ours["Version"] == overlaylib.our_version(PROJECT, BASE)
+    assert ours["Name"] == PROJECT["name"] == "keras"
+    assert [r for r in _requires_dist(ours) if "extra ==" not in r] == [
+        r for r in _requires_dist(upstream) if "extra ==" not in r
+    ]
+    # Upstream's extras (the nightly has `gcs`), then ours.
     assert sorted(ours.get_all("Provides-Extra")) == sorted(
-        PROJECT["optional-dependencies"]
+        (upstream.get_all("Provides-Extra") or [])
+        + list(PROJECT["optional-dependencies"])
     )
-    for field in ("Requires-Python", "Summary", "License", "Name"):
+    for field in ("Requires-Python", "Summary", "License"):
         assert ours[field] == upstream[field], field
 
 
@@ -121,6 +147,8 @@ def test_export_reproduces_installed_tree(pristine, installed, tmp_path):
             sys.executable,
             str(REPO / "tools" / "overlay.py"),
             "export",
+            "--base",
+            BASE.requirement,
             "-o",
             str(patch_file),
         ],
@@ -195,7 +223,8 @@ def test_overlay_copy_of_upstream_file_is_refused(tmp_path):
         overlaylib.build_tree(source, upstream, tmp_path / "out")
 
 
-def test_edit_then_save_makes_the_diff(pristine, tmp_path):
+def test_edit_then_save_makes_the_diff(tmp_path):
+    pristine = _pristine(overlaylib.default_base(REPO))
     root = tmp_path / "repo"
     (root / "keras").mkdir(parents=True)
     shutil.copy(REPO / "pyproject.toml", root)
@@ -253,28 +282,160 @@ def test_no_new_module_is_a_near_copy_of_upstream(pristine):
     assert copies == []
 
 
-def test_overlay_table_lists_every_diff_with_its_size(pristine):
-    """keras/OVERLAY.md names each diff once, with its +/- line counts."""
-    _, diffs = _overlay(pristine)
+def _size(diff_rel):
+    """``+A -R``: the lines a diff adds and removes."""
+    body = (REPO / diff_rel).read_text().splitlines()
+    added = sum(
+        1 for x in body if x.startswith("+") and not x.startswith("+++")
+    )
+    removed = sum(
+        1 for x in body if x.startswith("-") and not x.startswith("---")
+    )
+    return f"+{added} -{removed}"
+
+
+def test_overlay_table_lists_every_diff_with_its_size():
+    """keras/OVERLAY.md names each diff once, with its +/- line counts:
+    the plain diffs by their upstream file, each variant by its own path."""
     table = (REPO / overlaylib.OVERLAY_DOC).read_text()
     rows = {}
     for line in table.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 4 and cells[0].startswith("`keras/"):
             rows[cells[0].strip("`")] = cells[1]
+    diffs = {}
+    for rel in overlaylib.tree_files(REPO):
+        if rel.endswith(overlaylib.DIFF_SUFFIX):
+            target, variant = overlaylib.diff_target(rel)
+            diffs[target if variant is None else rel] = rel
     assert sorted(rows) == sorted(diffs)
-    for target, diff_rel in diffs.items():
-        body = (REPO / diff_rel).read_text().splitlines()
-        added = sum(
-            1 for x in body if x.startswith("+") and not x.startswith("+++")
-        )
-        removed = sum(
-            1 for x in body if x.startswith("-") and not x.startswith("---")
-        )
-        assert rows[target] == f"+{added} -{removed}", target
+    for row, diff_rel in diffs.items():
+        assert rows[row] == _size(diff_rel), row
 
 
 def test_overlay_table_is_neither_built_nor_exported(pristine):
     new, _ = _overlay(pristine)
     assert overlaylib.OVERLAY_DOC not in new
-    assert "OVERLAY.md" not in overlaylib.export_patch(REPO, pristine)
+    assert "OVERLAY.md" not in overlaylib.export_patch(
+        REPO, pristine, BASE.variant
+    )
+
+
+def test_base_is_a_pinned_keras_requirement():
+    base = overlaylib.Base("keras-nightly==3.16.0.dev2026102704")
+    assert (base.distribution, base.version, base.variant) == (
+        "keras-nightly",
+        "3.16.0.dev2026102704",
+        "nightly",
+    )
+    assert base.dist_info == "keras_nightly-3.16.0.dev2026102704.dist-info"
+    assert overlaylib.default_base(REPO).requirement == "keras==3.15.1"
+    for bad in ("keras", "keras>=3.15", "tensorflow==2.21.0"):
+        with pytest.raises(overlaylib.OverlayError, match="Received: base="):
+            overlaylib.Base(bad)
+
+
+def test_variant_diff_replaces_the_plain_one_on_its_base(tmp_path):
+    upstream, source = tmp_path / "upstream", tmp_path / "source"
+    text = _fake_upstream(upstream)
+    overlaylib.write_text(upstream / "keras" / "src" / "moved.py", "M = 1\n")
+    src = source / "keras" / "src"
+    overlaylib.write_text(src / "foo.py.diff", _two_hunk_diff())
+    variant = _two_hunk_diff().replace("'three'", "'THREE'")
+    overlaylib.write_text(src / "foo.py.nightly.diff", variant)
+    # A diff of a file only 3.15.1 has, empty (dropped) on the variant base.
+    overlaylib.write_text(src / "gone.py.diff", "not applied on nightly")
+    overlaylib.write_text(src / "gone.py.nightly.diff", "")
+    overlaylib.build_tree(source, upstream, tmp_path / "out", variant="nightly")
+    out = (tmp_path / "out/keras/src/foo.py").read_text()
+    assert "line_3 = 'THREE'" in out and "extra = 1" in out
+    assert not (tmp_path / "out/keras/src/gone.py").exists()
+    # On the default base the variants are ignored: gone.py must exist.
+    with pytest.raises(overlaylib.OverlayError, match="no keras/src/gone.py"):
+        overlaylib.build_tree(source, upstream, tmp_path / "out2")
+    (src / "gone.py.diff").unlink()
+    overlaylib.build_tree(source, upstream, tmp_path / "out2")
+    assert (tmp_path / "out2/keras/src/foo.py").read_text() == text.replace(
+        "line_3 = 3\n", "line_3 = 'three'\n"
+    ).replace("line_21 = 21\n", "line_21 = 21\nextra = 1\n")
+
+
+def test_replaced_module_only_where_listed(tmp_path, monkeypatch):
+    upstream, source = tmp_path / "upstream", tmp_path / "source"
+    _fake_upstream(upstream)
+    overlaylib.write_text(source / "keras" / "src" / "foo.py", "OURS = 1\n")
+    with pytest.raises(overlaylib.OverlayError, match="exists upstream"):
+        overlaylib.build_tree(source, upstream, tmp_path / "out", variant="x")
+    monkeypatch.setitem(overlaylib.REPLACED, "x", ("keras/src/foo.py",))
+    overlaylib.build_tree(source, upstream, tmp_path / "out", variant="x")
+    assert (tmp_path / "out/keras/src/foo.py").read_text() == "OURS = 1\n"
+    patch = overlaylib.export_patch(source, upstream, variant="x")
+    assert "--- a/keras/src/foo.py" in patch and "+OURS = 1" in patch
+
+
+def test_hunks_apply_where_upstream_moved_them(tmp_path):
+    text = "".join(f"line_{i} = {i}\n" for i in range(1, 31))
+    moved = "".join(f"new_{i} = {i}\n" for i in range(5)) + text
+    out = overlaylib.apply_diff(
+        _two_hunk_diff(), moved, "keras/src/foo.py", "foo.py.diff"
+    )
+    assert out.startswith("new_0 = 0\n")
+    assert "line_3 = 'three'\n" in out
+    assert "line_21 = 21\nextra = 1\nline_22 = 22\n" in out
+
+
+def test_overlay_builds_on_both_bases(pristine_nightly):
+    """Every diff applies on 3.15.1 and on the pinned nightly, and no plain
+    diff is used on the nightly for a file master moved or replaced."""
+    default = _pristine(overlaylib.default_base(REPO))
+    overlaylib.patched_texts(REPO, default, None)
+    new, patched = overlaylib.patched_texts(REPO, pristine_nightly, "nightly")
+    nightly_files = set(overlaylib.tree_files(pristine_nightly))
+    replaced = set(new) & nightly_files
+    assert replaced == set(overlaylib.REPLACED["nightly"])
+    assert "keras/src/backend/torch/ops/core.py" in patched
+    assert "keras/src/backend/torch/core.py" not in nightly_files
+
+
+def test_nightly_export_applies_with_git(pristine_nightly, tmp_path):
+    """`overlay.py export --base <nightly>` is a patch `git apply` takes on
+    the nightly's source tree (its wheel's keras/, in a git repository)."""
+    if not shutil.which("git"):
+        pytest.fail("git is needed to check the export")
+    patch_file = tmp_path / "change.diff"
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tools" / "overlay.py"),
+            "export",
+            "--base",
+            NIGHTLY.requirement,
+            "-o",
+            str(patch_file),
+        ],
+        check=True,
+    )
+    tree = tmp_path / "keras-master"
+    shutil.copytree(pristine_nightly / "keras", tree / "keras")
+    git = ["git", "-C", str(tree)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run(
+        [
+            *git,
+            "-c",
+            "user.name=t",
+            "-c",
+            "user.email=t@t",
+            "commit",
+            "-qm",
+            "x",
+        ],
+        check=True,
+    )
+    subprocess.run([*git, "apply", "--check", str(patch_file)], check=True)
+    subprocess.run([*git, "apply", str(patch_file)], check=True)
+    ours = (REPO / "keras/src/backend/torch/distribution_lib.py").read_bytes()
+    assert (
+        tree / "keras/src/backend/torch/distribution_lib.py"
+    ).read_bytes() == ours

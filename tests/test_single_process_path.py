@@ -1,14 +1,16 @@
 """With no distribution set, a training step runs upstream Keras' code path.
 
 The same script trains a small model in two fresh interpreters: one with this
-package, one with pristine Keras 3.15.1 (the downloaded wheel, first on
-`PYTHONPATH`). Each records every Keras function a train step calls. Ours
-must call the same upstream functions in the same order; of the distribution
-modules, only the hooks' own entry points may run, and they may call nothing
-but the check whether a distribution is set.
+package, one with pristine upstream Keras of the installed package's base
+(3.15.1, or the Keras master nightly in `.venv-nightly`: the downloaded
+wheel, first on `PYTHONPATH`). Each records every Keras function a train
+step calls. Ours must call the same upstream functions in the same order;
+of the distribution modules, only the hooks' own entry points may run, and
+they may call nothing but the check whether a distribution is set.
 """
 
 import concurrent.futures
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -22,15 +24,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "build_backend"))
 import overlaylib  # noqa: E402
 
-UPSTREAM_VERSION = overlaylib.upstream_version(
-    overlaylib.project_table(REPO)["version"]
-)
+BASE = overlaylib.base_of(REPO, importlib.metadata.version("keras"))
+# Keras master moved the torch backend's ops under `torch/ops/`.
+CORE = "keras/src/backend/torch/" + ("ops/" if BASE.variant else "") + "core.py"
 
 # Functions our diffs add to upstream files, each a hook into our modules.
 HOOK_FRAMES = {
     "keras/src/backend/torch/optimizers/torch_optimizer.py:apply",
-    "keras/src/backend/torch/core.py:assign_add",
-    "keras/src/backend/torch/core.py:assign_sub",
+    f"{CORE}:assign_add",
+    f"{CORE}:assign_sub",
     "keras/src/backend/torch/layer.py:_parameter_key",
     "keras/src/utils/io_utils.py:_is_logging_process",
     "keras/src/backend/common/distribution_capability.py:"
@@ -110,7 +112,7 @@ print("RESULT " + json.dumps({"calls": calls, "losses": losses,
 @pytest.fixture(scope="module")
 def pristine_root():
     return overlaylib.pristine_upstream(
-        UPSTREAM_VERSION, REPO / "build" / "upstream"
+        BASE.version, REPO / "build" / "upstream", BASE.distribution
     )
 
 
@@ -143,12 +145,14 @@ def _loss_tracked_last(calls):
     step = "keras/src/backend/torch/trainer.py:train_step"
     direct = [i for i, (_, caller) in enumerate(calls) if caller == step]
     update = next(i for i in direct if calls[i][0].endswith(":update_state"))
-    # Its `sample_weight` argument, `tree.flatten(x)`, is evaluated first.
-    start = max(
+    # Its `sample_weight` argument, `tree.flatten(x)`, is evaluated first
+    # (Keras master takes a tensor's `x.shape[0]`: no call).
+    flattens = [
         i
         for i in direct
         if i < update and calls[i][0].endswith("tree_api.py:flatten")
-    )
+    ]
+    start = max(flattens, default=update)
     end = next(i for i in direct if i > update)
     metrics = next(
         i for i in direct if calls[i][0].endswith(":compute_metrics")

@@ -12,9 +12,15 @@ Usage:
 (or deletes the diff when the file equals upstream again). New modules need
 no tool: edit them in place under ``keras/``.
 
-Pristine upstream comes from an installed keras==3.15.1 when there is one,
-else from ``pip download`` into ``build/upstream/`` (once). The logic is
-shared with the build backend (build_backend/overlaylib.py).
+Every command takes ``--base REQUIREMENT``: the
+default is keras==3.15.1; ``--base keras-nightly==3.16.0.dev2026102704``
+exports against that Keras master nightly, and ``edit`` / ``save`` work on
+``build/edit-nightly/<PATH>`` and the variant ``<PATH>.nightly.diff``
+(deleted again when the plain diff gives the same file there).
+
+Pristine upstream comes from an installed base when there is one, else from
+``pip download`` into ``build/upstream/`` (once). The logic is shared with
+the build backend (build_backend/overlaylib.py).
 """
 
 import argparse
@@ -25,11 +31,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "build_backend"))
 import overlaylib  # noqa: E402
 
 
-def _upstream(root):
-    """Returns the root of a pristine upstream Keras for this repository."""
-    version = overlaylib.project_table(root)["version"]
+def _upstream(root, base):
+    """Returns the root of a pristine upstream Keras for this base."""
     return overlaylib.pristine_upstream(
-        overlaylib.upstream_version(version), root / "build" / "upstream"
+        base.version, root / "build" / "upstream", base.distribution
+    )
+
+
+def _edit_dir(root, base):
+    suffix = f"-{base.variant}" if base.variant else ""
+    return root / "build" / f"edit{suffix}"
+
+
+def _diff_path(root, rel, base):
+    """The diff of ``rel`` that ``save`` writes on this base."""
+    variant = f".{base.variant}" if base.variant else ""
+    return root / f"{rel}{variant}{overlaylib.DIFF_SUFFIX}"
+
+
+def _patched(root, upstream_root, rel, base, diff):
+    """Upstream ``rel`` with ``diff`` applied (upstream's when absent)."""
+    text = overlaylib.read_text(upstream_root / rel)
+    if not diff.exists() or not diff.stat().st_size:
+        return text
+    return overlaylib.apply_diff(
+        overlaylib.read_text(diff),
+        text,
+        rel,
+        diff.relative_to(root).as_posix(),
     )
 
 
@@ -44,56 +73,83 @@ def _upstream_file(root, upstream_root, rel):
 
 
 def _relative(root, path):
-    """Returns ``path`` relative to the root, also from build/edit/..."""
+    """Returns ``path`` relative to the root, also from build/edit*/..."""
     path = Path(path)
     rel = path.resolve().relative_to(root) if path.is_absolute() else path
-    rel = rel.as_posix()
-    return rel.removeprefix("build/edit/")
+    parts = rel.as_posix().split("/")
+    if parts[0] == "build" and parts[1:2] and parts[1].startswith("edit"):
+        parts = parts[2:]
+    return "/".join(parts)
 
 
-def export(root, output):
+def export(root, output, base):
     """Writes the whole change as one unified diff (stdout when no output)."""
-    patch = overlaylib.export_patch(root, _upstream(root))
+    patch = overlaylib.export_patch(root, _upstream(root, base), base.variant)
     if output:
         Path(output).write_text(patch, encoding="utf-8")
     else:
         sys.stdout.write(patch)
 
 
-def edit(root, rel, force):
-    """Writes upstream + our current diff to build/edit/<rel>."""
-    upstream_root = _upstream(root)
-    text = _upstream_file(root, upstream_root, rel)
-    out = root / "build" / "edit" / rel
+def edit(root, rel, force, base):
+    """Writes upstream + our current diff to build/edit[-variant]/<rel>.
+
+    On a variant base, starts from the variant diff where there is one, else
+    from the plain diff where it applies, else from upstream's file.
+    """
+    upstream_root = _upstream(root, base)
+    _upstream_file(root, upstream_root, rel)
+    out = _edit_dir(root, base) / rel
     if out.exists() and not force:
         sys.exit(f"{out} exists (unsaved edits?): save it, or use --force")
-    diff = root / (rel + overlaylib.DIFF_SUFFIX)
-    if diff.exists():
-        text = overlaylib.apply_diff(
-            overlaylib.read_text(diff),
-            text,
-            rel,
-            diff.relative_to(root).as_posix(),
-        )
+    variant = _diff_path(root, rel, base)
+    plain = root / (rel + overlaylib.DIFF_SUFFIX)
+    try:
+        diff = variant if variant.exists() else plain
+        text = _patched(root, upstream_root, rel, base, diff)
+    except overlaylib.OverlayError as e:
+        print(f"{e}\nstarting from upstream's {rel}")
+        text = overlaylib.read_text(upstream_root / rel)
     overlaylib.write_text(out, text)
-    print(f"edit {out}, then: python tools/overlay.py save {rel}")
+    flag = f"--base {base.requirement} " if base.variant else ""
+    print(f"edit {out}, then: python tools/overlay.py save {flag}{rel}")
 
 
-def save(root, rel):
-    """Turns build/edit/<rel> into keras/.../<rel>.diff."""
-    upstream_text = _upstream_file(root, _upstream(root), rel)
-    edited = overlaylib.read_text(root / "build" / "edit" / rel)
+def _plain_result(root, upstream_root, rel, base):
+    """What the plain diff of ``rel`` gives on this base (None: nothing)."""
+    plain = root / (rel + overlaylib.DIFF_SUFFIX)
+    if not base.variant or not plain.exists():
+        return None
+    try:
+        return _patched(root, upstream_root, rel, base, plain)
+    except overlaylib.OverlayError:
+        return None
+
+
+def save(root, rel, base):
+    """Turns build/edit[-variant]/<rel> into <rel>[.variant].diff."""
+    upstream_root = _upstream(root, base)
+    upstream_text = _upstream_file(root, upstream_root, rel)
+    edited = overlaylib.read_text(_edit_dir(root, base) / rel)
     # Stored diffs never end without a newline: keeps them simple to apply.
     if not edited.endswith("\n"):
         edited += "\n"
-    diff = root / (rel + overlaylib.DIFF_SUFFIX)
+    diff = _diff_path(root, rel, base)
+    shown = diff.relative_to(root)
+    plain = root / (rel + overlaylib.DIFF_SUFFIX)
     body = overlaylib.unified_diff(rel, upstream_text, edited)
-    if body:
+    if _plain_result(root, upstream_root, rel, base) == edited:
+        diff.unlink(missing_ok=True)
+        print(f"{rel}: the plain diff gives this file; no {shown}")
+    elif body:
         overlaylib.write_text(diff, body)
-        print(f"wrote {diff.relative_to(root)}")
+        print(f"wrote {shown}")
+    elif base.variant and plain.exists():
+        overlaylib.write_text(diff, "")  # no change on this base
+        print(f"{rel} equals upstream here: wrote an empty {shown}")
     elif diff.exists():
         diff.unlink()
-        print(f"{rel} equals upstream: removed {diff.relative_to(root)}")
+        print(f"{rel} equals upstream: removed {shown}")
     else:
         print(f"{rel} equals upstream: no diff to write")
 
@@ -106,12 +162,22 @@ def main(argv=None):
         default=Path(__file__).resolve().parents[1],
         help="repository root (default: this checkout)",
     )
+    based = argparse.ArgumentParser(add_help=False)
+    based.add_argument(
+        "--base",
+        help="the upstream Keras, e.g. keras-nightly==3.16.0.dev2026102704 "
+        "(default: keras==<our version>)",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
-    export_parser = commands.add_parser("export", help="the change as one diff")
+    export_parser = commands.add_parser(
+        "export", parents=[based], help="the change as one diff"
+    )
     export_parser.add_argument(
         "-o", "--output", help="file to write (default: stdout)"
     )
-    edit_parser = commands.add_parser("edit", help="materialize a file to edit")
+    edit_parser = commands.add_parser(
+        "edit", parents=[based], help="materialize a file to edit"
+    )
     edit_parser.add_argument(
         "path", help="e.g. keras/src/backend/torch/core.py"
     )
@@ -119,7 +185,7 @@ def main(argv=None):
         "--force", action="store_true", help="overwrite build/edit/PATH"
     )
     save_parser = commands.add_parser(
-        "save", help="store an edited file as a diff"
+        "save", parents=[based], help="store an edited file as a diff"
     )
     save_parser.add_argument(
         "path", help="e.g. keras/src/backend/torch/core.py"
@@ -127,12 +193,13 @@ def main(argv=None):
     args = parser.parse_args(argv)
     root = args.root.resolve()
     try:
+        base = overlaylib.resolve_base(root, args.base)
         if args.command == "export":
-            export(root, args.output)
+            export(root, args.output, base)
         elif args.command == "edit":
-            edit(root, _relative(root, args.path), args.force)
+            edit(root, _relative(root, args.path), args.force, base)
         else:
-            save(root, _relative(root, args.path))
+            save(root, _relative(root, args.path), base)
     except overlaylib.OverlayError as e:
         sys.exit(f"overlay error:\n{e}")
 

@@ -56,6 +56,37 @@ reduce_with_loss = step.reduce_with_loss
 local_metric_state = step.local_metric_state
 
 
+def batch_step(model, kind, step_function, eager_step_function):
+    """A step of one batch, run as a `DistributedStep`.
+
+    For a trainer that loops over its `steps_per_execution` batches itself
+    and calls its step on each (Keras master's torch trainer).
+
+    Args:
+        model: the model the step belongs to.
+        kind: `"train"`, `"test"` or `"predict"`.
+        step_function: a function of one batch, possibly compiled.
+        eager_step_function: the same function, not compiled.
+
+    Returns:
+        A function of one batch.
+    """
+
+    def on_first(function):
+        return lambda data: function(data[0])
+
+    eager = on_first(eager_step_function)
+    # `==`: a bound method (`model.train_step`) is a new object at each
+    # access, equal to the others.
+    if step_function == eager_step_function:
+        distributed = step.DistributedStep(model, kind, eager, eager)
+    else:
+        distributed = step.DistributedStep(
+            model, kind, on_first(step_function), eager
+        )
+    return lambda batch: distributed([batch])
+
+
 def process_data_adapter(adapter):
     """An adapter that reads only this process' share of the data.
 

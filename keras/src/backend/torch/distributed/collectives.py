@@ -94,9 +94,7 @@ def as_local_tensor(x):
     """This process' own data of `x`, on the Keras device, as a tensor."""
     if isinstance(x, DTensor):
         return x.to_local()
-    from keras.src.backend.torch.core import get_device
-
-    return torch.as_tensor(x, device=get_device())
+    return torch.as_tensor(x, device=runtime.backend_core().get_device())
 
 
 def _all_gather_shapes(x, group):

@@ -102,9 +102,9 @@ class Batches:
 
 
 def to_tensor(x):
-    from keras.src.backend.torch.core import convert_to_tensor
-
-    return None if x is None else convert_to_tensor(x)
+    if x is None:
+        return None
+    return runtime.backend_core().convert_to_tensor(x)
 
 
 def take_rows(batch, start, stop):

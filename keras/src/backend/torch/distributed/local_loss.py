@@ -117,15 +117,16 @@ def _local_prediction(y_pred, local_y_pred, batch):
 def _single_compiled_loss(model, y, y_pred):
     """The one `(path, loss, weight, name)` of the model's compiled loss,
     if Keras' own `compute_loss` computes it on one output, else `None`."""
+    from keras.src.models.model import Model
     from keras.src.trainers.compile_utils import CompileLoss
-    from keras.src.trainers.trainer import Trainer
 
     compile_loss = getattr(model, "_compile_loss", None)
     if (
         type(compile_loss) is not CompileLoss
         or not compile_loss.built
-        or type(model).compute_loss is not Trainer.compute_loss
-        or type(model)._compute_loss is not Trainer._compute_loss
+        # Keras' own (the trainer's, whatever the base names its class).
+        or type(model).compute_loss is not Model.compute_loss
+        or type(model)._compute_loss is not Model._compute_loss
         or tree.is_nested(y)
         or tree.is_nested(y_pred)
         or len(compile_loss._flat_losses) != 1

@@ -16,6 +16,7 @@ Keras' two ways of reading a `PyDataset`:
 """
 
 import collections
+import inspect
 import pickle
 import random
 
@@ -295,7 +296,7 @@ class _ShareReader:
             use_multiprocessing=self._dataset.use_multiprocessing,
             max_queue_size=self._dataset.max_queue_size,
         )
-        self._enqueuer.start()
+        start_enqueuer(self._enqueuer)
         self._batches = self._enqueuer.get()
 
     def close(self):
@@ -365,3 +366,16 @@ def _padded_bytes(data, length, device):
     padded = torch.zeros(length, dtype=torch.uint8)
     padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     return padded.to(device)
+
+
+def start_enqueuer(enqueuer):
+    """Starts a Keras `OrderedEnqueuer`, on either Keras base.
+
+    Keras master's `start` takes the epoch, its shuffle seed (Keras 3.15
+    shuffles unseeded); our shares are never shuffled by the enqueuer, so
+    any epoch reads them in order.
+    """
+    if "epoch" in inspect.signature(enqueuer.start).parameters:
+        enqueuer.start(epoch=0)
+    else:
+        enqueuer.start()

@@ -56,6 +56,17 @@ def current_distribution():
     return distribution if distribution is not None else _process_distribution
 
 
+def backend_core():
+    """Returns the torch backend's `core` module, on either Keras base.
+
+    Keras 3.15 has it at `keras.src.backend.torch.core`; Keras master moved
+    the backend's ops under `keras.src.backend.torch.ops`.
+    """
+    import keras.src.backend.torch as torch_backend
+
+    return getattr(torch_backend, "ops", torch_backend).core
+
+
 @contextlib.contextmanager
 def distribution_suspended():
     """Code in the block runs as without a distribution: on plain tensors
