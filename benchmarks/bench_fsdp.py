@@ -13,6 +13,9 @@ batch split over the processes):
 - `keras_fsdp_ahead`: the same, each layer's weights gathered while the
   layer before computes (`KERAS_DISTRIBUTION_GATHER_AHEAD=1`; on CPUs the
   default is `0`, as `keras_fsdp` runs);
+- `keras_fsdp_kept`: the same, each layer's gathered weights kept until its
+  backward (`KERAS_DISTRIBUTION_RESHARD_AFTER_FORWARD=0`, FSDP2's
+  `reshard_after_forward=False`);
 - `keras_fsdp_dtensor`: the same layout with
   `KERAS_DISTRIBUTION_GATHER_WEIGHTS=off`: DTensor's own plan;
 - `native_fsdp2`: torch's `fully_shard` on each `nn.Linear` and the stack;
@@ -52,6 +55,7 @@ LLAMA_IMPLS = ("hub_llama_2x2", "hub_llama_2x2_dtensor")
 IMPLS = (
     "keras_fsdp",
     "keras_fsdp_ahead",
+    "keras_fsdp_kept",
     "keras_fsdp_dtensor",
     "native_fsdp2",
     "keras_mp",
@@ -228,6 +232,8 @@ def _worker(args):
         os.environ["KERAS_DISTRIBUTION_GATHER_WEIGHTS"] = "off"
     if args.worker == "keras_fsdp_ahead":
         os.environ["KERAS_DISTRIBUTION_GATHER_AHEAD"] = "1"
+    if args.worker == "keras_fsdp_kept":
+        os.environ["KERAS_DISTRIBUTION_RESHARD_AFTER_FORWARD"] = "0"
     import torch
     import torch.distributed as dist
 

@@ -287,6 +287,60 @@ def test_mixed_precision_gathers_and_frees_the_compute_copy():
             np.testing.assert_allclose(w, ref, rtol=1e-2, atol=1e-3)
 
 
+def _kept_body(rank, world_size):
+    import os
+
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from keras.src.backend.torch.distributed import fsdp
+
+    _set_fsdp()
+    os.environ[fsdp.RESHARD_ENV] = "0"
+    try:
+        model = _dense_model()
+        losses, _ = _train(model, steps=1)
+        x, _ = _data()
+        saved = []
+
+        def pack(t):
+            if isinstance(t, DTensor) and tuple(t.shape) == (_DIM, _DIM):
+                if t.placements[0].is_replicate():
+                    saved.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(x, training=True)
+        kept = [t.to_local().untyped_storage().nbytes() for t in saved]
+        loss, counts = _step_collectives(model)
+        losses.append(loss)
+    finally:
+        os.environ.pop(fsdp.RESHARD_ENV)
+    return {
+        "kept": kept,
+        "counts": counts,
+        "run": (losses, _train(model, 0)[1]),
+    }
+
+
+def test_gathered_weights_can_be_kept_until_backward(monkeypatch):
+    from keras.src.backend.torch.distributed import fsdp
+
+    monkeypatch.setenv(fsdp.RESHARD_ENV, "sometimes")
+    with pytest.raises(ValueError, match="sometimes"):
+        fsdp.reshards_after_forward()
+    results = run_on_ranks(_kept_body, world_size=2)
+    reference = _single_process(lambda: _train(_dense_model()))
+    _assert_equal_to_one_process([r["run"] for r in results], reference)
+    for r in results:
+        # The gathered kernels autograd saved keep their memory, and the
+        # backward pass gathers nothing again.
+        assert len(r["kept"]) == _LAYERS - 1, r
+        assert all(n == _DIM * _DIM * 4 for n in r["kept"]), r
+        assert r["counts"].get("all_gather_into_tensor") == _LAYERS, r
+        assert r["counts"].get("reduce_scatter_tensor") == _LAYERS, r
+
+
 def _dtensor_plan_body(rank, world_size, gather):
     _set_fsdp(gather)
     model = _dense_model()

@@ -46,8 +46,12 @@ the bytes, and the gradient is reduce-scattered in the compute dtype.
 `KERAS_DISTRIBUTION_GATHER_WEIGHTS` chooses the mesh axes: `"batch"` (the
 default: the distribution's batch axis), `"all"` (every axis a weight is
 sharded on: ZeRO-3 over the model axis too, instead of tensor parallelism)
-or `"off"` (DTensor's own plan). Compiled steps (`jit_compile=True`) run
-eagerly when weights are gathered (see `compiled_step.eager_reason`).
+or `"off"` (DTensor's own plan).
+`KERAS_DISTRIBUTION_RESHARD_AFTER_FORWARD=0` keeps each layer's gathered
+weights from its call until its backward ops have run instead of freeing
+and gathering them again (FSDP2's `reshard_after_forward=False`): fewer
+gathers, more memory. Compiled steps (`jit_compile=True`) run eagerly when
+weights are gathered (see `compiled_step.eager_reason`).
 """
 
 import contextlib
@@ -66,6 +70,7 @@ if runtime.DTENSOR_AVAILABLE:
 
 GATHER_WEIGHTS_ENV = "KERAS_DISTRIBUTION_GATHER_WEIGHTS"
 _GATHER_CHOICES = ("batch", "all", "off")
+RESHARD_ENV = "KERAS_DISTRIBUTION_RESHARD_AFTER_FORWARD"
 
 # The ids of the variables whose gathered value stands for them now: a
 # layer called inside its own call keeps them.
@@ -122,6 +127,24 @@ def gathered_placements(value, mesh_dims):
             placements[dim] = Replicate()
             gathered = True
     return placements if gathered else None
+
+
+def reshards_after_forward():
+    """Whether a layer's gathered weights are freed when its call returns.
+
+    Returns:
+        `KERAS_DISTRIBUTION_RESHARD_AFTER_FORWARD` (`"1"`, the default, or
+        `"0"`: kept until the layer's backward ops have run) as a `bool`.
+    """
+    choice = os.environ.get(RESHARD_ENV, "1")
+    if choice not in ("0", "1"):
+        raise ValueError(
+            f"{RESHARD_ENV} must be '1' (free a layer's gathered weights "
+            "after its call, gather them again for its backward) or '0' "
+            f"(keep them until its backward). Received: {RESHARD_ENV}="
+            f"{choice!r}"
+        )
+    return choice == "1"
 
 
 def has_gathered_weights(model, distribution):
@@ -213,6 +236,8 @@ def _release_after_forward(weights, outputs, schedule):
     ]
     for weight in weights:
         weight.write_back()
+    if not reshards_after_forward():
+        return outputs
     released = [w for w in weights if w.release(leaves)]
     if released:
         restore_ahead = None
