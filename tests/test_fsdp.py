@@ -238,29 +238,34 @@ def _mixed_precision_run():
         keras.mixed_precision.set_dtype_policy("float32")
 
 
-def _mixed_precision_body(rank, world_size):
+def _gathered_kernels_saved(model):
+    """Runs a forward pass with gradients; returns the gathered (whole,
+    replicated) kernels autograd saved for the backward pass."""
     import torch
     from torch.distributed.tensor import DTensor
 
+    x, _ = _data()
+    saved = []
+
+    def pack(t):
+        if isinstance(t, DTensor) and tuple(t.shape) == (_DIM, _DIM):
+            if t.placements[0].is_replicate():
+                saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x, training=True)
+    return saved
+
+
+def _mixed_precision_body(rank, world_size):
     import keras
 
     _set_fsdp()
     run = _mixed_precision_run()
     keras.mixed_precision.set_dtype_policy("mixed_bfloat16")
     try:
-        model = _dense_model()
-        x, _ = _data()
-        saved = []
-
-        def pack(t):
-            # The gathered kernels autograd keeps: in the compute dtype.
-            if isinstance(t, DTensor) and tuple(t.shape) == (_DIM, _DIM):
-                if t.placements[0].is_replicate():
-                    saved.append(t)
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(x, training=True)
+        saved = _gathered_kernels_saved(_dense_model())
     finally:
         keras.mixed_precision.set_dtype_policy("float32")
     return {
@@ -290,9 +295,6 @@ def test_mixed_precision_gathers_and_frees_the_compute_copy():
 def _kept_body(rank, world_size):
     import os
 
-    import torch
-    from torch.distributed.tensor import DTensor
-
     from keras.src.backend.torch.distributed import fsdp
 
     _set_fsdp()
@@ -300,18 +302,10 @@ def _kept_body(rank, world_size):
     try:
         model = _dense_model()
         losses, _ = _train(model, steps=1)
-        x, _ = _data()
-        saved = []
-
-        def pack(t):
-            if isinstance(t, DTensor) and tuple(t.shape) == (_DIM, _DIM):
-                if t.placements[0].is_replicate():
-                    saved.append(t)
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(x, training=True)
-        kept = [t.to_local().untyped_storage().nbytes() for t in saved]
+        kept = [
+            t.to_local().untyped_storage().nbytes()
+            for t in _gathered_kernels_saved(model)
+        ]
         loss, counts = _step_collectives(model)
         losses.append(loss)
     finally:
