@@ -3,15 +3,18 @@
 # regular wheel, the test tools of the `test` extra), checks our Python files
 # with ruff (format and lint, configured in pyproject.toml), then runs
 # `python -m pytest tests integration_tests ARGS...` (test paths in ARGS
-# replace the two directories); pytest's exit code is the script's.
+# replace the two directories). With no arguments at all (what CI runs,
+# `.ci/run`), the core tests on the Keras master nightly follow (below).
+# The exit code is the first failing run's, else 0.
 #
 # `./run_tests.sh --base nightly [ARGS...]` runs on the Keras master nightly
 # that pyproject.toml pins instead, in .venv-nightly: the package built with
 # `pip install -C base=...`, the tools of `nightly-test-deps` (no keras-hub:
 # it does not import with the nightly, and its tests are skipped there), no
 # linter (the default run has it), and by default the core tests listed in
-# `nightly-tests` (what CI runs).
+# `nightly-tests`.
 set -euo pipefail
+run_all=$(( $# == 0 ))
 args=()
 base=default
 while (($#)); do
@@ -27,29 +30,38 @@ source "$(dirname "${BASH_SOURCE[0]}")/scripts/bootstrap.sh"
 bootstrap_venv
 cd "$REPO_ROOT"
 
-if [[ "$base" == nightly ]]; then
-  mapfile -t test_deps < <("$PY" -c 'import tomllib
-print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["tool"]["keras-torchdist"]["nightly-test-deps"]))')
-  "$PY" -m pip install -q "${test_deps[@]}" >&2
-  mapfile -t targets < <("$PY" -c 'import tomllib
-print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["tool"]["keras-torchdist"]["nightly-tests"]))')
+# One list of `[tool.keras-torchdist]` (or `[project.optional-dependencies]`
+# for `test`) in pyproject.toml, one item a line.
+pyproject_list() {
+  "$PY" -c 'import sys, tomllib
+t = tomllib.load(open("pyproject.toml", "rb"))
+table = t["project"]["optional-dependencies"] if sys.argv[1] == "test" else t["tool"]["keras-torchdist"]
+print("\n".join(table[sys.argv[1]]))' "$1"
+}
+
+# Test paths among the arguments replace the default targets.
+keep_default_targets() {
   for arg in "$@"; do
     if [[ "$arg" != -* && -e "${arg%%::*}" ]]; then
-      targets=()
-      break
+      return 1
     fi
   done
-  export KERAS_BACKEND=torch
+}
+
+export KERAS_BACKEND=torch
+if [[ "$base" == nightly ]]; then
+  mapfile -t test_deps < <(pyproject_list nightly-test-deps)
+  "$PY" -m pip install -q "${test_deps[@]}" >&2
+  mapfile -t targets < <(pyproject_list nightly-tests)
+  keep_default_targets "$@" || targets=()
   exec "$PY" -m pytest --durations=10 "${targets[@]}" "$@"
 fi
 
 # The test tools are those of the `test` extra, plus packages installed
 # without their dependencies; pip skips them when present.
-mapfile -t test_deps < <("$PY" -c 'import tomllib
-print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["test"]))')
+mapfile -t test_deps < <(pyproject_list test)
 "$PY" -m pip install -q "${test_deps[@]}" >&2
-mapfile -t no_deps < <("$PY" -c 'import tomllib
-print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["tool"]["keras-torchdist"]["test-no-deps"]))')
+mapfile -t no_deps < <(pyproject_list test-no-deps)
 "$PY" -m pip install -q --no-deps "${no_deps[@]}" >&2
 
 # Our Python files only: the diffs to upstream files keep upstream's style.
@@ -59,15 +71,17 @@ print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["tool"]["keras-torchd
 }
 "$VENV/bin/ruff" check --quiet .
 
-# Test paths among the arguments replace the default test directories.
 targets=(tests integration_tests)
-for arg in "$@"; do
-  if [[ "$arg" != -* && -e "${arg%%::*}" ]]; then
-    targets=()
-    break
-  fi
-done
-
-export KERAS_BACKEND=torch
+keep_default_targets "$@" || targets=()
 # The slowest tests are listed, so that CI logs show where the time goes.
-exec "$PY" -m pytest --durations=25 "${targets[@]}" "$@"
+if ((run_all == 0)); then
+  exec "$PY" -m pytest --durations=25 "${targets[@]}" "$@"
+fi
+status=0
+"$PY" -m pytest --durations=25 "${targets[@]}" || status=$?
+nightly=0
+"$REPO_ROOT/run_tests.sh" --base nightly || nightly=$?
+if ((status == 0)); then
+  status=$nightly
+fi
+exit "$status"

@@ -140,20 +140,25 @@ def test_overlay_files_are_installed(pristine, installed, tmp_path):
         ).read_bytes(), diff
 
 
-def test_export_reproduces_installed_tree(pristine, installed, tmp_path):
-    patch_file = tmp_path / "change.diff"
+def _export(requirement, patch_file):
+    """Runs `tools/overlay.py export --base requirement -o patch_file`."""
     subprocess.run(
         [
             sys.executable,
             str(REPO / "tools" / "overlay.py"),
             "export",
             "--base",
-            BASE.requirement,
+            requirement,
             "-o",
             str(patch_file),
         ],
         check=True,
     )
+    return patch_file
+
+
+def test_export_reproduces_installed_tree(pristine, installed, tmp_path):
+    patch_file = _export(BASE.requirement, tmp_path / "change.diff")
     shutil.copytree(pristine / "keras", tmp_path / "tree" / "keras")
     _apply_patch(tmp_path / "tree", patch_file.read_text())
     rebuilt, ours = tmp_path / "tree", installed
@@ -402,19 +407,7 @@ def test_nightly_export_applies_with_git(pristine_nightly, tmp_path):
     the nightly's source tree (its wheel's keras/, in a git repository)."""
     if not shutil.which("git"):
         pytest.fail("git is needed to check the export")
-    patch_file = tmp_path / "change.diff"
-    subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "tools" / "overlay.py"),
-            "export",
-            "--base",
-            NIGHTLY.requirement,
-            "-o",
-            str(patch_file),
-        ],
-        check=True,
-    )
+    patch_file = _export(NIGHTLY.requirement, tmp_path / "change.diff")
     tree = tmp_path / "keras-master"
     shutil.copytree(pristine_nightly / "keras", tree / "keras")
     git = ["git", "-C", str(tree)]
