@@ -417,7 +417,6 @@ class _GatheredWeight:
             x.untyped_storage().data_ptr() == storage.data_ptr() for x in shared
         ):
             return False
-        self.local = local
         self.storage = storage
         self.nbytes = storage.nbytes()
         storage.resize_(0)
@@ -425,10 +424,13 @@ class _GatheredWeight:
         # read the gathered value has run.
         value.register_hook(self._release_after_backward)
         # Held weakly from now on: if autograd saved neither the value nor
-        # a view of it (the first layer's kernel, whose input needs no
-        # gradient), it is gone once the call returns, and the backward
-        # pass need not gather it again.
-        self.value = weakref.ref(value)
+        # a view of its local tensor (a view holds its base: an op computed
+        # on the local tensors, such as `local_einsum`, saves no `DTensor`),
+        # the local tensor is gone once the call returns (the first layer's
+        # kernel, whose input needs no gradient), and the backward pass need
+        # not gather it again.
+        self.value = None
+        self.local = weakref.ref(local)
         return True
 
     def needs_restore(self):
@@ -437,7 +439,7 @@ class _GatheredWeight:
             self.storage is not None
             and self.storage.nbytes() != self.nbytes
             and self.ahead is None
-            and self.value() is not None
+            and self.local() is not None
         )
 
     def restore_ahead(self):
@@ -454,7 +456,8 @@ class _GatheredWeight:
         """
         if self.storage is None or self.storage.nbytes() == self.nbytes:
             return False
-        if self.value() is None:
+        local = self.local()
+        if local is None:
             self.drop_ahead()
             return False
         with torch.no_grad():
@@ -464,7 +467,15 @@ class _GatheredWeight:
             self.ahead = None
             fresh = _local_tensor(fresh)
             self.storage.resize_(self.nbytes)
-            self.local.copy_(fresh)
+            # Written through a tensor of its own on the storage: written
+            # through the local tensor, the version counter that its views
+            # share would change, and autograd would refuse the views it
+            # saved (`to_local()` returns a view).
+            target = torch.empty(0, dtype=local.dtype, device=local.device)
+            target.set_(
+                self.storage, local.storage_offset(), local.shape, local.stride()
+            )
+            target.copy_(fresh)
         return True
 
     def _release_after_backward(self, grad):
