@@ -568,3 +568,15 @@ def test_import_order_check_finds_a_late_module(tmp_path, monkeypatch):
     )
     errors = series.import_order_errors(source, upstream, None)
     assert errors == ["keras/src/a.py (step 1) imports keras.src.b (step 2)"]
+
+
+def test_a_step_naming_no_file_of_ours_is_refused(tmp_path):
+    upstream, source = tmp_path / "upstream", tmp_path / "source"
+    _fake_upstream(upstream)
+    overlaylib.write_text(source / "keras/src/a.py", "A = 1\n")
+    overlaylib.write_text(
+        source / series.PLAN,
+        '[[step]]\ntitle = "a"\nfiles = ["keras/src/a.py", "keras/src/b.py"]\n',
+    )
+    with pytest.raises(overlaylib.OverlayError, match="b.py is no file"):
+        series.series_steps(source, upstream, None)

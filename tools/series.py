@@ -183,6 +183,8 @@ def series_steps(root, upstream_root, variant):
             owner[path] = number
             if path in sections:
                 chosen[path] = sections[path]
+            elif not _ours(root, plan, rel):
+                errors.append(f"step {number}: {rel} is no file of ours")
         if not chosen:
             errors.append(f"step {number} ({step['title']}): no file here")
         out.append((step, chosen))
@@ -192,6 +194,22 @@ def series_steps(root, upstream_root, variant):
     if errors:
         raise overlaylib.OverlayError("\n".join(errors))
     return out
+
+
+def _ours(root, plan, rel):
+    """Whether a step's entry names a file of ours on some base: a mapped
+    test file, a new module, or an upstream file one of our diffs patches
+    (a base that does not patch it exports nothing for it)."""
+    if rel in plan["tests"]:
+        return True
+    root = Path(root)
+    diffs = [rel + overlaylib.DIFF_SUFFIX]
+    diffs += [f"{rel}.{v}{overlaylib.DIFF_SUFFIX}" for v in _variants()]
+    return (root / rel).is_file() or any((root / d).is_file() for d in diffs)
+
+
+def _variants():
+    return [v for v in overlaylib.BASE_VARIANTS.values() if v]
 
 
 def changed_lines(section):
@@ -303,8 +321,7 @@ def import_order_errors(root, upstream_root, variant):
             continue
         module = _dotted(path)
         # A module needs its package: the package's __init__ if it is ours.
-        package = module if path.endswith("__init__.py") else module
-        names = _imports(texts[path], module) | {package.rpartition(".")[0]}
+        names = _imports(texts[path], module) | {module.rpartition(".")[0]}
         for name in sorted(names):
             target = by_module.get(name)
             if target and step_of.get(target, 0) > number:
