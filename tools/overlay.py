@@ -20,6 +20,17 @@ exports against that Keras master nightly, and ``edit`` / ``save`` work on
 ``build/edit-nightly/<PATH>`` and the variant ``<PATH>.nightly.diff``
 (deleted again when the plain diff gives the same file there).
 
+``export`` carries our tests too, moved to upstream's layout (``*_test.py``
+beside the modules they test, the harness and shared test modules in
+``keras/src/testing/torch_distribution/``, ``tests.X`` imports rewritten),
+as ``tools/export_plan.toml`` maps them; the files it leaves out are listed
+there with their reason (``--no-tests``: the overlay alone). ``--series
+DIR`` writes the same change as that plan's steps, one ``git format-patch``
+file each, in import order: a step's files import only upstream modules and
+files of earlier steps, and an upstream file goes whole to one step.
+``check-series`` applies the steps one after the other to the base's tree
+and runs each step's tests there. Why it is cut so: ``tools/series.py``.
+
 Pristine upstream comes from an installed base when there is one, else from
 ``pip download`` into ``build/upstream/`` (once). The logic is shared with
 the build backend (build_backend/overlaylib.py).
