@@ -478,25 +478,28 @@ def unified_diff(rel, old_text, new_text, new_file=False):
     )
 
 
-def export_patch(source, upstream_root, variant=None):
-    """Returns the whole change as one diff against pristine upstream.
+def export_sections(source, upstream_root, variant=None):
+    """The whole change as one diff section per file, against upstream.
 
-    Each file gets a ``diff --git`` line so that GNU patch and git apply also
-    create empty new files (which have no hunk). Stored diffs are normalized:
-    regenerated from upstream and the patched text.
+    Each section starts with a ``diff --git`` line so that GNU patch and git
+    apply also create empty new files (which have no hunk). Stored diffs are
+    normalized: regenerated from upstream and the patched text.
+
+    Returns:
+        A dict mapping each changed or new path to its section, sorted.
     """
     new_files, patched = patched_texts(source, upstream_root, variant)
     upstream_files = set(tree_files(upstream_root))
     for rel in set(new_files) & upstream_files:  # ours replaces the base's
         patched[rel] = read_text(Path(source) / rel)
-    sections = []
+    sections = {}
     for rel in sorted(set(new_files) | set(patched)):
         if rel in patched:
             body = unified_diff(
                 rel, read_text(Path(upstream_root) / rel), patched[rel]
             )
             if body:
-                sections.append(f"diff --git a/{rel} b/{rel}\n{body}")
+                sections[rel] = f"diff --git a/{rel} b/{rel}\n{body}"
             continue
         try:
             text = read_text(Path(source) / rel)
@@ -504,8 +507,17 @@ def export_patch(source, upstream_root, variant=None):
             raise OverlayError(
                 f"{rel}: not UTF-8 text, cannot export it"
             ) from None
-        body = unified_diff(rel, "", text, new_file=True)
-        sections.append(
-            f"diff --git a/{rel} b/{rel}\nnew file mode 100644\n{body}"
-        )
-    return "".join(sections)
+        sections[rel] = new_file_section(rel, text)
+    return sections
+
+
+def new_file_section(rel, text):
+    """The ``diff --git`` section that creates ``rel`` with ``text``."""
+    body = unified_diff(rel, "", text, new_file=True)
+    return f"diff --git a/{rel} b/{rel}\nnew file mode 100644\n{body}"
+
+
+def export_patch(source, upstream_root, variant=None):
+    """Returns the whole change as one diff against pristine upstream (the
+    sections of ``export_sections``, in path order)."""
+    return "".join(export_sections(source, upstream_root, variant).values())

@@ -139,7 +139,12 @@ STARTUP_TIMEOUT = float(os.environ.get("MULTIRANK_STARTUP_TIMEOUT", "180"))
 # first there; still bounded so a stuck worker cannot outlive its parent.
 PROCESS_GROUP_TIMEOUT = 60.0
 
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The directory holding this module's top-level package: the repository root
+# for `tests.harness`, and the same for the copy the export places in Keras'
+# tree (`tools/export_plan.toml`), however deep.
+_REPO_ROOT = os.path.abspath(__file__)
+for _ in __name__.split("."):
+    _REPO_ROOT = os.path.dirname(_REPO_ROOT)
 _STACK_DUMP_SIGNAL = signal.SIGUSR1
 # Once one rank failed, the others usually wait for it in a collective:
 # give them this long to finish on their own before dumping their stacks.

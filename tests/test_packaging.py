@@ -9,6 +9,8 @@ version. Pristine upstream is downloaded once into build/upstream/.
 import difflib
 import importlib.metadata
 import importlib.util
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -19,7 +21,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "build_backend"))
+sys.path.insert(0, str(REPO / "tools"))
 import overlaylib  # noqa: E402
+import series  # noqa: E402
 
 PROJECT = overlaylib.project_table(REPO)
 NIGHTLY = overlaylib.Base(
@@ -162,7 +166,10 @@ def test_export_reproduces_installed_tree(pristine, installed, tmp_path):
     shutil.copytree(pristine / "keras", tmp_path / "tree" / "keras")
     _apply_patch(tmp_path / "tree", patch_file.read_text())
     rebuilt, ours = tmp_path / "tree", installed
-    assert _py_files(rebuilt) == _py_files(ours)
+    # The export adds our tests, in upstream's layout; the package has none.
+    tests = set(series.load_plan(REPO)["tests"].values())
+    assert _py_files(rebuilt) == _py_files(ours) | tests
+    assert not _py_files(ours) & tests
     different = [
         rel
         for rel in sorted(_py_files(ours))
@@ -402,33 +409,174 @@ def test_overlay_builds_on_both_bases(pristine_nightly):
     assert "keras/src/backend/torch/core.py" not in nightly_files
 
 
-def test_nightly_export_applies_with_git(pristine_nightly, tmp_path):
-    """`overlay.py export --base <nightly>` is a patch `git apply` takes on
-    the nightly's source tree (its wheel's keras/, in a git repository)."""
+def _git_tree(pristine, tmp_path, name):
+    """The base's keras/ committed in a git repository: the git command."""
     if not shutil.which("git"):
         pytest.fail("git is needed to check the export")
+    return series.git_tree(pristine, tmp_path / name)
+
+
+def test_nightly_export_applies_with_git(pristine_nightly, tmp_path):
+    """`overlay.py export --base <nightly>` is a patch `git apply` takes on
+    the nightly's source tree (its wheel's keras/, in a git repository), and
+    the tests it carries in upstream's layout are collected there."""
     patch_file = _export(NIGHTLY.requirement, tmp_path / "change.diff")
+    git = _git_tree(pristine_nightly, tmp_path, "keras-master")
     tree = tmp_path / "keras-master"
-    shutil.copytree(pristine_nightly / "keras", tree / "keras")
-    git = ["git", "-C", str(tree)]
-    subprocess.run([*git, "init", "-q"], check=True)
-    subprocess.run([*git, "add", "-A"], check=True)
-    subprocess.run(
-        [
-            *git,
-            "-c",
-            "user.name=t",
-            "-c",
-            "user.email=t@t",
-            "commit",
-            "-qm",
-            "x",
-        ],
-        check=True,
-    )
     subprocess.run([*git, "apply", "--check", str(patch_file)], check=True)
     subprocess.run([*git, "apply", str(patch_file)], check=True)
     ours = (REPO / "keras/src/backend/torch/distribution_lib.py").read_bytes()
     assert (
         tree / "keras/src/backend/torch/distribution_lib.py"
     ).read_bytes() == ours
+    plan = series.load_plan(REPO)
+    tests = sorted(
+        path
+        for ours, path in plan["tests"].items()
+        if Path(ours).name.startswith("test_")
+    )
+    for path in plan["tests"].values():
+        text = (tree / path).read_text()
+        assert not re.search(r"^\s*(from|import) tests\b", text, re.M), path
+    # Collected, not run: each test module imports in the patched tree.
+    collected = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q"]
+        + ["-p", "no:cacheprovider", *tests],
+        cwd=tree,
+        env=dict(os.environ, PYTHONPATH=str(tree), KERAS_BACKEND="torch"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert collected.returncode == 0, collected.stdout[-3000:]
+    for path in tests:
+        assert f"{path}::" in collected.stdout, path
+
+
+def test_every_test_file_is_exported_or_excluded():
+    """tools/export_plan.toml maps each file of tests/ to upstream's layout
+    or leaves it out with a reason: a new test file is never dropped
+    silently."""
+    plan = series.load_plan(REPO)
+    mapped, excluded = set(plan["tests"]), set(plan["excluded"])
+    assert not mapped & excluded
+    assert sorted(mapped | excluded) == series.test_files(REPO)
+    assert all(reason.strip() for reason in plan["excluded"].values())
+    targets = list(plan["tests"].values())
+    assert len(set(targets)) == len(targets)
+    for ours, target in plan["tests"].items():
+        assert target.startswith("keras/src/") and target.endswith(".py")
+        if Path(ours).name.startswith("test_"):
+            assert target.endswith("_test.py"), target
+    # Each mapped file is in one step of the series, with its importers.
+    entries = [
+        rel
+        for step in plan["step"]
+        for rel in step.get("files", []) + step.get("tests", [])
+    ]
+    assert sorted(rel for rel in entries if rel.startswith("tests/")) == (
+        sorted(mapped)
+    )
+
+
+def test_relocated_imports():
+    mapping = {
+        "tests/harness.py": "keras/src/testing/x/harness.py",
+        "tests/test_fsdp.py": "keras/src/a/fsdp_test.py",
+    }
+    text = (
+        "from tests import harness\n"
+        "from tests import harness as h  # noqa: E402\n"
+        "from tests import test_fsdp\n"
+        "from tests.harness import run_on_ranks\n"
+        "from tests import other\n"
+        "# see `tests/harness.py` and tests.harness; not tests/other.py\n"
+    )
+    assert series.relocate(text, mapping) == (
+        "from keras.src.testing.x import harness\n"
+        "from keras.src.testing.x import harness as h  # noqa: E402\n"
+        "from keras.src.a import fsdp_test as test_fsdp\n"
+        "from keras.src.testing.x.harness import run_on_ranks\n"
+        "from tests import other\n"
+        "# see `keras/src/testing/x/harness.py` and "
+        "keras.src.testing.x.harness; not tests/other.py\n"
+    )
+
+
+def test_series_applies_step_by_step(pristine_nightly, tmp_path):
+    """`overlay.py export --series DIR` on the nightly: each patch applies
+    with git on the tree of the ones before; together they give the tree of
+    the single export; every exported file is in exactly one step; a file
+    imports only upstream modules and files of its step or earlier ones."""
+    out = tmp_path / "series"
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tools" / "overlay.py"),
+            "export",
+            "--base",
+            NIGHTLY.requirement,
+            "--series",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    patches = sorted(out.glob("*.patch"))
+    plan = series.load_plan(REPO)
+    assert [p.name for p in patches] == [
+        series.patch_name(n, step) for n, step in enumerate(plan["step"], 1)
+    ]
+    git = _git_tree(pristine_nightly, tmp_path, "stepwise")
+    for patch in patches:
+        text = patch.read_text()
+        assert text.startswith("From ") and "\nSubject: [PATCH " in text
+        subprocess.run([*git, "apply", "--check", str(patch)], check=True)
+        subprocess.run([*git, "apply", str(patch)], check=True)
+    whole = _git_tree(pristine_nightly, tmp_path, "whole")
+    patch_file = _export(NIGHTLY.requirement, tmp_path / "change.diff")
+    subprocess.run([*whole, "apply", str(patch_file)], check=True)
+    stepwise = overlaylib.tree_files(tmp_path / "stepwise")
+    assert stepwise == overlaylib.tree_files(tmp_path / "whole")
+    for rel in stepwise:
+        assert (tmp_path / "stepwise" / rel).read_bytes() == (
+            tmp_path / "whole" / rel
+        ).read_bytes(), rel
+    # The union of the steps' sections is the single export, each once.
+    steps = series.series_steps(REPO, pristine_nightly, NIGHTLY.variant)
+    sections = [s for _, chosen in steps for s in chosen.items()]
+    assert len(sections) == len(dict(sections))
+    assert "".join(s for _, s in sorted(sections)) == patch_file.read_text()
+    assert (
+        series.import_order_errors(REPO, pristine_nightly, NIGHTLY.variant)
+        == []
+    )
+
+
+def test_import_order_check_finds_a_late_module(tmp_path, monkeypatch):
+    """A module of step 1 importing one of step 2 is reported."""
+    upstream, source = tmp_path / "upstream", tmp_path / "source"
+    _fake_upstream(upstream)
+    overlaylib.write_text(
+        source / "keras/src/a.py", "from keras.src import b\n"
+    )
+    overlaylib.write_text(source / "keras/src/b.py", "B = 1\n")
+    overlaylib.write_text(
+        source / series.PLAN,
+        '[[step]]\ntitle = "a"\nfiles = ["keras/src/a.py"]\n'
+        '[[step]]\ntitle = "b"\nfiles = ["keras/src/b.py"]\n',
+    )
+    errors = series.import_order_errors(source, upstream, None)
+    assert errors == ["keras/src/a.py (step 1) imports keras.src.b (step 2)"]
+
+
+def test_a_step_naming_no_file_of_ours_is_refused(tmp_path):
+    upstream, source = tmp_path / "upstream", tmp_path / "source"
+    _fake_upstream(upstream)
+    overlaylib.write_text(source / "keras/src/a.py", "A = 1\n")
+    overlaylib.write_text(
+        source / series.PLAN,
+        '[[step]]\ntitle = "a"\nfiles = ["keras/src/a.py", "keras/src/b.py"]\n',
+    )
+    with pytest.raises(overlaylib.OverlayError, match="b.py is no file"):
+        series.series_steps(source, upstream, None)

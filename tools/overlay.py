@@ -3,6 +3,8 @@
 
 Usage:
     python tools/overlay.py export [-o FILE]   # the whole change as one diff
+    python tools/overlay.py export --series DIR  # ... as a series of patches
+    python tools/overlay.py check-series DIR   # each step applied, tested
     python tools/overlay.py edit keras/src/backend/torch/core.py
     # ... edit build/edit/keras/src/backend/torch/core.py ...
     python tools/overlay.py save keras/src/backend/torch/core.py
@@ -18,6 +20,17 @@ exports against that Keras master nightly, and ``edit`` / ``save`` work on
 ``build/edit-nightly/<PATH>`` and the variant ``<PATH>.nightly.diff``
 (deleted again when the plain diff gives the same file there).
 
+``export`` carries our tests too, moved to upstream's layout (``*_test.py``
+beside the modules they test, the harness and shared test modules in
+``keras/src/testing/torch_distribution/``, ``tests.X`` imports rewritten),
+as ``tools/export_plan.toml`` maps them; the files it leaves out are listed
+there with their reason (``--no-tests``: the overlay alone). ``--series
+DIR`` writes the same change as that plan's steps, one ``git format-patch``
+file each, in import order: a step's files import only upstream modules and
+files of earlier steps, and an upstream file goes whole to one step.
+``check-series`` applies the steps one after the other to the base's tree
+and runs each step's tests there. Why it is cut so: ``tools/series.py``.
+
 Pristine upstream comes from an installed base when there is one, else from
 ``pip download`` into ``build/upstream/`` (once). The logic is shared with
 the build backend (build_backend/overlaylib.py).
@@ -29,6 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "build_backend"))
 import overlaylib  # noqa: E402
+import series  # noqa: E402
 
 
 def _upstream(root, base):
@@ -82,9 +96,24 @@ def _relative(root, path):
     return "/".join(parts)
 
 
-def export(root, output, base):
-    """Writes the whole change as one unified diff (stdout when no output)."""
-    patch = overlaylib.export_patch(root, _upstream(root, base), base.variant)
+def export(root, output, base, with_tests=True, series_dir=None):
+    """Writes the whole change as one unified diff (stdout when no output),
+    our tests in upstream's layout; or, with ``series_dir``, as the plan's
+    series of patches, one per step, and prints each step's size."""
+    upstream_root = _upstream(root, base)
+    if series_dir:
+        written = series.write_series(
+            root, upstream_root, base.variant, series_dir
+        )
+        for name, step, size in written:
+            tests = len(step.get("tests", []))
+            print(f"{name}: {size} lines, {tests} test files")
+        print(f"{len(written)} patches in {series_dir}")
+        return
+    sections = series.export_sections(
+        root, upstream_root, base.variant, with_tests
+    )
+    patch = "".join(sections.values())
     if output:
         Path(output).write_text(patch, encoding="utf-8")
     else:
@@ -175,6 +204,35 @@ def main(argv=None):
     export_parser.add_argument(
         "-o", "--output", help="file to write (default: stdout)"
     )
+    export_parser.add_argument(
+        "--series",
+        metavar="DIR",
+        help="write the change as a series of patches into DIR instead "
+        "(the steps of tools/export_plan.toml)",
+    )
+    export_parser.add_argument(
+        "--no-tests",
+        action="store_true",
+        help="leave our tests out (the overlay alone)",
+    )
+    check_parser = commands.add_parser(
+        "check-series",
+        parents=[based],
+        help="write the series into DIR, then apply its steps one by one "
+        "to the base's tree and run each step's tests there",
+    )
+    check_parser.add_argument("dir", help="the series' directory")
+    check_parser.add_argument(
+        "--python",
+        help="the interpreter with torch and pytest (default: "
+        ".venv-nightly's on the nightly base, else .venv's)",
+    )
+    check_parser.add_argument(
+        "--steps", help="only these steps' tests, e.g. 1,4-6 (all applied)"
+    )
+    check_parser.add_argument(
+        "--timeout", type=int, default=900, help="seconds per step's tests"
+    )
     edit_parser = commands.add_parser(
         "edit", parents=[based], help="materialize a file to edit"
     )
@@ -195,7 +253,24 @@ def main(argv=None):
     try:
         base = overlaylib.resolve_base(root, args.base)
         if args.command == "export":
-            export(root, args.output, base)
+            export(root, args.output, base, not args.no_tests, args.series)
+        elif args.command == "check-series":
+            python = args.python or str(
+                root
+                / (".venv-nightly" if base.variant else ".venv")
+                / "bin"
+                / "python"
+            )
+            ok = series.check_series(
+                root,
+                _upstream(root, base),
+                base.variant,
+                Path(args.dir),
+                python,
+                series.parse_steps(args.steps),
+                args.timeout,
+            )
+            sys.exit(0 if ok else 1)
         elif args.command == "edit":
             edit(root, _relative(root, args.path), args.force, base)
         else:

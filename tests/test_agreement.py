@@ -1,0 +1,43 @@
+"""Processes compare what they are about to do, in one small collective.
+
+`agreement` and `collectives.all_gather_ints` on 2 gloo ranks, called
+directly (no `keras.distribution` set): the lowest layer under the
+"different models" and "different numbers of batches" errors.
+"""
+
+from tests.harness import run_on_ranks
+
+
+def _gather_ints_body(rank, world_size):
+    from keras.src.backend.torch.distributed import collectives
+
+    return collectives.all_gather_ints([rank, 10 + rank], None)
+
+
+def test_all_gather_ints_gives_every_process_all_values():
+    results = run_on_ranks(_gather_ints_body, world_size=2)
+    assert results == [[[0, 10], [1, 11]]] * 2
+
+
+def _check_variable_body(rank, world_size, differ):
+    from keras.src.backend.torch.distributed import agreement
+
+    shape = (2, 3 + rank) if differ else (2, 3)
+    try:
+        agreement.check_same_variable("seq/dense/kernel", shape, "float32")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_same_variables_pass_without_a_message():
+    results = run_on_ranks(_check_variable_body, world_size=2, args=(False,))
+    assert results == [None, None]
+
+
+def test_different_variables_raise_the_same_error_on_every_process():
+    messages = run_on_ranks(_check_variable_body, world_size=2, args=(True,))
+    assert messages[0] == messages[1]
+    assert "different models" in messages[0]
+    assert "'seq/dense/kernel' (shape (2, 3)" in messages[0]
+    assert "process 1 creates 'seq/dense/kernel' (shape (2, 4)" in (messages[0])

@@ -1,0 +1,471 @@
+"""The change in upstream's layout, whole or as a reviewable series.
+
+Used by ``tools/overlay.py export`` and ``check-series``; the plan is the
+data file ``tools/export_plan.toml``:
+
+* ``[tests]`` maps each of our test files and test support modules
+  (``tests/X.py``) to its upstream path: a test beside the module it tests
+  (``keras/src/backend/torch/distributed/fsdp_test.py``), the support
+  modules in one test-utils package (``keras/src/testing/torch_distribution/``).
+  The export writes them there, their ``tests.X`` imports (and ``tests/X.py``
+  mentions) rewritten to the new modules. ``[excluded]`` lists the test
+  files left out, each with its reason; every file under ``tests/`` is in
+  one of the two (``tests/test_packaging.py`` checks it).
+* ``[[step]]`` is the series, in review order: each step a title, a commit
+  message, the files it adds or changes (new modules, patched upstream files
+  by their upstream path, test support modules by their ``tests/`` path) and
+  its tests (``tests/`` paths, exported in that step); ``check`` optionally
+  names the subset of them ``check-series`` runs.
+
+Choices (also in README, "Exporting the change"):
+
+* An upstream file changed for several reasons (the trainer's hooks, say)
+  goes whole to one step, the first that needs it: its diff is small (at
+  most a few dozen lines but for the trainer), and a hunk split would tie
+  the series to the diffs' hunk layout, which changes with every edit.
+* Steps follow the import graph: a file of step k imports (at module level
+  or inside a function) only upstream modules or files of steps <= k;
+  master's torch ``distribution_lib.py``, which ours replaces, counts as
+  ours. ``import_order_errors`` checks it statically (AST).
+* Tests stay pytest functions, as written: they take pytest fixtures
+  (``tmp_path``, ``monkeypatch``, parametrized scenarios) and run their
+  bodies on real ranks through the harness, which ``TestCase`` methods
+  cannot receive; upstream runs its suite with pytest, which collects them
+  as they are.
+"""
+
+import ast
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+
+import overlaylib
+
+PLAN = "tools/export_plan.toml"
+TESTS_DIR = "tests"
+
+
+def load_plan(root):
+    """Reads ``tools/export_plan.toml``: ``tests``, ``excluded``, ``step``."""
+    with open(Path(root) / PLAN, "rb") as f:
+        plan = tomllib.load(f)
+    plan.setdefault("tests", {})
+    plan.setdefault("excluded", {})
+    plan.setdefault("step", [])
+    return plan
+
+
+def test_files(root):
+    """Our Python files under ``tests/`` (POSIX paths from the root)."""
+    return sorted(
+        p.relative_to(root).as_posix()
+        for p in (Path(root) / TESTS_DIR).glob("*.py")
+    )
+
+
+def _dotted(path):
+    """``keras/src/x.py`` -> ``keras.src.x``; a package's ``__init__``
+    gives the package."""
+    name = path[: -len(".py")].replace("/", ".")
+    return name.removesuffix(".__init__")
+
+
+def relocate(text, mapping):
+    """Rewrites ``tests.X`` imports and mentions to the mapped modules.
+
+    Args:
+        text: a test file's text.
+        mapping: ``{"tests/X.py": "keras/.../Y.py"}``.
+    """
+    modules = {
+        Path(ours).stem: target
+        for ours, target in mapping.items()
+        if not ours.endswith("__init__.py")
+    }
+
+    def from_tests_import(match):
+        indent, name, alias, rest = match.groups()
+        if name not in modules:
+            return match.group(0)
+        target = modules[name]
+        package, _, module = _dotted(target).rpartition(".")
+        bound = alias or name
+        suffix = f" as {bound}" if bound != module else ""
+        return f"{indent}from {package} import {module}{suffix}{rest or ''}"
+
+    text = re.sub(
+        r"^(\s*)from tests import (\w+)(?: as (\w+))?([ \t]*#.*)?$",
+        from_tests_import,
+        text,
+        flags=re.MULTILINE,
+    )
+    text = re.sub(
+        r"(?<![\w./])tests/(\w+)\.py\b",
+        lambda m: modules.get(m.group(1), m.group(0)),
+        text,
+    )
+    return re.sub(
+        r"(?<![\w./])tests\.(\w+)\b",
+        lambda m: (
+            _dotted(modules[m.group(1)])
+            if m.group(1) in modules
+            else m.group(0)
+        ),
+        text,
+    )
+
+
+def relocated_tests(root, plan):
+    """``{upstream path: text}`` of every mapped test file."""
+    mapping = plan["tests"]
+    return {
+        target: relocate(overlaylib.read_text(Path(root) / ours), mapping)
+        for ours, target in mapping.items()
+    }
+
+
+def export_sections(root, upstream_root, variant, with_tests=True):
+    """``{path: diff section}``: the overlay's, plus the relocated tests.
+
+    Raises:
+        OverlayError: a mapped test path exists upstream, or is also one of
+            the overlay's files.
+    """
+    sections = overlaylib.export_sections(root, upstream_root, variant)
+    if not with_tests:
+        return sections
+    upstream = set(overlaylib.tree_files(upstream_root))
+    errors = []
+    for target, text in relocated_tests(root, load_plan(root)).items():
+        if target in upstream or target in sections:
+            errors.append(f"{PLAN}: {target} exists already: map elsewhere")
+        sections[target] = overlaylib.new_file_section(target, text)
+    if errors:
+        raise overlaylib.OverlayError("\n".join(errors))
+    return dict(sorted(sections.items()))
+
+
+def _exported_path(plan, rel):
+    """A step's entry as an exported path (``tests/X.py`` mapped)."""
+    return plan["tests"].get(rel, rel)
+
+
+def series_steps(root, upstream_root, variant):
+    """Splits the export into the plan's steps.
+
+    Returns:
+        A list of ``(step, {path: section})``, in the plan's order; every
+        exported file is in exactly one step.
+
+    Raises:
+        OverlayError: a file in no step or in several, a step's entry that
+            is not in the export of any base, a step with no file.
+    """
+    plan = load_plan(root)
+    sections = export_sections(root, upstream_root, variant)
+    owner, errors, out = {}, [], []
+    for number, step in enumerate(plan["step"], 1):
+        entries = list(step.get("files", [])) + list(step.get("tests", []))
+        chosen = {}
+        for rel in entries:
+            path = _exported_path(plan, rel)
+            if path in owner:
+                errors.append(
+                    f"{path}: in step {owner[path]} and step {number}"
+                )
+                continue
+            owner[path] = number
+            if path in sections:
+                chosen[path] = sections[path]
+            elif not _ours(root, plan, rel):
+                errors.append(f"step {number}: {rel} is no file of ours")
+        if not chosen:
+            errors.append(f"step {number} ({step['title']}): no file here")
+        out.append((step, chosen))
+    for path in sections:
+        if path not in owner:
+            errors.append(f"{path}: exported, but in no step of {PLAN}")
+    if errors:
+        raise overlaylib.OverlayError("\n".join(errors))
+    return out
+
+
+def _ours(root, plan, rel):
+    """Whether a step's entry names a file of ours on some base: a mapped
+    test file, a new module, or an upstream file one of our diffs patches
+    (a base that does not patch it exports nothing for it)."""
+    if rel in plan["tests"]:
+        return True
+    root = Path(root)
+    diffs = [rel + overlaylib.DIFF_SUFFIX]
+    diffs += [f"{rel}.{v}{overlaylib.DIFF_SUFFIX}" for v in _variants()]
+    return (root / rel).is_file() or any((root / d).is_file() for d in diffs)
+
+
+def _variants():
+    return [v for v in overlaylib.BASE_VARIANTS.values() if v]
+
+
+def changed_lines(section):
+    """``(added, removed)`` lines of one file's diff section."""
+    lines = section.split("\n")
+    added = sum(1 for x in lines if x.startswith("+") and x[:4] != "+++ ")
+    removed = sum(1 for x in lines if x.startswith("-") and x[:4] != "--- ")
+    return added, removed
+
+
+def _slug(title):
+    words = re.sub(r"[^A-Za-z0-9]+", "-", title).strip("-")
+    return words[:52].rstrip("-")
+
+
+def patch_name(number, step):
+    return f"{number:04d}-{_slug(step['title'])}.patch"
+
+
+def format_patch(number, total, step, sections):
+    """One step as ``git format-patch`` writes it (``git am`` takes it)."""
+    stat, added_all, removed_all = [], 0, 0
+    for path, section in sections.items():
+        added, removed = changed_lines(section)
+        added_all += added
+        removed_all += removed
+        stat.append(f" {path} | +{added} -{removed}")
+    message = step.get("message", "").strip()
+    return "".join(
+        [
+            "From 0000000000000000000000000000000000000000 "
+            "Mon Sep 17 00:00:00 2001\n",
+            "From: keras-torchdist <keras-torchdist@example.invalid>\n",
+            "Date: Thu, 1 Jan 2026 00:00:00 +0000\n",
+            f"Subject: [PATCH {number}/{total}] {step['title']}\n\n",
+            f"{message}\n\n" if message else "",
+            "---\n",
+            "\n".join(stat),
+            f"\n {len(sections)} files changed, {added_all} insertions(+),"
+            f" {removed_all} deletions(-)\n\n",
+            *sections.values(),
+            "-- \nkeras-torchdist\n\n",
+        ]
+    )
+
+
+def write_series(root, upstream_root, variant, out_dir):
+    """Writes ``NNNN-title.patch`` per step into ``out_dir``.
+
+    Returns:
+        A list of ``(file name, step, changed lines)``.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in out_dir.glob("[0-9][0-9][0-9][0-9]-*.patch"):
+        old.unlink()
+    steps = series_steps(root, upstream_root, variant)
+    written = []
+    for number, (step, sections) in enumerate(steps, 1):
+        name = patch_name(number, step)
+        text = format_patch(number, len(steps), step, sections)
+        overlaylib.write_text(out_dir / name, text)
+        size = sum(sum(changed_lines(s)) for s in sections.values())
+        written.append((name, step, size))
+    return written
+
+
+def _imports(text, module):
+    """The dotted names a module imports (``from a import b`` gives ``a``
+    and ``a.b``), at module level or in functions."""
+    names = set()
+    package = module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parts = parts[: len(parts) - node.level + 1]
+                base = ".".join(filter(None, parts + [base]))
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+def import_order_errors(root, upstream_root, variant):
+    """Files that import a file of a later step (an empty list: none).
+
+    A file's imports are read from its exported text (the patched text of
+    an upstream file); what the export adds or replaces as a whole counts
+    as ours, a patched upstream module as upstream's.
+    """
+    plan = load_plan(root)
+    steps = series_steps(root, upstream_root, variant)
+    new_files, patched = overlaylib.patched_texts(root, upstream_root, variant)
+    texts = {rel: overlaylib.read_text(Path(root) / rel) for rel in new_files}
+    texts.update(patched)
+    texts.update(relocated_tests(root, plan))
+    ours = set(new_files) | set(plan["tests"].values())
+    step_of = {}
+    for number, (_, sections) in enumerate(steps, 1):
+        for path in sections:
+            step_of[path] = number
+    by_module = {_dotted(p): p for p in ours if p.endswith(".py")}
+    errors = []
+    for path, number in step_of.items():
+        if not path.endswith(".py"):
+            continue
+        module = _dotted(path)
+        # A module needs its package: the package's __init__ if it is ours.
+        names = _imports(texts[path], module) | {module.rpartition(".")[0]}
+        for name in sorted(names):
+            target = by_module.get(name)
+            if target and step_of.get(target, 0) > number:
+                errors.append(
+                    f"{path} (step {number}) imports {name} "
+                    f"(step {step_of[target]})"
+                )
+    return errors
+
+
+def parse_steps(text):
+    """``"1,4-6"`` -> ``{1, 4, 5, 6}``; None -> None (every step)."""
+    if not text:
+        return None
+    chosen = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        chosen.update(range(int(first), int(last or first) + 1))
+    return chosen
+
+
+def git_tree(upstream_root, dest):
+    """``dest/keras``: the base's ``keras/``, committed in a git repository."""
+    dest = Path(dest)
+    shutil.copytree(Path(upstream_root) / "keras", dest / "keras")
+    git = ["git", "-C", str(dest), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "base"], check=True)
+    return git
+
+
+def step_pytest_args(plan, step):
+    """The pytest arguments that run a step's ``check`` (else its tests),
+    at their exported paths."""
+    mapping = plan["tests"]
+    args = []
+    for item in step.get("check") or step.get("tests", []):
+        for word in shlex.split(item):
+            path, sep, node = word.partition("::")
+            args.append(mapping.get(path, path) + sep + node)
+    return args
+
+
+def _summary(output):
+    """pytest's last line, e.g. ``3 passed, 1 skipped in 12.3s``."""
+    lines = [x.strip("= ") for x in output.strip().splitlines() if x.strip()]
+    return lines[-1] if lines else "(no output)"
+
+
+def check_series(root, upstream_root, variant, out_dir, python, only, timeout):
+    """Writes the series, applies it step by step to the base's tree and
+    runs each step's tests there (``PYTHONPATH`` at the tree, the torch
+    backend). Prints and writes ``out_dir/check-series.md`` a table.
+
+    Returns:
+        Whether every step applied, imported and passed.
+    """
+    plan = load_plan(root)
+    written = write_series(root, upstream_root, variant, out_dir)
+    rows, ok = [], True
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "tree"
+        git = git_tree(upstream_root, tree)
+        env = dict(
+            os.environ,
+            PYTHONPATH=str(tree),
+            KERAS_BACKEND="torch",
+            OMP_NUM_THREADS="1",
+        )
+        for number, (name, step, size) in enumerate(written, 1):
+            applied = subprocess.run(
+                [*git, "apply", str(Path(out_dir).resolve() / name)],
+                capture_output=True,
+                text=True,
+            )
+            if applied.returncode:
+                rows.append((number, step, size, "does not apply", 0.0))
+                print(applied.stderr)
+                ok = False
+                break
+            if only and number not in only:
+                continue
+            start = time.monotonic()
+            modules = [
+                _dotted(p)
+                for p in _step_paths(plan, step)
+                if p.endswith(".py") and (tree / p).exists()
+            ]
+            result = subprocess.run(
+                [python, "-c", _IMPORT_ALL, *modules],
+                cwd=tree,
+                env=env,
+                capture_output=True,
+                text=True,
+            )
+            if result.returncode:
+                outcome = "import failed: " + _summary(result.stderr)
+            elif not step.get("tests"):
+                outcome = f"imports ok ({len(modules)} modules); no tests"
+            else:
+                try:
+                    result = subprocess.run(
+                        [python, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+                        + step_pytest_args(plan, step),
+                        cwd=tree,
+                        env=env,
+                        capture_output=True,
+                        text=True,
+                        timeout=timeout,
+                    )
+                    outcome = _summary(result.stdout)
+                except subprocess.TimeoutExpired:
+                    outcome, result = f"timed out after {timeout} s", None
+            failed = result is None or result.returncode != 0
+            if failed:
+                ok = False
+                print((result.stdout + result.stderr)[-3000:] if result else "")
+            elapsed = time.monotonic() - start
+            rows.append((number, step, size, outcome, elapsed))
+            print(f"step {number}: {outcome} ({elapsed:.0f} s)", flush=True)
+    table = [
+        "| step | title | lines | tests run | result | time |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for number, step, size, outcome, elapsed in rows:
+        run = " ".join(step_pytest_args(plan, step)) or "-"
+        table.append(
+            f"| {number} | {step['title']} | {size} | `{run}` | {outcome} "
+            f"| {elapsed:.0f} s |"
+        )
+    text = "\n".join(table) + "\n"
+    overlaylib.write_text(Path(out_dir) / "check-series.md", text)
+    print(text)
+    return ok
+
+
+_IMPORT_ALL = (
+    "import importlib, sys\n"
+    "for name in sys.argv[1:]:\n"
+    "    importlib.import_module(name)\n"
+)
+
+
+def _step_paths(plan, step):
+    entries = list(step.get("files", [])) + list(step.get("tests", []))
+    return [_exported_path(plan, rel) for rel in entries]
