@@ -473,7 +473,10 @@ class _GatheredWeight:
             # saved (`to_local()` returns a view).
             target = torch.empty(0, dtype=local.dtype, device=local.device)
             target.set_(
-                self.storage, local.storage_offset(), local.shape, local.stride()
+                self.storage,
+                local.storage_offset(),
+                local.shape,
+                local.stride(),
             )
             target.copy_(fresh)
         return True
