@@ -183,6 +183,7 @@ def _run(python, impl, setting, kind, args, workdir):
             text=True,
             timeout=args.timeout,
         )
+        Path(f"{out}.stderr").write_text(done.stderr)
         failure = None
         if done.returncode != 0:
             failure = f"exit {done.returncode}: " + _last_error(done.stderr)
@@ -266,12 +267,17 @@ def _compare(results, failure, reference):
 
 
 def _median_row(rows):
-    """The first run's row, with the median step time of all runs."""
-    row = dict(rows[0])
-    times = [r["step_ms"] for r in rows if "step_ms" in r]
-    if times:
-        row["step_ms"] = statistics.median(times)
-        row["step_ms_runs"] = times
+    """The first complete run's row, with the median step time of the
+    complete runs, and how many runs crashed."""
+    complete = [r for r in rows if "step_ms" in r]
+    crashed = [r for r in rows if "step_ms" not in r]
+    row = dict(complete[0] if complete else rows[0])
+    if complete:
+        row["step_ms"] = statistics.median(r["step_ms"] for r in complete)
+        row["step_ms_runs"] = [r["step_ms"] for r in complete]
+    if complete and crashed:
+        row["crashes"] = f"{len(crashed)} of {len(rows)} runs: "
+        row["crashes"] += crashed[0].get("error") or "no result"
     return row
 
 
@@ -295,6 +301,8 @@ def _cell(row):
         text += f"; ranks differ ({row['ranks_rel']:.1e})"
     if row.get("error"):
         text += f"; error: {row['error']}"
+    if row.get("crashes"):
+        text += f"; crashed in {row['crashes']}"
     return text
 
 
