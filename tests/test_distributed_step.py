@@ -4,7 +4,10 @@ The trainer builds one `DistributedStep` per step function; it decides
 the step's path (local rows or DTensor), its reductions and its loss for
 its model, keeps what a step needs on itself, and is set on the model
 while it runs, where the train step's hooks find it. No step state lives
-in module globals.
+in module globals. The tests reach a model's step through
+`step.model_step` on both bases: on Keras 3.15.1 it is the step function
+(`model.train_function`); Keras master's trainer calls it on each batch
+from inside its own step function.
 """
 
 import ast
@@ -128,6 +131,7 @@ def _decisions_body(rank, world_size, setting, kind):
     from keras.src.backend.torch import distribution_lib
     from keras.src.backend.torch.distributed import local_rows
     from keras.src.backend.torch.distributed.step import DistributedStep
+    from keras.src.backend.torch.distributed.step import model_step
 
     distributions.use_setting(
         setting, layout_rules={"fc1/kernel": (None, "model")}
@@ -141,7 +145,8 @@ def _decisions_body(rank, world_size, setting, kind):
 
     def watching_local_loss(model, *args):
         # The train step's hook finds the step on the model it has.
-        seen["running"] = local_rows.running_step(model) is model.train_function
+        running = local_rows.running_step(model)
+        seen["running"] = running is model_step(model, "train")
         return local_loss(model, *args)
 
     distribution_lib.local_loss = watching_local_loss
@@ -151,7 +156,7 @@ def _decisions_body(rank, world_size, setting, kind):
         distribution_lib.local_loss = local_loss
     model.train_on_batch(x, y)
     model.evaluate(x, y, batch_size=8, verbose=0)
-    train, test = model.train_function, model.test_function
+    train, test = model_step(model, "train"), model_step(model, "test")
     result = {
         "objects": [isinstance(f, DistributedStep) for f in (train, test)],
         "running": seen["running"],
@@ -212,6 +217,7 @@ def test_model_parallel_runs_through_dtensor():
 def test_without_a_distribution_the_step_calls_the_function():
     import keras
     from keras.src.backend.torch.distributed import local_rows
+    from keras.src.backend.torch.distributed.step import model_step
 
     keras.distribution.set_distribution(None)
     model = _model("mlp")
@@ -219,7 +225,7 @@ def test_without_a_distribution_the_step_calls_the_function():
     y = np.zeros((4, 2), "float32")
     model.train_on_batch(x, y)
     assert local_rows.running_step(model) is None
-    assert model.train_function._leaves == {}
+    assert model_step(model, "train")._leaves == {}
 
 
 def _lazy_model_steps(setting):

@@ -5,11 +5,14 @@ With `workers > 1` (or `use_multiprocessing`) pristine Keras reads a
 carried over `on_epoch_end`: the first batches of an epoch are those read
 ahead in the last one, before the dataset changed at that epoch's end.
 The distributed run must consume the same batches in the same order; its
-losses and weights are compared with pristine Keras 3.15.1 run in a fresh
-interpreter (`tests/pydataset_scenario.py`).
+losses and weights are compared with pristine Keras of the installed
+package's base (3.15.1, or the Keras master nightly, which shuffles each
+epoch with a seed of its own) run in a fresh interpreter
+(`tests/pydataset_scenario.py`).
 """
 
 import functools
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -27,9 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "build_backend"))
 import overlaylib  # noqa: E402
 
-UPSTREAM_VERSION = overlaylib.upstream_version(
-    overlaylib.project_table(REPO)["version"]
-)
+BASE = overlaylib.base_of(REPO, importlib.metadata.version("keras"))
 
 
 @functools.cache
@@ -40,7 +41,7 @@ def _pristine_result(arguments):
         arguments: the arguments of `pydataset_scenario.fit`, as JSON.
     """
     root = overlaylib.pristine_upstream(
-        UPSTREAM_VERSION, REPO / "build" / "upstream"
+        BASE.version, REPO / "build" / "upstream", BASE.distribution
     )
     env = dict(os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = str(root)

@@ -13,6 +13,10 @@ Keras' two ways of reading a `PyDataset`:
   steps; at `on_epoch_end` the batches read ahead but not yet taken stay
   in its queue, and the next epoch takes them first, as read before the
   dataset's `on_epoch_end` changed it.
+
+A shuffled order is drawn as the base's `PyDatasetAdapter` draws it (see
+`_pass_order`): from Python's `random` on Keras 3.15, from the epoch's
+number on Keras master.
 """
 
 import collections
@@ -46,6 +50,10 @@ class PyDatasetShares(data_parts.SharedAdapter):
         super().__init__(adapter, distribution)
         self._dataset = adapter.py_dataset
         self._reader = None
+        # The adapter's count of ended epochs, where the base seeds a pass'
+        # order with it (Keras master), kept as the adapter keeps it: this
+        # object takes the adapter's `on_epoch_end`.
+        self._epoch = getattr(adapter, "_epoch", None)
         # Keras reads through an enqueuer exactly when it made one.
         self._queue = None
         if adapter.enqueuer is not None:
@@ -63,7 +71,7 @@ class PyDatasetShares(data_parts.SharedAdapter):
 
     def on_epoch_begin(self):
         if self._queue is not None:
-            self._queue.start()
+            self._queue.start(self._epoch)
         self._dataset.on_epoch_begin()
 
     def on_epoch_end(self):
@@ -75,15 +83,15 @@ class PyDatasetShares(data_parts.SharedAdapter):
             # after `on_epoch_end`, as one process reads it.
             self._reader.rewind()
         self._dataset.on_epoch_end()
+        if self._epoch is not None:
+            self._epoch += 1
 
     def _batches(self):
         """A pass read in line, in rounds of N batches: its own one each.
 
         Batch `i` of the pass' order is read on process `i % N`.
         """
-        order = _process_zero_order(
-            _epoch_order(self._dataset.num_batches, self._adapter.shuffle)
-        )
+        order = _pass_order(self._adapter, self._epoch)
         rank, size = runtime.rank(), runtime.world_size()
         reader = self._reader = _ShareReader(self._adapter, order[rank::size])
         try:
@@ -103,7 +111,7 @@ class PyDatasetShares(data_parts.SharedAdapter):
 
     def _queued_batches(self):
         """A pass through the enqueuer, as `PyDatasetAdapter` takes it."""
-        self._queue.start()
+        self._queue.start(self._epoch)
         for _ in range(self._dataset.num_batches):
             src, batch = self._queue.next()
             yield self._shared_batch(batch, src)
@@ -155,13 +163,15 @@ class _QueuedBatches:
         # turns over the batches of all windows.
         self._turn = 0
 
-    def start(self):
+    def start(self, epoch):
+        """Opens a window unless one is open, as the enqueuer's `start`.
+
+        Args:
+            epoch: see `_pass_order`.
+        """
         if self._window is not None:
             return
-        dataset = self._adapter.py_dataset
-        order = _process_zero_order(
-            _epoch_order(dataset.num_batches, self._adapter.shuffle)
-        )
+        order = _pass_order(self._adapter, epoch)
         self._window = _Window(self._adapter, order, self._turn)
         self._turn += len(order)
 
@@ -234,12 +244,30 @@ class _Window:
         return kept
 
 
-def _epoch_order(num_batches, shuffle):
-    order = list(range(num_batches))
-    if shuffle:
-        # As `PyDatasetAdapter` and `OrderedEnqueuer` shuffle, from the
-        # same random state.
+def _pass_order(adapter, epoch):
+    """The order of the batches of a pass, as the base's adapter takes it.
+
+    Keras' `PyDatasetAdapter` (in line) and `OrderedEnqueuer` draw the
+    same order at each pass they start. Keras 3.15 draws it from Python's
+    global `random` state, process 0's here; Keras master seeds a
+    `random.Random` with the number of epochs the adapter has ended, the
+    same on every process.
+
+    Args:
+        adapter: the `PyDatasetAdapter` Keras made.
+        epoch: the epochs it has ended, on a base that seeds with it; else
+            `None`.
+
+    Returns:
+        The batch indices, the same on every process.
+    """
+    order = list(range(adapter.py_dataset.num_batches))
+    if not adapter.shuffle:
+        return order
+    if epoch is None:
         random.shuffle(order)
+        return _process_zero_order(order)
+    random.Random(epoch).shuffle(order)
     return order
 
 

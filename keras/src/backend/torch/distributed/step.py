@@ -47,6 +47,10 @@ from keras.src.backend.torch.distributed import local_state
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed import step_reduction
 
+# The attribute of a model that holds the step a step function of one
+# kind runs (see `model_step`).
+_MODEL_STEP_ATTRIBUTE = "_distributed_{}_step"
+
 
 class DistributedStep:
     """A train, test or predict step function, run under the distribution.
@@ -78,6 +82,9 @@ class DistributedStep:
     def __init__(self, model, kind, step_function, eager_step_function):
         self.model = model
         self.kind = kind
+        # Reached the same way whatever the trainer does with the step
+        # (see `model_step`).
+        setattr(model, _MODEL_STEP_ATTRIBUTE.format(kind), self)
         self.step_function = step_function
         self.eager_step_function = eager_step_function
         functools.update_wrapper(self, eager_step_function)
@@ -266,6 +273,25 @@ class DistributedStep:
         return step_reduction.reduce_with_loss(
             self._reduction, self.model.optimizer, gradients, loss
         )
+
+
+def model_step(model, kind):
+    """The `DistributedStep` of one of `model`'s step functions.
+
+    On Keras 3.15.1 it is the step function itself
+    (`model.train_function`); Keras master's trainer loops over its
+    `steps_per_execution` batches itself and calls the step on each from
+    inside its own function (`distribution_lib.batch_step`).
+
+    Args:
+        model: the model.
+        kind: `"train"`, `"test"` or `"predict"`.
+
+    Returns:
+        The step the trainer built last for that step function, or `None`
+        before it built one.
+    """
+    return getattr(model, _MODEL_STEP_ATTRIBUTE.format(kind), None)
 
 
 def local_loss(model, y, y_pred, sample_weight):
