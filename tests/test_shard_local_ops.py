@@ -1,7 +1,8 @@
 """Einsum and attention run on each process' shards where they split.
 
-`local_einsum` and `local_attention` (`distributed/ops.py`). Each case
-computes the torch backend's `einsum` or `dot_product_attention` on
+`local_einsum`, `local_matmul` and `local_attention`
+(`distributed/ops.py`). Each case computes the torch backend's `einsum`,
+`matmul` or `dot_product_attention` on
 `DTensor` operands laid out on a gloo mesh, forward and backward, and
 returns global values, which the parent compares with the op on plain
 tensors in one process.
@@ -78,6 +79,28 @@ CASES = {
         (2, 2),
         ["S(0)", "S(1)"],
     ),
+    # `matmul` of stacks of matrices: the einsum `...ij,...jk->...ik`.
+    "matmul_stacked_heads": (
+        "matmul",
+        ((2, 4, 3, 5), (2, 4, 5, 6)),
+        ((1,), (1,)),
+        (2,),
+        ["S(1)"],
+    ),
+    "matmul_contracted_dimension": (
+        "matmul",
+        ((2, 3, 4), (2, 4, 5)),
+        ((2,), (1,)),
+        (2,),
+        ["P(sum)"],
+    ),
+    "matmul_of_stacks_split_apart_goes_to_dtensor": (
+        "matmul",
+        ((2, 4, 3, 5), (2, 4, 5, 6)),
+        ((0,), (1,)),
+        (2,),
+        None,
+    ),
     "batch_and_contracted_heads_on_a_2x2_mesh": (
         "bqnh,nhm->bqm",
         ((2, 3, 4, 5), (4, 5, 7)),
@@ -102,6 +125,13 @@ def _weights(shape):
     return torch.linspace(0.5, 1.5, int(np.prod(shape))).reshape(shape)
 
 
+def _compute(module, equation, operands):
+    """`module.einsum(equation, ...)`, or `module.matmul` for "matmul"."""
+    if equation == "matmul":
+        return module.matmul(*operands)
+    return module.einsum(equation, *operands)
+
+
 def _einsum_body(rank, world_size, name):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
@@ -120,7 +150,7 @@ def _einsum_body(rank, world_size, name):
         operands[-1].requires_grad_()
     comm = CommDebugMode()
     with comm:
-        y = torch_numpy.einsum(equation, *operands)
+        y = _compute(torch_numpy, equation, operands)
     forward_collectives = comm.get_total_counts()
     weights = distribute_tensor(
         _weights(y.shape), mesh, [Replicate()] * mesh.ndim
@@ -144,7 +174,7 @@ def _einsum_body(rank, world_size, name):
 def test_einsum_on_shards_equals_one_process(name):
     equation, shapes, _, mesh_shape, expected = CASES[name]
     operands = [x.requires_grad_() for x in _operands(shapes)]
-    y = torch.einsum(equation, *operands)
+    y = _compute(torch, equation, operands)
     (y * _weights(y.shape)).sum().backward()
     per_rank = run_on_ranks(
         _einsum_body,
