@@ -111,6 +111,17 @@ CASES = {
 }
 
 
+def _backend_ops(name):
+    """The torch backend's `numpy` or `nn` module (moved under `ops/` on
+    Keras master)."""
+    import importlib
+
+    try:
+        return importlib.import_module(f"keras.src.backend.torch.ops.{name}")
+    except ImportError:
+        return importlib.import_module(f"keras.src.backend.torch.{name}")
+
+
 def _operands(shapes):
     return [
         torch.linspace(-1.0, 1.0, int(np.prod(shape))).reshape(shape).sin()
@@ -139,8 +150,7 @@ def _einsum_body(rank, world_size, name):
     from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from keras.src.backend.torch import numpy as torch_numpy
-
+    torch_numpy = _backend_ops("numpy")
     equation, shapes, layouts, mesh_shape, _ = CASES[name]
     mesh = init_device_mesh("cpu", mesh_shape)
     operands = []
@@ -238,8 +248,9 @@ def _attention_body(rank, world_size, name):
     from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from keras.src.backend.torch import nn as torch_nn
     from keras.src.backend.torch.distributed import fallback
+
+    torch_nn = _backend_ops("nn")
 
     layout, mask_shape, mask_layout = ATTENTION_CASES[name][:3]
     mesh = init_device_mesh("cpu", (2,))
@@ -271,8 +282,7 @@ def _attention_body(rank, world_size, name):
 
 @pytest.mark.parametrize("name", sorted(ATTENTION_CASES))
 def test_attention_on_shards_equals_one_process(name):
-    from keras.src.backend.torch import nn as torch_nn
-
+    torch_nn = _backend_ops("nn")
     _, mask_shape, _, expected = ATTENTION_CASES[name]
     *qkv, mask = _attention_operands(mask_shape)
     qkv = [x.requires_grad_() for x in qkv]
