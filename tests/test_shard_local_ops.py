@@ -143,6 +143,13 @@ def _compute(module, equation, operands):
     return module.einsum(equation, *operands)
 
 
+def _set_a_distribution():
+    """The shard-local paths run only while a distribution is set."""
+    import keras
+
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+
+
 def _einsum_body(rank, world_size, name):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
@@ -151,6 +158,7 @@ def _einsum_body(rank, world_size, name):
     from torch.distributed.tensor.debug import CommDebugMode
 
     torch_numpy = _backend_ops("numpy")
+    _set_a_distribution()
     equation, shapes, layouts, mesh_shape, _ = CASES[name]
     mesh = init_device_mesh("cpu", mesh_shape)
     operands = []
@@ -252,6 +260,7 @@ def _attention_body(rank, world_size, name):
 
     torch_nn = _backend_ops("nn")
 
+    _set_a_distribution()
     layout, mask_shape, mask_layout = ATTENTION_CASES[name][:3]
     mesh = init_device_mesh("cpu", (2,))
     *qkv, mask = _attention_operands(mask_shape)

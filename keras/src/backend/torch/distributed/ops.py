@@ -112,6 +112,8 @@ def local_einsum(function):
 
     @functools.wraps(function)
     def einsum(subscripts, *operands, **kwargs):
+        if runtime.current_distribution() is None:
+            return function(subscripts, *operands, **kwargs)
         split = _shard_local_einsum(subscripts, operands)
         if split is None:
             return function(subscripts, *operands, **kwargs)
@@ -141,6 +143,8 @@ def local_matmul(function):
 
     @functools.wraps(function)
     def matmul(x1, x2):
+        if runtime.current_distribution() is None:
+            return function(x1, x2)
         split = _shard_local_matmul(x1, x2)
         if split is None:
             return function(x1, x2)
@@ -379,7 +383,9 @@ def local_attention(function):
 
     @functools.wraps(function)
     def attention(query, key, value, *args, **kwargs):
-        if not _shard_local_attention(query, key, value, args, kwargs):
+        if runtime.current_distribution() is None or not _shard_local_attention(
+            query, key, value, args, kwargs
+        ):
             return function(query, key, value, *args, **kwargs)
         if kwargs.get("flash_attention") is None:
             kwargs["flash_attention"] = False
