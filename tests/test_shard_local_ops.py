@@ -1,7 +1,7 @@
 """Einsum and attention run on each process' shards where they split.
 
 `local_einsum`, `local_matmul` and `local_attention`
-(`distributed/ops.py`). Each case computes the torch backend's `einsum`,
+(`distributed/shard_local.py`). Each case computes the torch backend's `einsum`,
 `matmul` or `dot_product_attention` on
 `DTensor` operands laid out on a gloo mesh, forward and backward, and
 returns global values, which the parent compares with the op on plain
@@ -317,7 +317,7 @@ def _mismatched_mask_body(rank, world_size):
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor import distribute_tensor
 
-    from keras.src.backend.torch.distributed import ops
+    from keras.src.backend.torch.distributed import shard_local
 
     mesh = init_device_mesh("cpu", (2,))
     splits = {}
@@ -326,7 +326,9 @@ def _mismatched_mask_body(rank, world_size):
         qkv = [distribute_tensor(x, mesh, [Shard(layout[0])]) for x in qkv]
         placement = Replicate() if mask_layout[0] == "r" else Shard(0)
         mask = distribute_tensor(mask, mesh, [placement])
-        splits[name] = ops._shard_local_attention(*qkv, (), {"mask": mask})
+        splits[name] = shard_local._shard_local_attention(
+            *qkv, (), {"mask": mask}
+        )
     return splits
 
 

@@ -55,9 +55,9 @@ ALLOWED_DISTRIBUTION_FRAMES = {
     "ops.py:dropout",
     "ops.py:divide_no_nan_local",
     "ops.py:reshape",
-    "ops.py:einsum",
-    "ops.py:matmul",
-    "ops.py:attention",
+    "shard_local.py:einsum",
+    "shard_local.py:matmul",
+    "shard_local.py:attention",
     "runtime.py:current_distribution",
     # The step's hooks check whether a step of the model runs.
     "local_rows.py:running_step",

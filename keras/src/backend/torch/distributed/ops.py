@@ -4,31 +4,21 @@ DTensor convolves a sharded kernel wrongly, mis-reduces a sharded lookup
 with sharded indices, and draws random numbers per shard: the torch
 backend's convolution, `take` and dropout hand their operands here first.
 Where DTensor refuses an op, `fallback` computes it on global values
-(`slice_update` on a sharded prompt included). Two ops keep a path of their
-own here because the fallback would compute all of them on every process:
-einsum runs shard by shard where its sharded labels are kept in the output
-(heads, batch rows) and gathers only its unevenly sharded dimensions (a
-single key/value head), so that the query's heads stay sharded, and
-attention runs shard by shard.
+(`slice_update` on a sharded prompt included). Einsum gathers only its
+unevenly sharded dimensions (a single key/value head), so that the query's
+heads stay sharded; where its operands split into one einsum per shard,
+`shard_local` computes it there.
 """
-
-import functools
 
 import torch
 
-from keras.src.backend.common.variables import Variable as KerasVariable
 from keras.src.backend.torch.distributed import fallback
 from keras.src.backend.torch.distributed import layouts
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
 
-# Labels of the stacked dimensions of a batched matmul, as an einsum.
-_STACK_LABELS = "abcdefghlmnopq"
-
 if runtime.DTENSOR_AVAILABLE:
-    from torch.distributed.tensor import Partial
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor import Shard
 
 
 def conv_operands(inputs, kernel):
@@ -83,189 +73,6 @@ def reshape(x, newshape):
     except RuntimeError:
         with fallback.dtensor_fallback():
             return torch.reshape(x, newshape)
-
-
-def local_einsum(function):
-    """Runs `einsum` on each process' shards, as tensor parallelism does.
-
-    An einsum is a sum of products: split along one label, each process
-    computes its part on its shards. A label kept in the output (a batch
-    row, an attention head) gives the output's shards: the query-key product
-    and the weighted sum of values of head-sharded attention. A contracted
-    label gives a partial sum: the attention output projection, row
-    parallel over heads. On `DTensor`s, torch would compute an einsum
-    through views merging such a label into a larger dimension (a strided
-    shard, which the fallback gathers), so every process would compute all
-    heads, and the projections' gradients would need an all-reduce. Here
-    each mesh axis may shard one label, the same way in every operand that
-    has it (operands without it replicated there); other layouts (two
-    labels on one mesh axis, an operand replicated along the split label,
-    a partial operand, uneven shards, an ellipsis, a plain operand) go to
-    `function` as they are.
-
-    Args:
-        function: the backend's `einsum`.
-
-    Returns:
-        The wrapped function.
-    """
-
-    @functools.wraps(function)
-    def einsum(subscripts, *operands, **kwargs):
-        if runtime.current_distribution() is None:
-            return function(subscripts, *operands, **kwargs)
-        split = _shard_local_einsum(subscripts, operands)
-        if split is None:
-            return function(subscripts, *operands, **kwargs)
-        mesh, placements, local_operands = split
-        output = function(subscripts, *local_operands, **kwargs)
-        return DTensor.from_local(output, mesh, placements, run_check=False)
-
-    return einsum
-
-
-def local_matmul(function):
-    """Runs a batched `matmul` on each process' shards, as `local_einsum`.
-
-    A product of stacks of matrices (`(batch, heads, i, j) @ (batch, heads,
-    j, k)`) is the einsum `...ij,...jk->...ik`: split along a stacked
-    dimension, each process multiplies its own matrices. On `DTensor`s
-    torch merges the stacked dimensions into one first (a strided shard,
-    which the fallback gathers): keras-hub's Qwen3.5 gated delta net
-    gathered its heads for every step of its chunk loop.
-
-    Args:
-        function: the backend's `matmul`.
-
-    Returns:
-        The wrapped function.
-    """
-
-    @functools.wraps(function)
-    def matmul(x1, x2):
-        if runtime.current_distribution() is None:
-            return function(x1, x2)
-        split = _shard_local_matmul(x1, x2)
-        if split is None:
-            return function(x1, x2)
-        mesh, placements, (local1, local2) = split
-        output = function(local1, local2)
-        return DTensor.from_local(output, mesh, placements, run_check=False)
-
-    return matmul
-
-
-def _shard_local_matmul(x1, x2):
-    """How a batched `matmul` splits into one per shard, or `None`: operands
-    of one rank above 2 with the same stacked dimensions."""
-    shapes = [getattr(getattr(x, "value", x), "shape", None) for x in (x1, x2)]
-    if any(shape is None or len(shape) < 3 for shape in shapes):
-        return None
-    if len(shapes[0]) != len(shapes[1]) or shapes[0][:-2] != shapes[1][:-2]:
-        return None
-    stacked = _STACK_LABELS[: len(shapes[0]) - 2]
-    return _shard_local_einsum(
-        f"{stacked}ij,{stacked}jk->{stacked}ik", (x1, x2)
-    )
-
-
-def _shard_local_einsum(subscripts, operands):
-    """How `einsum` splits into one per shard, or `None`.
-
-    Returns:
-        `(mesh, output placements, local operands)`.
-    """
-    if torch.compiler.is_compiling():
-        # Compiled steps trace DTensor's own einsum, as before: dynamo
-        # failed on this path in a compiled MultiHeadAttention step
-        # (`InternalTorchDynamoError`, `tests/test_jit_compile.py`).
-        return None
-    operands = [
-        x.value if isinstance(x, KerasVariable) else x for x in operands
-    ]
-    # A plain operand's part would need this process' mesh coordinates,
-    # and its gradient a reduction: such einsums go to DTensor.
-    if not operands or not all(isinstance(x, DTensor) for x in operands):
-        return None
-    if "." in subscripts or "->" not in subscripts:
-        return None
-    inputs, output = subscripts.replace(" ", "").split("->")
-    inputs = inputs.split(",")
-    mesh = operands[0].device_mesh
-    if len(inputs) != len(operands) or any(
-        x.device_mesh != mesh for x in operands
-    ):
-        return None
-    for labels, x in zip(inputs, operands):
-        if len(set(labels)) != len(labels) or len(labels) != x.ndim:
-            return None
-    split_labels = []
-    for mesh_dim in range(mesh.ndim):
-        label = _split_label(inputs, operands, mesh_dim, mesh.size(mesh_dim))
-        if label is False:
-            return None
-        split_labels.append(label)
-    placements = [_output_placement(label, output) for label in split_labels]
-    local_operands = [
-        _local_part(x, labels, split_labels)
-        for labels, x in zip(inputs, operands)
-    ]
-    return mesh, placements, local_operands
-
-
-def _output_placement(label, output):
-    """A kept label's shards are the output's; a contracted label's sum to
-    it."""
-    if label is None:
-        return Replicate()
-    if label in output:
-        return Shard(output.index(label))
-    return Partial()
-
-
-def _split_label(inputs, operands, mesh_dim, num_shards):
-    """The one label sharded on `mesh_dim` (`None`: none, `False`: a layout
-    that does not split: several labels, a partial sum, an uneven shard, an
-    operand replicated along the label)."""
-    found = set()
-    for labels, x in zip(inputs, operands):
-        placement = x.placements[mesh_dim]
-        if placement.is_partial() or not (
-            placement.is_replicate() or type(placement) is Shard
-        ):
-            return False
-        if placement.is_shard():
-            found.add(labels[placement.dim])
-    if len(found) > 1:
-        return False
-    if not found:
-        return None
-    (label,) = found
-    for labels, x in zip(inputs, operands):
-        if label not in labels:
-            continue
-        # Slicing an operand replicated along the label costs nothing
-        # forward, but an all-gather of its gradient backward.
-        if not x.placements[mesh_dim].is_shard():
-            return False
-        if x.shape[labels.index(label)] % num_shards:
-            return False
-    return label
-
-
-def _local_part(x, labels, split_labels):
-    """This process' part of an einsum operand: its local tensor, whose
-    gradient is a partial sum where the einsum splits on a label the
-    operand lacks (each process' part of the output reads all of it)."""
-    grad_placements = []
-    for label in split_labels:
-        if label is None:
-            grad_placements.append(Replicate())
-        elif label in labels:
-            grad_placements.append(Shard(labels.index(label)))
-        else:
-            grad_placements.append(Partial())
-    return x.to_local(grad_placements=grad_placements)
 
 
 def einsum_operands(operands):
@@ -354,105 +161,6 @@ def dropout(inputs, rate):
     noise.bernoulli_(1 - rate)
     noise.div_(1 - rate)
     return inputs * layouts.replicate(noise, inputs.device_mesh)
-
-
-def local_attention(function):
-    """Runs `dot_product_attention` on each process' shards of its operands.
-
-    Attention is computed per batch row and per head, so operands sharded
-    only on those dimensions are attended shard by shard, as tensor
-    parallelism does, with no collective. On `DTensor`s DTensor would
-    instead decompose the math kernel into views that it cannot shard
-    under `torch.compile` (torch 2.13), and, eagerly, into strided shards
-    that the fallback gathers: every process would attend every head. A
-    mask or a bias (that needs no gradient) goes along when it is laid out
-    like the scores it masks: its batch and head dimensions sharded as the
-    query's, or of size 1 and replicated (a causal or padding mask
-    broadcast over the heads). Upstream's flash attention probe
-    (`SDPAParams`) is skipped there too: dynamo cannot trace it, and
-    torch's own kernel choice takes the flash kernel first where it can
-    run. Other operands (a partial or uneven layout, a mask laid out
-    otherwise) go to `function` as they are.
-
-    Args:
-        function: the backend's `dot_product_attention`.
-
-    Returns:
-        The wrapped function.
-    """
-
-    @functools.wraps(function)
-    def attention(query, key, value, *args, **kwargs):
-        if runtime.current_distribution() is None or not _shard_local_attention(
-            query, key, value, args, kwargs
-        ):
-            return function(query, key, value, *args, **kwargs)
-        if kwargs.get("flash_attention") is None:
-            kwargs["flash_attention"] = False
-        for name in ("mask", "bias"):
-            if isinstance(kwargs.get(name), DTensor):
-                kwargs[name] = kwargs[name].to_local()
-        output = function(
-            query.to_local(), key.to_local(), value.to_local(), **kwargs
-        )
-        return DTensor.from_local(
-            output, query.device_mesh, query.placements, run_check=False
-        )
-
-    return attention
-
-
-def _shard_local_attention(query, key, value, args, kwargs):
-    """Whether attention splits into one per shard: `DTensor` operands laid
-    out alike, sharded evenly on batch (0) or heads (2) only, and a mask or
-    bias laid out like the scores (see `local_attention`)."""
-    if not all(isinstance(x, DTensor) for x in (query, key, value)):
-        return False
-    if args:
-        return False
-    mesh, placements = query.device_mesh, query.placements
-    for x in (key, value):
-        if x.device_mesh != mesh or x.placements != placements:
-            return False
-    for mesh_dim, placement in enumerate(placements):
-        if placement.is_replicate():
-            continue
-        if not placement.is_shard() or placement.dim not in (0, 2):
-            return False
-        size = mesh.size(mesh_dim)
-        if any(x.shape[placement.dim] % size for x in (query, key, value)):
-            return False
-    return all(
-        _scores_like(kwargs.get(name), query) for name in ("mask", "bias")
-    )
-
-
-def _scores_like(mask, query):
-    """Whether `mask` (absent, or broadcast to the scores' `(batch, heads,
-    queries, keys)`) splits as the query `(batch, queries, heads, size)`
-    does: each sharded dimension of the query sharded alike in the mask,
-    or of size 1 there and replicated."""
-    if mask is None:
-        return True
-    if not isinstance(mask, DTensor) or mask.requires_grad or mask.ndim != 4:
-        return False
-    if mask.device_mesh != query.device_mesh:
-        return False
-    # The query's batch (0) and heads (2) are the scores' 0 and 1.
-    scores_dim = {0: 0, 2: 1}
-    for placement, own in zip(query.placements, mask.placements):
-        if placement.is_replicate():
-            if not own.is_replicate():
-                return False
-            continue
-        dim = scores_dim[placement.dim]
-        if own.is_replicate() and mask.shape[dim] == 1:
-            continue
-        if not (type(own) is Shard and own.dim == dim):
-            return False
-        if mask.shape[dim] != query.shape[placement.dim]:
-            return False
-    return True
 
 
 def divide_no_nan_local(numerator, divisor):
