@@ -369,6 +369,52 @@ def test_a_mesh_axis_of_size_one_shards_nothing():
         )
 
 
+def _array_and_variable_body(rank, world_size):
+    import keras
+    from keras import distribution as kd
+    from keras.src.backend.torch import distribution_lib
+
+    mesh = distributions.device_mesh((world_size,), axis_names=("batch",))
+    layout = kd.TensorLayout(("batch", None), mesh)
+    array = np.arange(8 * 4).reshape(8, 4)
+    variable = keras.Variable(np.ones((8, 4), "float32"))
+    from_array = kd.distribute_tensor(array, layout)
+    from_variable = distribution_lib.distribute_tensor(variable, layout)
+    return {
+        "array": (
+            type(from_array).__name__,
+            _placements_of(from_array),
+            _local_numpy(from_array),
+            from_array.full_tensor().numpy(),
+        ),
+        "variable": (
+            type(from_variable).__name__,
+            _local_numpy(from_variable),
+        ),
+        "no_layout": distribution_lib.distribute_tensor(array, None) is array,
+        "no_backend_layout": distribution_lib._to_backend_layout(None),
+    }
+
+
+def test_numpy_arrays_and_variables_are_laid_out_as_global_values():
+    # As JAX's `device_put` does; Keras master's torch
+    # `distribution_lib_test.py` (`test_distribute_tensor`) and its
+    # multi-process `test_distribute_variable` check it too.
+    array = np.arange(8 * 4).reshape(8, 4)
+    results = run_on_ranks(_array_and_variable_body, world_size=2)
+    for rank, result in enumerate(results):
+        kind, placements, local, full = result["array"]
+        assert kind == "DTensor"
+        assert placements == _placement_strings(_shard(0))
+        np.testing.assert_array_equal(local, np.split(array, 2)[rank])
+        np.testing.assert_array_equal(full, array)
+        kind, local = result["variable"]
+        assert kind == "DTensor"
+        np.testing.assert_array_equal(local, np.ones((4, 4), "float32"))
+        assert result["no_layout"]
+        assert result["no_backend_layout"] is None
+
+
 # --------------------------------------------------------------------------
 # 3. Variables
 # --------------------------------------------------------------------------

@@ -9,6 +9,8 @@ reference is the same code in this process without a distribution (the
 path `tests/test_single_process_path.py` shows to be upstream's).
 """
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -87,13 +89,26 @@ def _step_collectives(model):
     x, y = _data()
     with CommDebugMode() as comm:
         loss = float(model.train_on_batch(x, y))
-    return loss, {
-        str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()
-    }
+    counts = {}
+    for op, n in comm.get_comm_counts().items():
+        name = _COLLECTIVE_NAMES.get(str(op).split(".")[-1], str(op))
+        counts[name] = counts.get(name, 0) + n
+    return loss, counts
+
+
+# DTensor's functional collectives and c10d's flat-buffer ones, as
+# `CommDebugMode` names them.
+_COLLECTIVE_NAMES = {
+    "all_gather_into_tensor": "all_gather",
+    "_allgather_base_": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "all_reduce": "all_reduce",
+    "allreduce_": "all_reduce",
+}
 
 
 def _gathered_step_body(rank, world_size):
-    import torch
     from torch.distributed.tensor import DTensor
 
     _set_fsdp()
@@ -108,11 +123,10 @@ def _gathered_step_body(rank, world_size):
         if isinstance(t, DTensor) and tuple(t.shape) == (_DIM, _DIM):
             if id(t) not in kernels and t.placements[0].is_replicate():
                 saved.append(t)
-        return t
 
     # One forward pass with gradients: the gathered storage is freed once
     # each layer returns, though autograd keeps the tensors.
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with _saved_tensors(pack):
         outputs = model(x, training=True)
     after_forward = [t.to_local().untyped_storage().nbytes() for t in saved]
     outputs.sum().backward()
@@ -148,8 +162,8 @@ def test_weights_are_gathered_per_layer_and_freed_after_use():
         assert r["grads"] == ["(Shard(dim=0), Replicate())"] * _LAYERS, r
         # Per layer: a gather forward, one backward (not the first layer's:
         # autograd kept nothing of it), a reduce-scatter.
-        assert r["counts"].get("all_gather_into_tensor") == 2 * _LAYERS - 1, r
-        assert r["counts"].get("reduce_scatter_tensor") == _LAYERS, r
+        assert r["counts"].get("all_gather") == 2 * _LAYERS - 1, r
+        assert r["counts"].get("reduce_scatter") == _LAYERS, r
 
 
 def _prefetch_body(rank, world_size, ahead):
@@ -159,21 +173,21 @@ def _prefetch_body(rank, world_size, ahead):
     model = _dense_model()
     # Whether each gather had been started ahead, forward and backward.
     taken = {"forward": [], "backward": []}
-    enter, restore = fsdp._GatheredWeight.enter, fsdp._GatheredWeight.restore
+    enter, restore = fsdp._CallGather.enter, fsdp._CallGather.restore
 
-    def recording_enter(weight):
-        taken["forward"].append(weight.ahead is not None)
-        return enter(weight)
+    def recording_enter(call):
+        taken["forward"].append(call.ahead is not None)
+        return enter(call)
 
-    def recording_restore(weight):
-        ahead = weight.ahead is not None
-        restored = restore(weight)
+    def recording_restore(call):
+        ahead = call.restoring is not None
+        restored = restore(call)
         if restored:
             taken["backward"].append(ahead)
         return restored
 
-    fsdp._GatheredWeight.enter = recording_enter
-    fsdp._GatheredWeight.restore = recording_restore
+    fsdp._CallGather.enter = recording_enter
+    fsdp._CallGather.restore = recording_restore
     steps = []
     try:
         for _ in range(3):
@@ -181,8 +195,8 @@ def _prefetch_body(rank, world_size, ahead):
             losses, _ = _train(model, steps=1)
             steps.append(taken)
     finally:
-        fsdp._GatheredWeight.enter = enter
-        fsdp._GatheredWeight.restore = restore
+        fsdp._CallGather.enter = enter
+        fsdp._CallGather.restore = restore
     return steps
 
 
@@ -241,7 +255,6 @@ def _mixed_precision_run():
 def _gathered_kernels_saved(model):
     """Runs a forward pass with gradients; returns the gathered (whole,
     replicated) kernels autograd saved for the backward pass."""
-    import torch
     from torch.distributed.tensor import DTensor
 
     x, _ = _data()
@@ -251,11 +264,39 @@ def _gathered_kernels_saved(model):
         if isinstance(t, DTensor) and tuple(t.shape) == (_DIM, _DIM):
             if t.placements[0].is_replicate():
                 saved.append(t)
-        return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with _saved_tensors(pack):
         model(x, training=True)
     return saved
+
+
+@contextlib.contextmanager
+def _saved_tensors(record):
+    """Calls `record` with each tensor autograd saves for the backward pass.
+
+    Inside a layer call that gathered and frees its weights, `fsdp`'s own
+    pack hook is the innermost, the one autograd calls: it is wrapped.
+    """
+    import torch
+
+    from keras.src.backend.torch.distributed import fsdp
+
+    note_saved = fsdp._note_saved
+
+    def recording(t):
+        record(t)
+        return note_saved(t)
+
+    def pack(t):
+        record(t)
+        return t
+
+    fsdp._note_saved = recording
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+    finally:
+        fsdp._note_saved = note_saved
 
 
 def _mixed_precision_body(rank, world_size):
@@ -331,8 +372,8 @@ def test_gathered_weights_can_be_kept_until_backward(monkeypatch):
         # backward pass gathers nothing again.
         assert len(r["kept"]) == _LAYERS - 1, r
         assert all(n == _DIM * _DIM * 4 for n in r["kept"]), r
-        assert r["counts"].get("all_gather_into_tensor") == _LAYERS, r
-        assert r["counts"].get("reduce_scatter_tensor") == _LAYERS, r
+        assert r["counts"].get("all_gather") == _LAYERS, r
+        assert r["counts"].get("reduce_scatter") == _LAYERS, r
 
 
 def _dtensor_plan_body(rank, world_size, gather):
@@ -352,14 +393,14 @@ def test_gathering_can_be_turned_off_or_extended_to_every_axis():
     )
     _assert_equal_to_one_process([r["run"] for r in off], reference)
     # DTensor's own plan: no per-layer reduce-scatter of the gradients.
-    assert all("reduce_scatter_tensor" not in r["counts"] for r in off), off
+    assert all("reduce_scatter" not in r["counts"] for r in off), off
     every = run_on_ranks(
         _dtensor_plan_body, world_size=2, kwargs={"gather": "all"}
     )
     _assert_equal_to_one_process([r["run"] for r in every], reference)
-    assert all(
-        r["counts"].get("reduce_scatter_tensor") == _LAYERS for r in every
-    ), every
+    assert all(r["counts"].get("reduce_scatter") == _LAYERS for r in every), (
+        every
+    )
 
 
 def test_an_unknown_gather_choice_is_a_value_error(monkeypatch):
@@ -436,3 +477,116 @@ def test_weight_views_assignments_and_compiled_steps(jit_compile):
     eager = [w for w in results[0]["warnings"] if "gathered one layer" in w]
     # A compiled step says why it runs eagerly.
     assert bool(eager) == jit_compile, results[0]["warnings"]
+
+
+def _block_model():
+    """A block of sublayers, gathered as one: uneven shards (5 or 3 rows
+    or entries on 2 processes), biases too, an einsum computed on the
+    gathered kernel's local tensor, an activity regularizer and an
+    `add_loss` of a branch that does not reach the block's output (the
+    gradient reaches the branch's kernel without passing the block's
+    outputs), and a sublayer of another dtype policy, which gathers its
+    own weights."""
+    import keras
+
+    class Block(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.up = keras.layers.Dense(
+                5, activation="tanh", activity_regularizer="l2", name="up"
+            )
+            # Computed on the local tensors (`local_einsum`): autograd
+            # saves views of the gathered kernel, not the kernel.
+            self.down = keras.layers.EinsumDense(
+                "ab,bc->ac", output_shape=_DIM, bias_axes="c", name="down"
+            )
+            self.gate = keras.layers.Dense(_DIM, autocast=False, name="gate")
+            self.probe = keras.layers.Dense(3, name="probe")
+
+        def call(self, x):
+            hidden = self.up(x)
+            outputs = self.down(hidden) * keras.ops.sigmoid(self.gate(x))
+            # A loss on a branch that does not reach the block's output,
+            # computed last: autograd runs its backward first.
+            probe = self.probe(hidden)
+            self.add_loss(0.01 * keras.ops.sum(keras.ops.square(probe)))
+            return outputs
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((_DIM,)), Block(name="block"), keras.layers.Dense(_DIM)]
+    )
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    return model
+
+
+def _block_body(rank, world_size):
+    from keras import distribution as kd
+
+    _set_fsdp(ahead="0")
+    mesh = kd.DeviceMesh((2, 1), ["batch", "model"])
+    layout_map = kd.LayoutMap(mesh)
+    layout_map[".*kernel"] = ("batch", None)
+    layout_map[".*bias"] = ("batch",)
+    kd.set_distribution(kd.ModelParallel(layout_map=layout_map))
+    model = _block_model()
+    losses, _ = _train(model, steps=1)
+    loss, counts = _step_collectives(model)
+    losses.append(loss)
+    return {"counts": counts, "run": (losses, _train(model, steps=0)[1])}
+
+
+def test_a_blocks_weights_are_gathered_in_one_collective():
+    results = run_on_ranks(_block_body, world_size=2)
+    reference = _single_process(lambda: _train(_block_model()))
+    _assert_equal_to_one_process([r["run"] for r in results], reference)
+    for r in results:
+        # Forward: one gather for the block's six weights, one for the
+        # gate (another dtype policy), one for the last layer. Backward:
+        # the block and the last layer again (autograd kept nothing of the
+        # gate's kernel: its input needs no gradient). One reduce-scatter
+        # for each of the three gathers.
+        assert r["counts"].get("all_gather") == 5, r
+        assert r["counts"].get("reduce_scatter") == 3, r
+
+
+def _cycle_body(rank, world_size):
+    import gc
+
+    import keras
+
+    class CycleDense(keras.layers.Dense):
+        """Leaves its gathered kernel in a reference cycle on process 0:
+        alive there until the garbage collector runs, gone on process 1."""
+
+        def call(self, inputs):
+            if rank == 0:
+                cycle = [self.kernel.value]
+                cycle.append(cycle)
+            return super().call(inputs)
+
+    _set_fsdp(ahead="0")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((_DIM,)), CycleDense(_DIM, activation="tanh")]
+        + [keras.layers.Dense(_DIM, activation="tanh") for _ in range(2)]
+    )
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    gc.disable()
+    try:
+        losses, _ = _train(model, steps=1)
+        loss, counts = _step_collectives(model)
+    finally:
+        gc.enable()
+    losses.append(loss)
+    return {"counts": counts, "run": (losses, _train(model, steps=0)[1])}
+
+
+def test_what_is_gathered_again_does_not_depend_on_garbage_collection():
+    results = run_on_ranks(_cycle_body, world_size=2, timeout=120)
+    reference = _single_process(lambda: _train(_dense_model()))
+    _assert_equal_to_one_process([r["run"] for r in results], reference)
+    for r in results:
+        # The first kernel is not gathered again on either process:
+        # autograd saved nothing of it.
+        assert r["counts"].get("all_gather") == 2 * _LAYERS - 1, r

@@ -13,32 +13,32 @@ from keras.src.backend.torch.distributed import fsdp_schedule
 
 
 class _Layer:
-    def __init__(self, name, weights=()):
+    def __init__(self, name, call=None):
         self.name = name
-        self.weights = list(weights)
+        self.call = call
 
 
-class _Weight:
-    """Records what the schedule asks of a gathered weight."""
+class _Call:
+    """Records what the schedule asks of a layer call's gathered weights."""
 
     def __init__(self, name, log):
-        self.variable = types.SimpleNamespace(name=name)
+        self.name = name
         self.log = log
 
     def take(self, ahead):
-        self.log.append(("take", self.variable.name, ahead is not None))
+        self.log.append(("take", self.name, ahead is not None))
 
     def gather_ahead(self):
-        self.log.append(("gather_ahead", self.variable.name))
+        self.log.append(("gather_ahead", self.name))
 
     def drop_ahead(self):
-        self.log.append(("drop_ahead", self.variable.name))
+        self.log.append(("drop_ahead", self.name))
 
 
 def _step(schedule, layers):
     for layer in layers:
-        schedule.take_ahead(layer, layer.weights)
-        schedule.gather_ahead(layer, lambda following: following.weights)
+        schedule.take_ahead(layer, layer.call)
+        schedule.gather_ahead(layer, lambda following: following.call)
     schedule.finish_step()
 
 
@@ -46,8 +46,8 @@ def _after_one_step():
     """A schedule that recorded one step of two layer calls, and its log
     (cleared), its layers."""
     log = []
-    first = _Layer("first", [_Weight("a", log)])
-    second = _Layer("second", [_Weight("b", log)])
+    first = _Layer("first", _Call("a", log))
+    second = _Layer("second", _Call("b", log))
     schedule = fsdp_schedule.GatherSchedule()
     _step(schedule, [first, second])
     # The first step has no order to follow: nothing is gathered ahead.

@@ -14,6 +14,7 @@ This module is the interface generic Keras code calls; the work is done in
 import functools
 import weakref
 
+import numpy as np
 import torch
 
 from keras.src import tree
@@ -239,13 +240,19 @@ def distribute_tensor(tensor, layout):
     then refuse views that merge it: torch 2.15's `matmul` of keras-hub's
     RWKV7 prompts on a (1, 2) mesh).
 
+    A NumPy array or a Keras `Variable` is a global value too (its value),
+    as in JAX's `device_put`; with `layout=None` the input is returned as is.
+
     Args:
-        tensor: a tensor, `DTensor` or nested structure of them.
-        layout: `TensorLayout` to apply to each tensor.
+        tensor: a tensor, NumPy array, `Variable`, `DTensor` or nested
+            structure of them.
+        layout: `TensorLayout` to apply to each tensor, or `None`.
 
     Returns:
         The same structure with every tensor laid out as `layout` says.
     """
+    if layout is None:
+        return tensor
     layout = layouts.as_torch_layout(layout)
     return tree.map_structure(
         functools.partial(_distribute_leaf, layout=layout), tensor
@@ -253,6 +260,12 @@ def distribute_tensor(tensor, layout):
 
 
 def _distribute_leaf(x, layout):
+    from keras.src.backend.common.variables import Variable
+
+    if isinstance(x, Variable):
+        x = x.value
+    elif isinstance(x, np.ndarray):
+        x = collectives.as_local_tensor(x)
     if not isinstance(x, torch.Tensor) or x.is_meta:
         return x
     layouts.check_rank(x, layout, "tensor")
@@ -451,8 +464,11 @@ def _to_backend_layout(tensor_layout):
         tensor_layout: `TensorLayout` instance to convert.
 
     Returns:
-        A `TorchLayout`: the torch mesh, placements and number of entries.
+        A `TorchLayout`: the torch mesh, placements and number of entries;
+        `None` for `tensor_layout=None`.
     """
+    if tensor_layout is None:
+        return None
     return layouts.to_torch_layout(tensor_layout)
 
 

@@ -13,22 +13,24 @@ Dense(4096) on 4 processes: 3.3x the ideal memory, see
 `benchmarks/bench_fsdp.py`).
 
 Here, as FSDP2's `fully_shard` does per module, a layer call gathers the
-layer's own trainable weights along the batch axis first
-(`gathered_weights`), so that DTensor computes the layer data-parallel on
-the sharded batch:
+trainable weights of the layer and of its sublayers along the batch axis
+first (`gathered_weights`; one collective for all of them, see
+`fsdp_gather`), so that DTensor computes the layer data-parallel on the
+sharded batch:
 
 - forward: the gathered value replaces the variable's value during the
   call. Once the call returns, the gathered storage is freed (FSDP2's
   reshard-after-forward): what autograd saved of it (the weight, or views
   of it such as an einsum's permutations) keeps its metadata, not its
-  memory;
+  memory. A saved-tensor hook notes, during the call, which gathered
+  values autograd saves;
 - backward: the first gradient that reaches one of the layer's outputs
-  gathers the weights again, into the same storage, before the layer's
-  backward ops read them; once the weight's gradient is complete, the
-  storage is freed again. The gradient goes back through DTensor's
-  `redistribute`, whose backward reduce-scatters the partial sums of the
-  batch to the weight's own shards: a weight gradient is whole only for
-  one layer at a time, and the optimizer gets it in the weight's layout.
+  gathers the saved ones again, into the same storage, before the layer's
+  backward ops read them; once a weight's gradient is complete, its
+  storage is freed again. The gradients are reduce-scattered, partial sums
+  of the batch, to the weights' own shards: a weight gradient is whole
+  only for one layer at a time, and the optimizer gets it in the weight's
+  layout.
 
 The gathers are ordered by the layer calls and the backward pass, the same
 on every process. Freeing storage that autograd saved is FSDP2's own
@@ -56,11 +58,12 @@ weights are gathered (see `compiled_step.eager_reason`).
 
 import contextlib
 import os
-import weakref
+import threading
 
 import torch
 
 from keras.src import tree
+from keras.src.backend.torch.distributed import fsdp_gather
 from keras.src.backend.torch.distributed import fsdp_schedule
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
@@ -72,9 +75,8 @@ GATHER_WEIGHTS_ENV = "KERAS_DISTRIBUTION_GATHER_WEIGHTS"
 _GATHER_CHOICES = ("batch", "all", "off")
 RESHARD_ENV = "KERAS_DISTRIBUTION_RESHARD_AFTER_FORWARD"
 
-# The ids of the variables whose gathered value stands for them now: a
-# layer called inside its own call keeps them.
-_gathered_now = set()
+# Per thread, as Keras' own state is (see `_state`).
+_thread_state = threading.local()
 
 
 def gathered_mesh_dims(distribution):
@@ -168,7 +170,16 @@ def has_gathered_weights(model, distribution):
 
 @contextlib.contextmanager
 def gathered_weights(layer, distribution, enabled=True):
-    """Gathers `layer`'s own sharded trainable weights for one call.
+    """Gathers the sharded trainable weights of `layer`'s call.
+
+    A layer that is not a model gathers its own weights and those of its
+    sublayers of the same dtype policy, in one collective per mesh
+    dimension and dtype (`fsdp_gather`), as FSDP2 gathers a module wrapped
+    by `fully_shard`: a transformer block is gathered at once, not layer by
+    layer. A model gathers only its own weights: its layers gather theirs
+    when it calls them, so that its weights are whole one block at a time.
+    A sublayer of another dtype policy gathers its own, in the dtype it
+    reads them in.
 
     Args:
         layer: the layer being called.
@@ -183,42 +194,128 @@ def gathered_weights(layer, distribution, enabled=True):
         gathered values stand for the weights until the context exits.
     """
     weights = _weights_to_gather(layer, distribution) if enabled else []
+    enclosing = list(_calls_now())
     if not weights:
-        yield _no_outputs_to_watch
+        if enclosing and enabled:
+            # A call inside one that gathered: the gradient of its outputs
+            # may reach the enclosing call's weights before the enclosing
+            # call's outputs do (an activity regularizer's loss, an
+            # `add_loss` of a router's logits).
+            yield lambda outputs: _watch(enclosing, outputs)
+        else:
+            yield _no_outputs_to_watch
         return
+    call = _CallGather(weights)
     schedule = fsdp_schedule.running_schedule()
     if schedule is not None:
-        schedule.take_ahead(layer, weights)
-    for weight in weights:
-        weight.enter()
+        schedule.take_ahead(layer, call)
+    call.enter()
+    _calls_now().append(call)
     if schedule is not None:
         schedule.gather_ahead(
-            layer, lambda following: _weights_to_gather(following, distribution)
+            layer,
+            lambda following: _CallGather.of(
+                _weights_to_gather(following, distribution)
+            ),
         )
     try:
-        yield lambda outputs: _release_after_forward(weights, outputs, schedule)
+        with _noting_saved_values():
+            yield lambda outputs: _release_after_forward(
+                call, enclosing, outputs, schedule
+            )
     finally:
-        for weight in weights:
-            weight.exit()
+        _calls_now().pop()
+        call.exit()
+
+
+def _state():
+    if not hasattr(_thread_state, "calls"):
+        # The calls whose gathered weights stand for their variables now,
+        # innermost last, and the ids of those variables: a layer called
+        # inside its own call (a recurrent cell) keeps them.
+        _thread_state.calls = []
+        _thread_state.variables = set()
+    return _thread_state
+
+
+def _calls_now():
+    return _state().calls
 
 
 def _no_outputs_to_watch(outputs):
     return outputs
 
 
+def _noting_saved_values():
+    """Which gathered values autograd saves tells which ones the backward
+    pass needs gathered again, if the call frees them."""
+    if not (torch.is_grad_enabled() and reshards_after_forward()):
+        return contextlib.nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(_note_saved, _unpack)
+
+
+def _note_saved(tensor):
+    """The pack hook of the tensors autograd saves during calls that
+    gathered: marks the gathered weights whose storage they read.
+
+    Decided from what autograd saves, not from whether the gathered values
+    are still alive after the call: a value held by a reference cycle lives
+    until Python's garbage collector runs, at a different time on each
+    process, and the processes would gather different weights.
+
+    Returns:
+        `tensor`, detached: the tensor itself would hold its own `grad_fn`
+        when autograd saves an op's output, a cycle that would keep the
+        activations alive until the garbage collector runs.
+    """
+    with torch.no_grad():
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        if local.numel():
+            pointer = local.untyped_storage().data_ptr()
+            for call in _calls_now():
+                call.note_saved(pointer)
+        return tensor.detach()
+
+
+def _unpack(tensor):
+    return tensor
+
+
+def _leaves(outputs):
+    return [
+        x
+        for x in tree.flatten(outputs)
+        if isinstance(x, torch.Tensor) and not x.is_meta
+    ]
+
+
+def _watch(calls, outputs):
+    """Makes the first gradient reaching one of `outputs` gather the
+    weights of `calls` again, if they were freed.
+
+    Returns:
+        `outputs`.
+    """
+    if not (torch.is_grad_enabled() and reshards_after_forward()):
+        return outputs
+    for x in _leaves(outputs):
+        if x.requires_grad:
+            for call in calls:
+                x.register_hook(call.on_gradient)
+    return outputs
+
+
 def _weights_to_gather(layer, distribution):
-    variables = getattr(layer, "_trainable_variables", None)
-    if not variables:
-        return []
     mesh_dims = gathered_mesh_dims(distribution)
     if mesh_dims == ():
         return []
+    gathered_now = _state().variables
     weights = []
-    for variable in variables:
+    for variable in _call_variables(layer):
         value = variable._value
-        if id(variable) in _gathered_now:
-            # The layer is called inside its own call (a recurrent cell):
-            # its weights are gathered already.
+        if id(variable) in gathered_now:
+            # The layer is called inside its own call (a recurrent cell),
+            # or inside the call that gathered its weights.
             continue
         placements = gathered_placements(value, mesh_dims)
         if placements is not None and not value.is_meta:
@@ -226,71 +323,205 @@ def _weights_to_gather(layer, distribution):
     return weights
 
 
-def _release_after_forward(weights, outputs, schedule):
-    """Frees the gathered storage of `weights` once the call returned
-    `outputs`, and watches the outputs' gradients to gather it again."""
-    leaves = [
-        x
-        for x in tree.flatten(outputs)
-        if isinstance(x, torch.Tensor) and not x.is_meta
-    ]
-    for weight in weights:
-        weight.write_back()
-    if not reshards_after_forward():
-        return outputs
-    released = [w for w in weights if w.release(leaves)]
-    if released:
-        restore_ahead = None
-        if schedule is not None:
-            restore_ahead = schedule.released(released)
-        watched = [x for x in leaves if x.requires_grad]
-        regather = _Regather(released, restore_ahead)
-        for x in watched:
-            x.register_hook(regather)
-    return outputs
+def _call_variables(layer):
+    """The trainable variables a call of `layer` gathers: its own, and
+    those of its sublayers (not models) of the same dtype policy."""
+    from keras.src.models.model import Model
+
+    variables = list(getattr(layer, "_trainable_variables", None) or ())
+    if isinstance(layer, Model):
+        return variables
+    policy = _policy(layer)
+    seen = {id(v) for v in variables}
+    pending = list(layer._flatten_layers(include_self=False, recursive=False))
+    while pending:
+        sublayer = pending.pop(0)
+        if isinstance(sublayer, Model) or _policy(sublayer) != policy:
+            continue
+        for variable in getattr(sublayer, "_trainable_variables", None) or ():
+            if id(variable) not in seen:
+                seen.add(id(variable))
+                variables.append(variable)
+        pending.extend(
+            sublayer._flatten_layers(include_self=False, recursive=False)
+        )
+    return variables
 
 
-class _Regather:
-    """A gradient hook on a layer's outputs: the first gradient that reaches
-    one of them gathers the layer's weights again, before its backward ops
-    read them, and starts the gather of the layer before (`restore_ahead`,
-    when a step schedules the gathers)."""
-
-    def __init__(self, weights, restore_ahead):
-        self.weights = weights
-        self.restore_ahead = restore_ahead
-
-    def __call__(self, grad):
-        restored = False
-        for weight in self.weights:
-            restored = weight.restore() or restored
-        if restored and self.restore_ahead is not None:
-            self.restore_ahead()
-        return grad
-
-
-def _completed_gradient(grad):
-    """The gradient of an asynchronous gather's input, its reduce-scatter
-    completed."""
-    local = _local_tensor(grad)
-    if local is grad.to_local():
-        return grad
-    return DTensor.from_local(
-        local,
-        grad.device_mesh,
-        grad.placements,
-        shape=grad.shape,
-        stride=grad.stride(),
+def _policy(layer):
+    return (
+        getattr(layer, "compute_dtype", None),
+        getattr(layer, "variable_dtype", None),
+        getattr(layer, "autocast", None),
     )
 
 
-def _local_tensor(value):
-    """The local tensor of `value` (a tensor or `DTensor`), once computed:
-    that of an asynchronous gather is a wrapper, whose `wait` returns the
-    tensor."""
-    local = value.to_local() if isinstance(value, DTensor) else value
-    wait = getattr(local, "wait", None)
-    return local if wait is None else wait()
+def _release_after_forward(call, enclosing, outputs, schedule):
+    """Frees the gathered storage of `call`'s weights once the call
+    returned `outputs`, and watches the outputs' gradients to gather it
+    again."""
+    leaves = _leaves(outputs)
+    if call.release(leaves):
+        restore_ahead = None
+        if schedule is not None:
+            restore_ahead = schedule.released(call)
+        call.restore_ahead_of = restore_ahead
+        _watch([call], leaves)
+    if enclosing:
+        _watch(enclosing, leaves)
+    return outputs
+
+
+class _CallGather:
+    """The weights one layer call gathers, gathered and freed together.
+
+    Args:
+        weights: `_GatheredWeight`s.
+    """
+
+    def __init__(self, weights):
+        self.weights = weights
+        # The freed weights, once the call returned.
+        self.released = []
+        # A gather started ahead: of the values before the call
+        # (`gather_ahead`, with what it was started for), of the freed
+        # weights before their backward ops (`restore_ahead`).
+        self.ahead = None
+        self.ahead_state = None
+        self.restoring = None
+        self.restoring_weights = []
+        # In the backward pass, starts gathering the call released before
+        # this one (`fsdp_schedule`), if the step schedules gathers.
+        self.restore_ahead_of = None
+        # The weights by the address of their gathered storage.
+        self._storages = {}
+
+    @classmethod
+    def of(cls, weights):
+        return cls(weights) if weights else None
+
+    def _gather(self, weights, async_op=False):
+        return fsdp_gather.gather(
+            [w.shard() for w in weights],
+            [w.placements for w in weights],
+            async_op=async_op,
+        )
+
+    def _state(self):
+        return (
+            [(id(w.variable), w.placements, w.dtype) for w in self.weights],
+            [w.sharded._version for w in self.weights],
+            torch.is_grad_enabled(),
+        )
+
+    def gather_ahead(self):
+        """Starts gathering the values, for a call to come."""
+        self.ahead = self._gather(self.weights, async_op=True)
+        self.ahead_state = self._state()
+
+    def take(self, other):
+        """Takes the values `other` gathered ahead for this call, if they
+        are what this call would gather; else drops them."""
+        if other is None:
+            return
+        if other.ahead is not None and other.ahead_state == self._state():
+            self.ahead, other.ahead = other.ahead, None
+        else:
+            other.drop_ahead()
+
+    def drop_ahead(self):
+        """Waits for the gathers started ahead and forgets them."""
+        for pending in (self.ahead, self.restoring):
+            if pending is not None:
+                pending.wait()
+        self.ahead = self.restoring = None
+        self.restoring_weights = []
+
+    def enter(self):
+        """Gathers the values and lets them stand for the variables."""
+        pending = self.ahead or self._gather(self.weights)
+        self.ahead = None
+        for weight, value in zip(self.weights, pending.values()):
+            weight.enter(value)
+        self._storages = {w.storage_pointer(): w for w in self.weights}
+
+    def note_saved(self, pointer):
+        """Marks the weight whose gathered storage starts at `pointer` as
+        saved by autograd for the backward pass."""
+        weight = self._storages.get(pointer)
+        if weight is not None:
+            weight.saved = True
+
+    def exit(self):
+        """Gives the variables their sharded values back."""
+        for weight in self.weights:
+            weight.exit()
+
+    def release(self, outputs):
+        """Keeps what the call assigned to the variables, and frees the
+        gathered storage after the forward pass.
+
+        Returns:
+            Whether some weight's storage was freed.
+        """
+        for weight in self.weights:
+            weight.write_back()
+        if not reshards_after_forward():
+            return False
+        self.released = [w for w in self.weights if w.release(outputs)]
+        return bool(self.released)
+
+    def needs_restore(self):
+        """Whether the backward pass has yet to gather some weight again,
+        and no gather of them was started."""
+        return self.restoring is None and any(
+            w.needs_restore() for w in self.released
+        )
+
+    def restore_ahead(self):
+        """Starts gathering the freed values again, for their backward
+        ops."""
+        weights = [w for w in self.released if w.needs_restore()]
+        with torch.no_grad():
+            self.restoring = self._gather(weights, async_op=True)
+        self.restoring_weights = weights
+
+    def on_gradient(self, grad):
+        """A gradient hook on the call's outputs (and its inner calls'):
+        the first gradient gathers the freed weights again, before the
+        call's backward ops read them, and starts the gather of the call
+        before."""
+        if self.restore() and self.restore_ahead_of is not None:
+            self.restore_ahead_of()
+        return grad
+
+    def restore(self):
+        """Gathers the freed values again into their storage, for those
+        autograd still holds.
+
+        Returns:
+            Whether some were gathered now.
+        """
+        freed = [w for w in self.released if w.needs_restore()]
+        if not freed and self.restoring is None:
+            return False
+        fresh = {}
+        if self.restoring is not None:
+            started = self.restoring.local_values()
+            fresh = {
+                id(w): local
+                for w, local in zip(self.restoring_weights, started)
+            }
+            self.restoring = None
+            self.restoring_weights = []
+        missing = [w for w in freed if id(w) not in fresh]
+        if missing:
+            with torch.no_grad():
+                gathered = self._gather(missing).local_values()
+            fresh.update((id(w), x) for w, x in zip(missing, gathered))
+        for weight in freed:
+            weight.fill(fresh[id(weight)])
+        return bool(freed)
 
 
 class _GatheredWeight:
@@ -310,73 +541,39 @@ class _GatheredWeight:
         # scope), in which the shards are cast before they are gathered.
         self.dtype = getattr(torch, variable.dtype)
         self.value = None
-        self.local = None
+        # Whether autograd saved the gathered value (or a view of its
+        # storage) for the backward pass; once freed, the storage and where
+        # the local tensor lies in it.
+        self.saved = False
+        self.geometry = None
         self.storage = None
         self.nbytes = 0
         self.version = None
-        # An asynchronous gather: of the value before the call
-        # (`gather_ahead`, with the variable's version and the gradient
-        # mode then), or of its storage's content before its backward ops
-        # (`restore_ahead`).
-        self.ahead = None
-        self.ahead_state = None
 
-    def _gather(self, async_op=False):
-        # Differentiable: the gradient is reduce-scattered back to the
-        # variable's shards.
-        sharded = self.sharded
-        if sharded.dtype != self.dtype:
-            sharded = sharded.to(self.dtype)
-        elif async_op and sharded.requires_grad and torch.is_grad_enabled():
-            sharded = sharded.view_as(sharded)
-        if async_op and sharded.requires_grad and torch.is_grad_enabled():
-            # The backward pass of an asynchronous gather reduce-scatters
-            # asynchronously too, and the collective holds its whole input
-            # until it is waited for: the optimizer would find every
-            # layer's whole gradient alive.
-            sharded.register_hook(_completed_gradient)
-        return sharded.redistribute(
-            sharded.device_mesh, self.placements, async_op=async_op
-        )
+    def shard(self):
+        """The sharded value in the dtype the call reads it in."""
+        if self.sharded.dtype != self.dtype:
+            return self.sharded.to(self.dtype)
+        return self.sharded
 
-    def gather_ahead(self):
-        """Starts gathering the value, for a call to come."""
-        self.ahead = self._gather(async_op=True)
-        self.ahead_state = (self.sharded._version, torch.is_grad_enabled())
+    def enter(self, value):
+        """Lets the gathered `value` stand for the variable."""
+        self.saved = False
+        self.value = value
+        self.version = value._version
+        self.variable._value = value
+        _state().variables.add(id(self.variable))
 
-    def take(self, other):
-        """Takes the value `other` gathered ahead for this call, if it is
-        what this call would gather; else drops it."""
-        if other is None:
-            return
-        if (
-            other.placements == self.placements
-            and other.dtype == self.dtype
-            and other.ahead_state
-            == (self.sharded._version, torch.is_grad_enabled())
-        ):
-            self.ahead, other.ahead = other.ahead, None
-        else:
-            other.drop_ahead()
-
-    def drop_ahead(self):
-        """Waits for a gather started ahead and forgets it."""
-        if self.ahead is not None:
-            _local_tensor(self.ahead)
-            self.ahead = None
-
-    def enter(self):
-        """Gathers the value and lets it stand for the variable."""
-        self.value = self.ahead if self.ahead is not None else self._gather()
-        self.ahead = None
-        self.version = self.value._version
-        self.variable._value = self.value
-        _gathered_now.add(id(self.variable))
+    def storage_pointer(self):
+        """The address of the gathered value's storage."""
+        with torch.no_grad():
+            local = fsdp_gather.local_tensor(self.value)
+        return local.untyped_storage().data_ptr()
 
     def exit(self):
         """Gives the variable its sharded value back."""
         self.variable._value = self.sharded
-        _gathered_now.discard(id(self.variable))
+        _state().variables.discard(id(self.variable))
 
     def write_back(self):
         """Keeps what the call assigned to the variable
@@ -405,14 +602,20 @@ class _GatheredWeight:
             Whether the storage was freed: not when no gradient will flow
             to it (autograd keeps nothing of it, which goes when the call
             ends), nor when an output or the weight's own value shares it.
+            The backward pass gathers it again if autograd saved it
+            (`saved`).
         """
         value = self.value
         if not (value.requires_grad and torch.is_grad_enabled()):
             return False
         with torch.no_grad():
-            local = _local_tensor(value)
+            # The local tensor itself (with gradients, `to_local` returns
+            # a new view each time).
+            local = fsdp_gather.local_tensor(value)
+            shared = [self.sharded.to_local()] + [
+                fsdp_gather.local_tensor(x) for x in outputs
+            ]
         storage = local.untyped_storage()
-        shared = [self.sharded.to_local()] + [_local_tensor(x) for x in outputs]
         if any(
             x.untyped_storage().data_ptr() == storage.data_ptr() for x in shared
         ):
@@ -423,63 +626,37 @@ class _GatheredWeight:
         # Once the weight's gradient is complete, every backward op that
         # read the gathered value has run.
         value.register_hook(self._release_after_backward)
-        # Held weakly from now on: if autograd saved neither the value nor
-        # a view of its local tensor (a view holds its base: an op computed
-        # on the local tensors, such as `local_einsum`, saves no `DTensor`),
-        # the local tensor is gone once the call returns (the first layer's
-        # kernel, whose input needs no gradient), and the backward pass need
-        # not gather it again.
         self.value = None
-        self.local = weakref.ref(local)
+        self.geometry = (
+            local.dtype,
+            local.device,
+            local.storage_offset(),
+            local.shape,
+            local.stride(),
+        )
         return True
 
     def needs_restore(self):
         """Whether the backward pass has yet to gather the value again."""
         return (
-            self.storage is not None
+            self.saved
+            and self.storage is not None
             and self.storage.nbytes() != self.nbytes
-            and self.ahead is None
-            and self.local() is not None
         )
 
-    def restore_ahead(self):
-        """Starts gathering the value again, for its backward ops."""
+    def fill(self, fresh):
+        """Writes the gathered local tensor `fresh` into the freed
+        storage."""
+        dtype, device, offset, shape, stride = self.geometry
         with torch.no_grad():
-            self.ahead = self._gather(async_op=True)
-
-    def restore(self):
-        """Gathers the value again into its storage, if it was freed and
-        autograd still holds it.
-
-        Returns:
-            Whether it was gathered now.
-        """
-        if self.storage is None or self.storage.nbytes() == self.nbytes:
-            return False
-        local = self.local()
-        if local is None:
-            self.drop_ahead()
-            return False
-        with torch.no_grad():
-            fresh = self.ahead
-            if fresh is None:
-                fresh = self._gather()
-            self.ahead = None
-            fresh = _local_tensor(fresh)
             self.storage.resize_(self.nbytes)
             # Written through a tensor of its own on the storage: written
             # through the local tensor, the version counter that its views
             # share would change, and autograd would refuse the views it
             # saved (`to_local()` returns a view).
-            target = torch.empty(0, dtype=local.dtype, device=local.device)
-            target.set_(
-                self.storage,
-                local.storage_offset(),
-                local.shape,
-                local.stride(),
-            )
+            target = torch.empty(0, dtype=dtype, device=device)
+            target.set_(self.storage, offset, shape, stride)
             target.copy_(fresh)
-        return True
 
     def _release_after_backward(self, grad):
         if self.storage is not None:

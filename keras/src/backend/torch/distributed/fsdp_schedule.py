@@ -99,26 +99,28 @@ class GatherSchedule:
         # The previous step's layer calls that gathered, as weak references.
         self._order = []
         self._calls = []
-        # `id(variable)`: its `_GatheredWeight` gathered ahead.
-        self._ahead = {}
+        # The call gathered ahead: `(weak reference to its layer, call)`.
+        self._ahead = None
         # This step's calls whose gathered storage was freed after the
-        # forward pass, in call order: lists of `_GatheredWeight`.
+        # forward pass, in call order.
         self._released = []
 
-    def take_ahead(self, layer, weights):
-        """Gives `weights` (a call of `layer`) what was gathered for them."""
+    def take_ahead(self, layer, call):
+        """Gives `call` (of `layer`) what was gathered ahead for it."""
         self._calls.append(weakref.ref(layer))
-        for weight in weights:
-            weight.take(self._ahead.pop(id(weight.variable), None))
-        self._drop_ahead()
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0]() is not layer:
+            ahead[1].drop_ahead()
+            ahead = None
+        call.take(None if ahead is None else ahead[1])
 
-    def gather_ahead(self, layer, weights_to_gather):
+    def gather_ahead(self, layer, call_of):
         """Starts gathering the weights of the call after `layer`'s.
 
         Args:
             layer: the layer being called.
-            weights_to_gather: a function of a layer: the weights a call
-                of it gathers (`_GatheredWeight`s).
+            call_of: a function of a layer: what a call of it gathers (an
+                object with `gather_ahead` and `drop_ahead`), or `None`.
         """
         position = len(self._calls)
         if position >= len(self._order) or self._order[position - 1]() is not (
@@ -128,40 +130,35 @@ class GatherSchedule:
         following = self._order[position]()
         if following is None:
             return
-        for weight in weights_to_gather(following):
-            weight.gather_ahead()
-            self._ahead[id(weight.variable)] = weight
+        call = call_of(following)
+        if call is not None:
+            call.gather_ahead()
+            self._ahead = (weakref.ref(following), call)
 
-    def released(self, weights):
-        """Records a call's weights freed after the forward pass.
+    def released(self, call):
+        """Records a call whose weights were freed after the forward pass.
 
         Returns:
             A function that, in the backward pass, starts gathering again
-            the weights of the call released before these.
+            the weights of the call released before this one.
         """
-        self._released.append(weights)
+        self._released.append(call)
         index = len(self._released) - 1
         return lambda: self._restore_ahead(index)
 
     def _restore_ahead(self, index):
-        for weights in reversed(self._released[:index]):
-            pending = [w for w in weights if w.needs_restore()]
-            if pending:
-                for weight in pending:
-                    weight.restore_ahead()
+        for call in reversed(self._released[:index]):
+            if call.needs_restore():
+                call.restore_ahead()
                 return
-
-    def _drop_ahead(self):
-        for weight in self._ahead.values():
-            weight.drop_ahead()
-        self._ahead.clear()
 
     def finish_step(self):
         """Drops what was gathered for calls that did not come, and keeps
         this step's order for the next."""
-        self._drop_ahead()
-        for weights in self._released:
-            for weight in weights:
-                weight.drop_ahead()
+        if self._ahead is not None:
+            self._ahead[1].drop_ahead()
+            self._ahead = None
+        for call in self._released:
+            call.drop_ahead()
         self._released = []
         self._order, self._calls = self._calls, []
