@@ -6,6 +6,7 @@ Keras 3.15.1 in `.venv`, the pinned Keras master nightly in `.venv-nightly`
 version. Pristine upstream is downloaded once into build/upstream/.
 """
 
+import ast
 import difflib
 import importlib.metadata
 import importlib.util
@@ -501,6 +502,49 @@ def test_relocated_imports():
         "# see `keras/src/testing/x/harness.py` and "
         "keras.src.testing.x.harness; not tests/other.py\n"
     )
+
+
+def test_exported_tests_run_on_the_torch_backend_only():
+    # Upstream runs its suite on every backend.
+    text = (
+        '"""Doc."""\n\nimport os\n\nimport numpy as np\n\n'
+        "from keras.src.testing.x.harness import run_on_ranks\n\n\n"
+        "def test_x():\n    pass\n"
+    )
+    assert series.torch_only(text, "x") == (
+        '"""Doc."""\n\nimport os\n\nimport numpy as np\nimport pytest\n\n'
+        "from keras.src import backend\n"
+        "from keras.src.testing.x.harness import run_on_ranks\n"
+        + series.TORCH_ONLY
+        + "\n\ndef test_x():\n    pass\n"
+    )
+    # Imports the module has already are not repeated.
+    marked = series.torch_only(
+        "import pytest\n\nfrom keras.src import backend\n", "x"
+    )
+    assert marked.count("import") == 2, marked
+    with pytest.raises(ValueError, match="pytestmark"):
+        series.torch_only("import pytest\n\npytestmark = 1\n", "x")
+    exported = series.relocated_tests(REPO, series.load_plan(REPO))
+    modules = [p for p in exported if p.endswith("_test.py")]
+    assert modules
+    for path in modules:
+        namespace = {}
+        # The marker itself, evaluated as the module would.
+        tree = ast.parse(exported[path])
+        marks = [
+            node
+            for node in tree.body
+            if isinstance(node, ast.Assign)
+            and getattr(node.targets[0], "id", None) == "pytestmark"
+        ]
+        assert len(marks) == 1, path
+        exec(
+            "import pytest\nfrom keras.src import backend\n"
+            + ast.unparse(marks[0]),
+            namespace,
+        )
+        assert namespace["pytestmark"].args == (False,), path
 
 
 def test_series_applies_step_by_step(pristine_nightly, tmp_path):

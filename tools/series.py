@@ -8,7 +8,8 @@ data file ``tools/export_plan.toml``:
   (``keras/src/backend/torch/distributed/fsdp_test.py``), the support
   modules in one test-utils package (``keras/src/testing/torch_distribution/``).
   The export writes them there, their ``tests.X`` imports (and ``tests/X.py``
-  mentions) rewritten to the new modules. ``[excluded]`` lists the test
+  mentions) rewritten to the new modules, each test module marked to run
+  on the torch backend only (``torch_only``). ``[excluded]`` lists the test
   files left out, each with its reason; every file under ``tests/`` is in
   one of the two (``tests/test_packaging.py`` checks it).
 * ``[[step]]`` is the series, in review order: each step a title, a commit
@@ -122,12 +123,124 @@ def relocate(text, mapping):
 
 
 def relocated_tests(root, plan):
-    """``{upstream path: text}`` of every mapped test file."""
+    """``{upstream path: text}`` of every mapped test file; the test
+    modules (``*_test.py``) marked as the torch backend's."""
     mapping = plan["tests"]
-    return {
-        target: relocate(overlaylib.read_text(Path(root) / ours), mapping)
-        for ours, target in mapping.items()
+    relocated = {}
+    for ours, target in mapping.items():
+        text = relocate(overlaylib.read_text(Path(root) / ours), mapping)
+        if target.endswith("_test.py"):
+            text = torch_only(text, ours)
+        relocated[target] = text
+    return relocated
+
+
+TORCH_ONLY = """
+# Upstream runs its suite on every backend: these tests are the torch
+# backend's distribution.
+pytestmark = pytest.mark.skipif(
+    backend.backend() != "torch", reason="Tests the torch backend."
+)
+"""
+
+
+def torch_only(text, name):
+    """Marks a test module to run on the torch backend only: upstream's
+    suite runs on every backend (``pytestmark`` after the imports, which
+    gain ``pytest`` and ``keras.src.backend`` where they lack them, in
+    isort's order).
+
+    Args:
+        text: the test module's text.
+        name: its name, for errors.
+
+    Returns:
+        The marked text.
+
+    Raises:
+        ValueError: if the module binds ``backend`` or ``pytestmark``
+            otherwise, or has no imports to follow.
+    """
+    tree = ast.parse(text)
+    imports = []
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            imports.append(node)
+        elif imports or not _is_docstring(node):
+            break
+    if not imports:
+        raise ValueError(f"{name}: no module-level imports to follow.")
+    bound = {
+        alias.asname or alias.name.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
     }
+    assigned = {
+        target.id
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+    if "pytestmark" in bound | assigned or "backend" in assigned:
+        raise ValueError(
+            f"{name}: binds `backend` or `pytestmark`: mark it by hand."
+        )
+    lines = text.splitlines(keepends=True)
+    wanted = [
+        ("import pytest\n", (False, False, "pytest"), "pytest"),
+        (
+            "from keras.src import backend\n",
+            (True, True, "keras.src"),
+            "backend",
+        ),
+    ]
+    for line, key, binding in wanted:
+        if binding not in bound:
+            at, line = _import_position(imports, key, line)
+            lines.insert(at, line)
+            # One more item in `lines` before the imports after it.
+            for node in imports:
+                if node.lineno - 1 >= at:
+                    node.lineno += 1
+                    node.end_lineno += 1
+    end = max(node.end_lineno for node in imports)
+    lines.insert(end, TORCH_ONLY)
+    return "".join(lines)
+
+
+def _is_docstring(node):
+    return isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+
+
+def _import_position(imports, key, line):
+    """Where an import line sorted by ``key`` goes, in isort's order
+    (third-party, then first-party ``keras``, the sections a blank line
+    apart; ``import x`` before ``from x import y``; then by module).
+
+    Returns:
+        ``(line index, line)``, the line with the blank line that keeps
+        its section apart, if it starts one.
+    """
+
+    def key_of(node):
+        if isinstance(node, ast.Import):
+            name, is_from = node.names[0].name, False
+        else:
+            name, is_from = node.module or "", True
+        return (name.split(".")[0] == "keras", is_from, name)
+
+    keys = [key_of(node) for node in imports]
+    before = [i for i, k in enumerate(keys) if k < key]
+    if before and keys[before[-1]][0] == key[0]:
+        return imports[before[-1]].end_lineno, line
+    after = [i for i, k in enumerate(keys) if k > key]
+    if after:
+        first = imports[after[0]]
+        apart = "\n" if keys[after[0]][0] != key[0] else ""
+        return first.lineno - 1, line + apart
+    return imports[-1].end_lineno, "\n" + line
 
 
 def export_sections(root, upstream_root, variant, with_tests=True):
