@@ -222,8 +222,12 @@ class _FlatGather:
         if self._work is not None:
             self._work.wait()
             self._work = None
-        rows = self._buffer.view(self.size, -1)
-        self._buffer = None
+        buffer, self._buffer = self._buffer, None
+        if len(self.layouts) == 1 and self.layouts[0].is_whole_buffer():
+            # The buffer is the gathered tensor: no copy, whose transient
+            # second copy of the weight would raise the peak memory.
+            return [buffer.view(self.layouts[0].gathered_shape)]
+        rows = buffer.view(self.size, -1)
         offset = 0
         locals_ = []
         for layout in self.layouts:
@@ -315,6 +319,13 @@ class _ShardLayout:
         padded[self.dim] = self.chunk
         self.padded_shape = padded
         self.numel = math.prod(padded)
+        self.gathered_shape = list(padded)
+        self.gathered_shape[self.dim] = length
+
+    def is_whole_buffer(self):
+        """Whether the gathered buffer of this weight alone is its gathered
+        local tensor: sharded on its first dimension, with no padding."""
+        return self.dim == 0 and all(n == self.chunk for n in self.lengths)
 
     def padded(self, local):
         """`local` (a shard) padded with zeros to the largest shard."""
