@@ -65,8 +65,11 @@ class CountCollectives(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._opname
+        # c10d's flat-buffer collectives are `_allgather_base_` and
+        # `_reduce_scatter_base_` (`fsdp_gather`'s); the functional ones'
+        # waits and autograd wrappers are none.
         if func.namespace in COLLECTIVE_NAMESPACES and not (
-            "wait" in name or name.startswith("_")
+            "wait" in name or "wrap" in name
         ):
             self.counts[name] += 1
         return func(*args, **(kwargs or {}))
