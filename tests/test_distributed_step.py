@@ -41,10 +41,10 @@ ALLOWED_MODULE_STATE = {
     ("layer_call", "_calls"),
     # Per thread: the local call's context, for `batch_moments`.
     ("local_rows", "_local_call"),
-    # The variables a layer call has swapped for their gathered values (as
-    # the variables' own `_value`, process-wide): a layer called inside
-    # its own call keeps them.
-    ("fsdp", "_gathered_now"),
+    # Per thread: the layer calls whose gathered values stand for their
+    # variables now, and those variables (a layer called inside its own
+    # call, or inside the call that gathered them, keeps them).
+    ("fsdp", "_thread_state"),
     # Per thread: the gather schedule of the step running in this thread
     # (the schedule itself is the step's).
     ("fsdp_schedule", "_running"),
