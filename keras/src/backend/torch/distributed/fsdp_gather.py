@@ -202,7 +202,7 @@ class _FlatGather:
         self.coordinate = mesh.get_local_rank(mesh_dim)
         self.layouts = [_ShardLayout(x, mesh_dim, self.size) for x in shards]
         with torch.no_grad():
-            flat = torch.cat(
+            flat = _concatenated(
                 [
                     layout.padded(x.to_local()).reshape(-1)
                     for layout, x in zip(self.layouts, shards)
@@ -273,14 +273,20 @@ class _FlatGather:
             else:
                 results[index] = layout.own_part(local, self.coordinate)
         if summed:
-            parts = [layout.padded_parts(local) for _, layout, local in summed]
-            send = torch.cat(
-                [
+            if len(summed) == 1 and summed[0][1].is_whole_buffer():
+                # Each process' part is its rows, in order: the gradient
+                # itself is the flat tensor.
+                pieces = [summed[0][2].reshape(-1)]
+            else:
+                parts = [
+                    layout.padded_parts(local) for _, layout, local in summed
+                ]
+                pieces = [
                     part[rank].reshape(-1)
                     for rank in range(self.size)
                     for part in parts
                 ]
-            )
+            send = _concatenated(pieces)
             received = send.new_empty(send.numel() // self.size)
             _reduce_scatter(received, send, group=self.group)
             offset = 0
@@ -301,6 +307,12 @@ class _FlatGather:
             )
             for grad, shard in zip(results, self.shards)
         ]
+
+
+def _concatenated(pieces):
+    """The flat tensors `pieces` end to end; one piece is not copied (a
+    second copy of a layer's weight or gradient would raise the peak)."""
+    return pieces[0].contiguous() if len(pieces) == 1 else torch.cat(pieces)
 
 
 class _ShardLayout:
