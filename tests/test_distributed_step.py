@@ -29,6 +29,7 @@ STEP_MODULES = (
     "local_state",
     "layer_call",
     "fsdp",
+    "fsdp_call",
     "fsdp_schedule",
 )
 ALLOWED_MODULE_STATE = {
@@ -44,7 +45,7 @@ ALLOWED_MODULE_STATE = {
     # Per thread: the layer calls whose gathered values stand for their
     # variables now, and those variables (a layer called inside its own
     # call, or inside the call that gathered them, keeps them).
-    ("fsdp", "_thread_state"),
+    ("fsdp_call", "_thread_state"),
     # Per thread: the gather schedule of the step running in this thread
     # (the schedule itself is the step's).
     ("fsdp_schedule", "_running"),

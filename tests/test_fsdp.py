@@ -167,13 +167,13 @@ def test_weights_are_gathered_per_layer_and_freed_after_use():
 
 
 def _prefetch_body(rank, world_size, ahead):
-    from keras.src.backend.torch.distributed import fsdp
+    from keras.src.backend.torch.distributed import fsdp_call
 
     _set_fsdp(ahead=ahead)
     model = _dense_model()
     # Whether each gather had been started ahead, forward and backward.
     taken = {"forward": [], "backward": []}
-    enter, restore = fsdp._CallGather.enter, fsdp._CallGather.restore
+    enter, restore = fsdp_call.CallGather.enter, fsdp_call.CallGather.restore
 
     def recording_enter(call):
         taken["forward"].append(call.ahead is not None)
@@ -186,8 +186,8 @@ def _prefetch_body(rank, world_size, ahead):
             taken["backward"].append(ahead)
         return restored
 
-    fsdp._CallGather.enter = recording_enter
-    fsdp._CallGather.restore = recording_restore
+    fsdp_call.CallGather.enter = recording_enter
+    fsdp_call.CallGather.restore = recording_restore
     steps = []
     try:
         for _ in range(3):
@@ -195,8 +195,8 @@ def _prefetch_body(rank, world_size, ahead):
             losses, _ = _train(model, steps=1)
             steps.append(taken)
     finally:
-        fsdp._CallGather.enter = enter
-        fsdp._CallGather.restore = restore
+        fsdp_call.CallGather.enter = enter
+        fsdp_call.CallGather.restore = restore
     return steps
 
 

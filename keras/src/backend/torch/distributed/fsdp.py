@@ -15,7 +15,8 @@ Dense(4096) on 4 processes: 3.3x the ideal memory, see
 Here, as FSDP2's `fully_shard` does per module, a layer call gathers the
 trainable weights of the layer and of its sublayers along the batch axis
 first (`gathered_weights`; one collective for all of them, see
-`fsdp_gather`), so that DTensor computes the layer data-parallel on the
+`fsdp_gather`; the call's weights are held by an `fsdp_call.CallGather`),
+so that DTensor computes the layer data-parallel on the
 sharded batch:
 
 - forward: the gathered value replaces the variable's value during the
@@ -58,12 +59,11 @@ weights are gathered (see `compiled_step.eager_reason`).
 
 import contextlib
 import os
-import threading
 
 import torch
 
 from keras.src import tree
-from keras.src.backend.torch.distributed import fsdp_gather
+from keras.src.backend.torch.distributed import fsdp_call
 from keras.src.backend.torch.distributed import fsdp_schedule
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
@@ -74,9 +74,6 @@ if runtime.DTENSOR_AVAILABLE:
 GATHER_WEIGHTS_ENV = "KERAS_DISTRIBUTION_GATHER_WEIGHTS"
 _GATHER_CHOICES = ("batch", "all", "off")
 RESHARD_ENV = "KERAS_DISTRIBUTION_RESHARD_AFTER_FORWARD"
-
-# Per thread, as Keras' own state is (see `_state`).
-_thread_state = threading.local()
 
 
 def gathered_mesh_dims(distribution):
@@ -194,7 +191,7 @@ def gathered_weights(layer, distribution, enabled=True):
         gathered values stand for the weights until the context exits.
     """
     weights = _weights_to_gather(layer, distribution) if enabled else []
-    enclosing = list(_calls_now())
+    enclosing = list(fsdp_call.calls_now())
     if not weights:
         if enclosing and enabled:
             # A call inside one that gathered: the gradient of its outputs
@@ -205,16 +202,16 @@ def gathered_weights(layer, distribution, enabled=True):
         else:
             yield _no_outputs_to_watch
         return
-    call = _CallGather(weights)
+    call = fsdp_call.CallGather(weights)
     schedule = fsdp_schedule.running_schedule()
     if schedule is not None:
         schedule.take_ahead(layer, call)
     call.enter()
-    _calls_now().append(call)
+    fsdp_call.calls_now().append(call)
     if schedule is not None:
         schedule.gather_ahead(
             layer,
-            lambda following: _CallGather.of(
+            lambda following: fsdp_call.CallGather.of(
                 _weights_to_gather(following, distribution)
             ),
         )
@@ -224,22 +221,8 @@ def gathered_weights(layer, distribution, enabled=True):
                 call, enclosing, outputs, schedule
             )
     finally:
-        _calls_now().pop()
+        fsdp_call.calls_now().pop()
         call.exit()
-
-
-def _state():
-    if not hasattr(_thread_state, "calls"):
-        # The calls whose gathered weights stand for their variables now,
-        # innermost last, and the ids of those variables: a layer called
-        # inside its own call (a recurrent cell) keeps them.
-        _thread_state.calls = []
-        _thread_state.variables = set()
-    return _thread_state
-
-
-def _calls_now():
-    return _state().calls
 
 
 def _no_outputs_to_watch(outputs):
@@ -272,7 +255,7 @@ def _note_saved(tensor):
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
         if local.numel():
             pointer = local.untyped_storage().data_ptr()
-            for call in _calls_now():
+            for call in fsdp_call.calls_now():
                 call.note_saved(pointer)
         return tensor.detach()
 
@@ -309,7 +292,7 @@ def _weights_to_gather(layer, distribution):
     mesh_dims = gathered_mesh_dims(distribution)
     if mesh_dims == ():
         return []
-    gathered_now = _state().variables
+    gathered_now = fsdp_call.gathered_variables()
     weights = []
     for variable in _call_variables(layer):
         value = variable._value
@@ -319,7 +302,7 @@ def _weights_to_gather(layer, distribution):
             continue
         placements = gathered_placements(value, mesh_dims)
         if placements is not None and not value.is_meta:
-            weights.append(_GatheredWeight(variable, placements))
+            weights.append(fsdp_call.GatheredWeight(variable, placements))
     return weights
 
 
@@ -361,7 +344,7 @@ def _release_after_forward(call, enclosing, outputs, schedule):
     returned `outputs`, and watches the outputs' gradients to gather it
     again."""
     leaves = _leaves(outputs)
-    if call.release(leaves):
+    if call.release(leaves, reshards_after_forward()):
         restore_ahead = None
         if schedule is not None:
             restore_ahead = schedule.released(call)
@@ -370,295 +353,3 @@ def _release_after_forward(call, enclosing, outputs, schedule):
     if enclosing:
         _watch(enclosing, leaves)
     return outputs
-
-
-class _CallGather:
-    """The weights one layer call gathers, gathered and freed together.
-
-    Args:
-        weights: `_GatheredWeight`s.
-    """
-
-    def __init__(self, weights):
-        self.weights = weights
-        # The freed weights, once the call returned.
-        self.released = []
-        # A gather started ahead: of the values before the call
-        # (`gather_ahead`, with what it was started for), of the freed
-        # weights before their backward ops (`restore_ahead`).
-        self.ahead = None
-        self.ahead_state = None
-        self.restoring = None
-        self.restoring_weights = []
-        # In the backward pass, starts gathering the call released before
-        # this one (`fsdp_schedule`), if the step schedules gathers.
-        self.restore_ahead_of = None
-        # The weights by the address of their gathered storage.
-        self._storages = {}
-
-    @classmethod
-    def of(cls, weights):
-        return cls(weights) if weights else None
-
-    def _gather(self, weights, async_op=False):
-        return fsdp_gather.gather(
-            [w.shard() for w in weights],
-            [w.placements for w in weights],
-            async_op=async_op,
-        )
-
-    def _state(self):
-        return (
-            [(id(w.variable), w.placements, w.dtype) for w in self.weights],
-            [w.sharded._version for w in self.weights],
-            torch.is_grad_enabled(),
-        )
-
-    def gather_ahead(self):
-        """Starts gathering the values, for a call to come."""
-        self.ahead = self._gather(self.weights, async_op=True)
-        self.ahead_state = self._state()
-
-    def take(self, other):
-        """Takes the values `other` gathered ahead for this call, if they
-        are what this call would gather; else drops them."""
-        if other is None:
-            return
-        if other.ahead is not None and other.ahead_state == self._state():
-            self.ahead, other.ahead = other.ahead, None
-        else:
-            other.drop_ahead()
-
-    def drop_ahead(self):
-        """Waits for the gathers started ahead and forgets them."""
-        for pending in (self.ahead, self.restoring):
-            if pending is not None:
-                pending.wait()
-        self.ahead = self.restoring = None
-        self.restoring_weights = []
-
-    def enter(self):
-        """Gathers the values and lets them stand for the variables."""
-        pending = self.ahead or self._gather(self.weights)
-        self.ahead = None
-        for weight, value in zip(self.weights, pending.values()):
-            weight.enter(value)
-        self._storages = {w.storage_pointer(): w for w in self.weights}
-
-    def note_saved(self, pointer):
-        """Marks the weight whose gathered storage starts at `pointer` as
-        saved by autograd for the backward pass."""
-        weight = self._storages.get(pointer)
-        if weight is not None:
-            weight.saved = True
-
-    def exit(self):
-        """Gives the variables their sharded values back."""
-        for weight in self.weights:
-            weight.exit()
-
-    def release(self, outputs):
-        """Keeps what the call assigned to the variables, and frees the
-        gathered storage after the forward pass.
-
-        Returns:
-            Whether some weight's storage was freed.
-        """
-        for weight in self.weights:
-            weight.write_back()
-        if not reshards_after_forward():
-            return False
-        self.released = [w for w in self.weights if w.release(outputs)]
-        return bool(self.released)
-
-    def needs_restore(self):
-        """Whether the backward pass has yet to gather some weight again,
-        and no gather of them was started."""
-        return self.restoring is None and any(
-            w.needs_restore() for w in self.released
-        )
-
-    def restore_ahead(self):
-        """Starts gathering the freed values again, for their backward
-        ops."""
-        weights = [w for w in self.released if w.needs_restore()]
-        with torch.no_grad():
-            self.restoring = self._gather(weights, async_op=True)
-        self.restoring_weights = weights
-
-    def on_gradient(self, grad):
-        """A gradient hook on the call's outputs (and its inner calls'):
-        the first gradient gathers the freed weights again, before the
-        call's backward ops read them, and starts the gather of the call
-        before."""
-        if self.restore() and self.restore_ahead_of is not None:
-            self.restore_ahead_of()
-        return grad
-
-    def restore(self):
-        """Gathers the freed values again into their storage, for those
-        autograd still holds.
-
-        Returns:
-            Whether some were gathered now.
-        """
-        freed = [w for w in self.released if w.needs_restore()]
-        if not freed and self.restoring is None:
-            return False
-        fresh = {}
-        if self.restoring is not None:
-            started = self.restoring.local_values()
-            fresh = {
-                id(w): local
-                for w, local in zip(self.restoring_weights, started)
-            }
-            self.restoring = None
-            self.restoring_weights = []
-        missing = [w for w in freed if id(w) not in fresh]
-        if missing:
-            with torch.no_grad():
-                gathered = self._gather(missing).local_values()
-            fresh.update((id(w), x) for w, x in zip(missing, gathered))
-        for weight in freed:
-            weight.fill(fresh[id(weight)])
-        return bool(freed)
-
-
-class _GatheredWeight:
-    """One trainable variable's gathered value, for one layer call.
-
-    Args:
-        variable: the variable.
-        placements: its value's placements once gathered.
-    """
-
-    def __init__(self, variable, placements):
-        self.variable = variable
-        self.sharded = variable._value
-        self.placements = placements
-        # The dtype the call reads the variable in: the compute dtype of a
-        # layer under mixed precision (`variable.dtype` in its autocast
-        # scope), in which the shards are cast before they are gathered.
-        self.dtype = getattr(torch, variable.dtype)
-        self.value = None
-        # Whether autograd saved the gathered value (or a view of its
-        # storage) for the backward pass; once freed, the storage and where
-        # the local tensor lies in it.
-        self.saved = False
-        self.geometry = None
-        self.storage = None
-        self.nbytes = 0
-        self.version = None
-
-    def shard(self):
-        """The sharded value in the dtype the call reads it in."""
-        if self.sharded.dtype != self.dtype:
-            return self.sharded.to(self.dtype)
-        return self.sharded
-
-    def enter(self, value):
-        """Lets the gathered `value` stand for the variable."""
-        self.saved = False
-        self.value = value
-        self.version = value._version
-        self.variable._value = value
-        _state().variables.add(id(self.variable))
-
-    def storage_pointer(self):
-        """The address of the gathered value's storage."""
-        with torch.no_grad():
-            local = fsdp_gather.local_tensor(self.value)
-        return local.untyped_storage().data_ptr()
-
-    def exit(self):
-        """Gives the variable its sharded value back."""
-        self.variable._value = self.sharded
-        _state().variables.discard(id(self.variable))
-
-    def write_back(self):
-        """Keeps what the call assigned to the variable
-        (`SpectralNormalization` assigns its kernel), in its shards.
-
-        Not from a copy in the compute dtype: Keras assigns such a copy
-        without effect on the variable."""
-        if self.value._version == self.version:
-            return
-        if self.dtype == self.sharded.dtype:
-            with torch.no_grad():
-                self.sharded.copy_(
-                    self.value.redistribute(
-                        self.sharded.device_mesh, self.sharded.placements
-                    )
-                )
-        self.version = self.value._version
-
-    def release(self, outputs):
-        """Frees the gathered storage after the forward pass.
-
-        Args:
-            outputs: the call's output tensors.
-
-        Returns:
-            Whether the storage was freed: not when no gradient will flow
-            to it (autograd keeps nothing of it, which goes when the call
-            ends), nor when an output or the weight's own value shares it.
-            The backward pass gathers it again if autograd saved it
-            (`saved`).
-        """
-        value = self.value
-        if not (value.requires_grad and torch.is_grad_enabled()):
-            return False
-        with torch.no_grad():
-            # The local tensor itself (with gradients, `to_local` returns
-            # a new view each time).
-            local = fsdp_gather.local_tensor(value)
-            shared = [self.sharded.to_local()] + [
-                fsdp_gather.local_tensor(x) for x in outputs
-            ]
-        storage = local.untyped_storage()
-        if any(
-            x.untyped_storage().data_ptr() == storage.data_ptr() for x in shared
-        ):
-            return False
-        self.storage = storage
-        self.nbytes = storage.nbytes()
-        storage.resize_(0)
-        # Once the weight's gradient is complete, every backward op that
-        # read the gathered value has run.
-        value.register_hook(self._release_after_backward)
-        self.value = None
-        self.geometry = (
-            local.dtype,
-            local.device,
-            local.storage_offset(),
-            local.shape,
-            local.stride(),
-        )
-        return True
-
-    def needs_restore(self):
-        """Whether the backward pass has yet to gather the value again."""
-        return (
-            self.saved
-            and self.storage is not None
-            and self.storage.nbytes() != self.nbytes
-        )
-
-    def fill(self, fresh):
-        """Writes the gathered local tensor `fresh` into the freed
-        storage."""
-        dtype, device, offset, shape, stride = self.geometry
-        with torch.no_grad():
-            self.storage.resize_(self.nbytes)
-            # Written through a tensor of its own on the storage: written
-            # through the local tensor, the version counter that its views
-            # share would change, and autograd would refuse the views it
-            # saved (`to_local()` returns a view).
-            target = torch.empty(0, dtype=dtype, device=device)
-            target.set_(self.storage, offset, shape, stride)
-            target.copy_(fresh)
-
-    def _release_after_backward(self, grad):
-        if self.storage is not None:
-            self.storage.resize_(0)
-        return grad
