@@ -131,6 +131,41 @@ def test_embedding_shards_vocabulary_and_2d_mesh_adds_batch_axis():
     assert axes["up/bias"] == ("model",)
 
 
+def test_a_blocks_vectors_join_its_gather_over_the_batch_axis():
+    class Block(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.norm = keras.layers.LayerNormalization(name="norm")
+            self.up = keras.layers.Dense(32, name="up")
+            self.down = keras.layers.Dense(8, name="down")
+
+        def call(self, x):
+            return self.down(self.up(self.norm(x)))
+
+    def build():
+        inputs = keras.Input((8,))
+        x = Block(name="block")(inputs)
+        x = keras.layers.LayerNormalization(name="final_norm")(x)
+        # Narrow: its output stays whole over the model axis.
+        keras.layers.Dense(4, name="head")(x)
+
+    axes = _plan(build, {"batch": 2, "model": 2}).axes
+    # Inside a block, vectors are gathered with the block's kernels: the
+    # batch axis shards them at no collective of their own.
+    assert axes["block/norm/gamma"] == ("batch",)
+    assert axes["block/up/bias"] == ("model",)
+    assert axes["block/down/bias"] == ("batch",)
+    # A layer of the model itself gathers its own: its vectors stay whole,
+    # but beside a kernel sharded over the batch axis.
+    assert axes["final_norm/gamma"] == (None,)
+    assert axes["head/kernel"] == ("batch", None)
+    assert axes["head/bias"] == ("batch",)
+    # With no batch axis to share, vectors stay replicated.
+    axes = _plan(build, {"batch": 1, "model": 2}).axes
+    assert axes["block/norm/gamma"] == (None,)
+    assert axes["block/down/bias"] == (None,)
+
+
 def test_one_axis_mesh_shards_kernels_over_it_once():
     # A 1-D mesh: the batch and the model share the axis "x".
     plan = auto_plan.Plan({"x": 2}, "x", "x")

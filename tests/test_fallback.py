@@ -449,3 +449,71 @@ def test_sharding_summary_lists_the_ops_that_fell_back():
     text = run_on_ranks(_keras_summary_body, world_size=2)[0]
     assert "ops computed on global values" in text
     assert "aten.avg_pool2d_backward.default: 1 calls" in text
+
+
+def _gather_at_once_body(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import distribute_tensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from keras.src.backend.torch.distributed import global_values
+
+    class Collectives(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace in ("c10d", "_c10d_functional"):
+                if "wait" not in func._opname:
+                    Collectives.count += 1
+            return func(*args, **(kwargs or {}))
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("batch", "model"))
+    cases = {
+        # Uneven parts on both axes: (3, 2) and (2, 1) rows and columns.
+        "rows_and_columns": ((5, 3), [Shard(0), Shard(1)]),
+        "columns_and_rows": ((3, 5), [Shard(1), Shard(0)]),
+        # One dimension split twice: the parts nest (7 -> 4, 3 -> 2, 2, 2, 1).
+        "nested": ((7, 2), [Shard(0), Shard(0)]),
+        "negative_dim": ((4, 3, 6), [Shard(-1), Shard(0)]),
+        # Not for one all-gather: DTensor's own gathers.
+        "one_axis": ((4, 3), [Shard(0), Replicate()]),
+        "partial": ((4, 3), [Partial(), Shard(0)]),
+    }
+    results = {}
+    for name, (shape, placements) in cases.items():
+        full = torch.arange(math.prod(shape), dtype=torch.float32).reshape(
+            shape
+        )
+        if name == "partial":
+            # Each process along the batch axis holds half of the sum.
+            half = distribute_tensor(full / 2, mesh, [Replicate(), Shard(0)])
+            x = DTensor.from_local(
+                half.to_local(), mesh, placements, run_check=False
+            )
+        else:
+            x = distribute_tensor(full, mesh, placements)
+        Collectives.count = 0
+        with Collectives():
+            whole = global_values.gathered_at_once(x)
+        results[name] = (
+            None if whole is None else whole.numpy(),
+            x.full_tensor().numpy(),
+            Collectives.count,
+        )
+    return results
+
+
+def test_a_value_sharded_along_two_mesh_axes_is_gathered_at_once():
+    per_rank = run_on_ranks(_gather_at_once_body, world_size=4)
+    for results in per_rank:
+        for name, (whole, expected, collectives) in results.items():
+            if name in ("one_axis", "partial"):
+                assert whole is None, name
+                assert collectives == 0, name
+                continue
+            np.testing.assert_array_equal(whole, expected, err_msg=name)
+            assert collectives == 1, (name, collectives)

@@ -161,8 +161,10 @@ def test_weights_are_gathered_per_layer_and_freed_after_use():
         # Gradients reach the optimizer in the kernels' own shards.
         assert r["grads"] == ["(Shard(dim=0), Replicate())"] * _LAYERS, r
         # Per layer: a gather forward, one backward (not the first layer's:
-        # autograd kept nothing of it), a reduce-scatter.
-        assert r["counts"].get("all_gather") == 2 * _LAYERS - 1, r
+        # autograd kept nothing of it; nor, in a train step, the last
+        # layer's: the step keeps its weights, the backward pass starts
+        # with it), a reduce-scatter.
+        assert r["counts"].get("all_gather") == 2 * _LAYERS - 2, r
         assert r["counts"].get("reduce_scatter") == _LAYERS, r
 
 
@@ -224,20 +226,20 @@ def test_gathering_ahead_is_off_on_cpus_unless_asked(monkeypatch):
 def test_the_next_layers_weights_are_gathered_ahead():
     on = run_on_ranks(_prefetch_body, world_size=2, kwargs={"ahead": "1"})
     for steps in on:
-        # Backward, from the first step on, the last layer's gather starts
-        # the one of the layer before it, and so on (the first layer's is
-        # not gathered again). Forward, the first step learns the order of
-        # the gathers; then every layer's gather but the first is started
-        # while the layer before computes.
-        backward = [False] + [True] * (_LAYERS - 2)
+        # Backward, from the first step on, the last layer's gradient
+        # starts the gather of the layer before it, and so on (the first
+        # layer's is not gathered again). Forward, the first step learns the
+        # order of the gathers; then every layer's gather but the first is
+        # started while the layer before computes, and the last layer keeps
+        # its weights for the backward pass (not gathered again).
         assert steps[0] == {
             "forward": [False] * _LAYERS,
-            "backward": backward,
+            "backward": [False] + [True] * (_LAYERS - 2),
         }, steps
         for taken in steps[1:]:
             assert taken == {
                 "forward": [False] + [True] * (_LAYERS - 1),
-                "backward": backward,
+                "backward": [True] * (_LAYERS - 2),
             }, steps
 
 
@@ -543,10 +545,10 @@ def test_a_blocks_weights_are_gathered_in_one_collective():
     for r in results:
         # Forward: one gather for the block's six weights, one for the
         # gate (another dtype policy), one for the last layer. Backward:
-        # the block and the last layer again (autograd kept nothing of the
-        # gate's kernel: its input needs no gradient). One reduce-scatter
-        # for each of the three gathers.
-        assert r["counts"].get("all_gather") == 5, r
+        # the block again (autograd kept nothing of the gate's kernel: its
+        # input needs no gradient; the step keeps the last layer's). One
+        # reduce-scatter for each of the three gathers.
+        assert r["counts"].get("all_gather") == 4, r
         assert r["counts"].get("reduce_scatter") == 3, r
 
 
@@ -588,5 +590,101 @@ def test_what_is_gathered_again_does_not_depend_on_garbage_collection():
     _assert_equal_to_one_process([r["run"] for r in results], reference)
     for r in results:
         # The first kernel is not gathered again on either process:
-        # autograd saved nothing of it.
-        assert r["counts"].get("all_gather") == 2 * _LAYERS - 1, r
+        # autograd saved nothing of it (nor the last: the step keeps it).
+        assert r["counts"].get("all_gather") == 2 * _LAYERS - 2, r
+
+
+def _norm_block_model():
+    """A scale and an offset applied to each head of a head-parallel
+    activation (as a query's norm is): their gradients, summed over the
+    heads, are partial sums over the model axis too."""
+    import keras
+
+    class Block(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.up = keras.layers.Dense(16, activation="tanh", name="up")
+            self.down = keras.layers.Dense(_DIM, name="down")
+
+        def build(self, input_shape):
+            self.scale = self.add_weight((4,), initializer="ones", name="scale")
+            self.offset = self.add_weight(
+                (4,), initializer="zeros", name="offset"
+            )
+
+        def call(self, x):
+            heads = keras.ops.reshape(self.up(x), (-1, 4, 4))
+            heads = heads * self.scale + self.offset
+            return self.down(keras.ops.reshape(heads, (-1, 16)))
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((_DIM,)), Block(name="block")])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    return model
+
+
+def _norm_block_body(rank, world_size):
+    import os
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from keras import distribution as kd
+    from keras.src.backend.torch.distributed import fsdp
+    from keras.src.backend.torch.distributed import fsdp_gather
+    from keras.src.backend.torch.distributed import fsdp_schedule
+
+    class Collectives(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace in ("c10d", "_c10d_functional"):
+                self.count += "wait" not in func._opname
+            return func(*args, **(kwargs or {}))
+
+    os.environ.pop(fsdp.GATHER_WEIGHTS_ENV, None)
+    os.environ[fsdp_schedule.GATHER_AHEAD_ENV] = "0"
+    mesh = kd.DeviceMesh((2, 2), ["batch", "model"])
+    layout_map = kd.LayoutMap(mesh)
+    layout_map[".*/up/kernel"] = ("batch", "model")
+    layout_map[".*/up/bias"] = ("model",)
+    layout_map[".*/down/kernel"] = ("model", "batch")
+    layout_map[".*/(scale|offset)|.*/down/bias"] = ("batch",)
+    kd.set_distribution(kd.ModelParallel(layout_map=layout_map))
+    summed = []
+    original = fsdp_gather._FlatGather._summed_over_other_dims
+
+    def recording(self, grads):
+        partial = [
+            g
+            for g in grads
+            if g is not None and any(p.is_partial() for p in g.placements[1:])
+        ]
+        with Collectives() as mode:
+            result = original(self, grads)
+        summed.append((len(partial), mode.count))
+        assert all(
+            not any(p.is_partial() for p in g.placements[1:])
+            for g in result
+            if g is not None
+        )
+        return result
+
+    fsdp_gather._FlatGather._summed_over_other_dims = recording
+    try:
+        model = _norm_block_model()
+        run = _train(model)
+    finally:
+        fsdp_gather._FlatGather._summed_over_other_dims = original
+    return {"summed": summed, "run": run}
+
+
+def test_gradients_partial_over_another_axis_are_summed_at_once():
+    results = run_on_ranks(_norm_block_body, world_size=4)
+    reference = _single_process(lambda: _train(_norm_block_model()))
+    _assert_equal_to_one_process([r["run"] for r in results], reference)
+    for r in results:
+        # Each step's one reduce-scatter of the block: the scale and the
+        # offset, partial sums over the model axis, in one all-reduce.
+        assert r["summed"] == [(2, 1), (2, 1)], r

@@ -4,7 +4,9 @@
 every variable that no `LayoutMap` rule lays out. The plan is Megatron-style
 tensor parallelism over the mesh's model axis, plus, where the mesh has a
 batch axis longer than one, the kernel's largest other dimension sharded
-over it (as keras-hub's hand-written maps do: FSDP-like).
+over it (as keras-hub's hand-written maps do: FSDP-like), and the vectors
+of a block (norm scales, biases) too: a block's call gathers all of its
+weights in one collective, so they cost no collective of their own.
 
 When: at variable creation. keras-hub's `from_preset` creates (and then
 loads) every variable in the model's constructor, and a model's variables
@@ -34,8 +36,8 @@ feature axis: column parallel over heads; one contracted from the input
 that is not the input's feature axis: row parallel over heads), an
 `Embedding` shards its vocabulary (or its features when the vocabulary is
 the smaller or indivisible). Vectors and scalars (norm scales, biases of
-row-parallel layers, counters) stay replicated; a column-parallel layer's
-bias follows its output features.
+row-parallel layers, counters) stay replicated over the model axis; a
+column-parallel layer's bias follows its output features.
 
 A dimension the model axis does not divide (Gemma's single key/value head)
 is not sharded unevenly: the next candidate dimension of the kernel is
@@ -91,6 +93,8 @@ class Plan:
         self._stream = weakref.WeakKeyDictionary()
         # The role and sharded size of each layer's kernel, for its bias.
         self._roles = weakref.WeakKeyDictionary()
+        # Layers with a trainable kernel sharded over the batch axis.
+        self._batch_sharded = weakref.WeakSet()
         # The root of layers created outside any other layer.
         self._root = _Root()
 
@@ -111,18 +115,29 @@ class Plan:
             return (None,) * len(shape), "replicated: not a float tensor"
         layer, parent = _creating_layers()
         if len(shape) == 1 or variable.name == "bias":
-            return self._vector_axes(variable, layer)
+            axes, reason = self._vector_axes(variable, layer)
+            if variable.trainable and self._gathered_with_block(layer, parent):
+                return self._batch_axes(shape, axes, reason)
+            return axes, reason
         kind = _layer_kind(layer)
         if kind == "embedding":
-            return self._embedding_axes(layer, shape)
-        if kind == "einsum" and variable.name == "kernel":
-            return self._einsum_axes(layer, parent, shape)
-        if kind == "layer" and (len(shape) > 2 or self._is_stacked(layer)):
-            return self._stack_axes(layer, shape)
-        # Dense kernels, convolution kernels (the last two dimensions are
-        # input and output channels) and any layer's own matrices.
-        scope = parent if kind in ("dense", "conv") else layer
-        return self._matmul_axes(layer, scope, parent, shape, kind)
+            axes, reason = self._embedding_axes(layer, shape)
+        elif kind == "einsum" and variable.name == "kernel":
+            axes, reason = self._einsum_axes(layer, parent, shape)
+        elif kind == "layer" and (len(shape) > 2 or self._is_stacked(layer)):
+            axes, reason = self._stack_axes(layer, shape)
+        else:
+            # Dense kernels, convolution kernels (the last two dimensions
+            # are input and output channels) and any layer's own matrices.
+            scope = parent if kind in ("dense", "conv") else layer
+            axes, reason = self._matmul_axes(layer, scope, parent, shape, kind)
+        if (
+            variable.trainable
+            and self.batch_dim_name in axes
+            and layer is not None
+        ):
+            self._batch_sharded.add(layer)
+        return axes, reason
 
     # Layers, one kind at a time.
 
@@ -147,6 +162,47 @@ class Plan:
                 "column-parallel bias"
             )
         return replicated, "replicated: bias"
+
+    def _gathered_with_block(self, layer, parent):
+        """Whether a call gathers `layer`'s weights over the batch axis
+        with others: the weights of a block (a layer, not a model, with
+        layers inside) and of its layers are gathered in the block's one
+        collective, and a layer's vector in the collective of its own
+        batch-sharded kernel."""
+        from keras.src.models.model import Model
+
+        if self.batch_size == 1 or layer is None or isinstance(layer, Model):
+            return False
+        if layer in self._batch_sharded:
+            return True
+        if parent is not None and not isinstance(parent, Model):
+            return True
+        # A block built on its first call creates its layers' weights in
+        # its own name scope.
+        return any(True for _ in layer._flatten_layers(include_self=False))
+
+    def _batch_axes(self, shape, axes, reason):
+        """`axes` with the batch axis on the largest dimension it divides
+        that the model axis leaves whole.
+
+        A vector of a block sharded over the batch axis costs no
+        collective of its own (it joins the block's gather and gradient
+        reduce-scatter) and takes its gradient out of the step's
+        all-reduce buckets; replicated, it would be stored whole by every
+        process (a tiny model's norms are a sizeable part of it).
+        """
+        if self.batch_dim_name in axes:
+            return axes, reason
+        free = sorted(
+            (d for d, a in enumerate(axes) if a is None),
+            key=lambda d: -shape[d],
+        )
+        for d in free:
+            if shape[d] % self.batch_size == 0:
+                batched = list(axes)
+                batched[d] = self.batch_dim_name
+                return tuple(batched), f"{reason}; dimension {d} over batch"
+        return axes, reason
 
     def _embedding_axes(self, layer, shape):
         vocab_dim = 0 if shape == (layer.input_dim, layer.output_dim) else 1

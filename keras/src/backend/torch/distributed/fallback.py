@@ -251,7 +251,9 @@ class _FunctionFallbackMode(TorchFunctionMode):
             # An in-place function of the caller's: its result must be the
             # operand it was given, which keeps its shape.
             raise refusal
-        return global_values.on_global_values(func, args, kwargs, refusal, name)
+        return global_values.on_global_values(
+            func, args, kwargs, refusal, name, differentiable=True
+        )
 
 
 def _without_strided_shards(x, name):

@@ -204,8 +204,10 @@ def gathered_weights(layer, distribution, enabled=True):
         return
     call = fsdp_call.CallGather(weights)
     schedule = fsdp_schedule.running_schedule()
+    last = False
     if schedule is not None:
-        schedule.take_ahead(layer, call)
+        position = schedule.take_ahead(layer, call)
+        last = schedule.is_last(position, layer)
     call.enter()
     fsdp_call.calls_now().append(call)
     if schedule is not None:
@@ -218,7 +220,7 @@ def gathered_weights(layer, distribution, enabled=True):
     try:
         with _noting_saved_values():
             yield lambda outputs: _release_after_forward(
-                call, enclosing, outputs, schedule
+                call, enclosing, outputs, schedule, last
             )
     finally:
         fsdp_call.calls_now().pop()
@@ -339,17 +341,37 @@ def _policy(layer):
     )
 
 
-def _release_after_forward(call, enclosing, outputs, schedule):
+def _release_after_forward(call, enclosing, outputs, schedule, last):
     """Frees the gathered storage of `call`'s weights once the call
-    returned `outputs`, and watches the outputs' gradients to gather it
-    again."""
+    returned `outputs` (unless it is the step's `last` call to gather),
+    and watches the outputs' gradients to gather it again."""
     leaves = _leaves(outputs)
-    if call.release(leaves, reshards_after_forward()):
+    if call.release(leaves, reshards_after_forward() and not last):
         restore_ahead = None
         if schedule is not None:
             restore_ahead = schedule.released(call)
         call.restore_ahead_of = restore_ahead
         _watch([call], leaves)
+    elif last and torch.is_grad_enabled():
+        restore_ahead = schedule.kept()
+        if restore_ahead is not None:
+            _on_first_gradient(leaves, restore_ahead)
     if enclosing:
         _watch(enclosing, leaves)
     return outputs
+
+
+def _on_first_gradient(outputs, function):
+    """Calls `function` once, when the first gradient reaches one of
+    `outputs`."""
+    called = []
+
+    def hook(grad):
+        if not called:
+            called.append(True)
+            function()
+        return grad
+
+    for x in outputs:
+        if x.requires_grad:
+            x.register_hook(hook)

@@ -35,6 +35,7 @@ from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
 
 if runtime.DTENSOR_AVAILABLE:
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor import Shard
 
 # torch 2.12 renamed the flat-buffer collectives (the old names warn).
@@ -137,7 +138,11 @@ class PendingGather:
 
     def wait(self):
         """Waits for the collectives to complete, dropping their results."""
-        self.local_values()
+        for value in self._alone.values():
+            local_tensor(value)
+        for group in self._groups:
+            group.wait()
+        self._alone, self._groups = {}, []
 
 
 def _flat_mesh_dim(shard, target):
@@ -213,6 +218,13 @@ class _FlatGather:
             self._buffer, flat, group=self.group, async_op=async_op
         )
 
+    def wait(self):
+        """Waits for the all-gather to complete and drops its buffer."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        self._buffer = None
+
     def local_values(self):
         """The gathered local tensors, each in a storage of its own.
 
@@ -248,6 +260,7 @@ class _FlatGather:
         """
         results = [None] * len(grads)
         summed = []
+        grads = self._summed_over_other_dims(grads)
         for index, (grad, shard, target, layout) in enumerate(
             zip(grads, self.shards, self.placements, self.layouts)
         ):
@@ -307,6 +320,64 @@ class _FlatGather:
             )
             for grad, shard in zip(results, self.shards)
         ]
+
+    def _summed_over_other_dims(self, grads):
+        """`grads`, with the partial sums along other mesh dimensions
+        (where the weight is replicated) summed in one all-reduce per
+        mesh dimension and dtype.
+
+        A norm scale feeding model-sharded heads has a gradient that is a
+        partial sum over the model axis too; a `redistribute` per weight
+        would cost a collective each.
+        """
+        grads = list(grads)
+        groups = {}
+        for index, (grad, target) in enumerate(zip(grads, self.placements)):
+            if not isinstance(grad, DTensor):
+                continue
+            dims = tuple(
+                dim
+                for dim, placement in enumerate(grad.placements)
+                if dim != self.mesh_dim
+                and _is_partial_sum(placement)
+                and target[dim].is_replicate()
+                and self.mesh.size(dim) > 1
+            )
+            if dims:
+                groups.setdefault((dims, grad.dtype), []).append(index)
+        for (dims, _), indices in groups.items():
+            locals_ = [grads[i].to_local() for i in indices]
+            flat = torch.cat([local.reshape(-1) for local in locals_])
+            for dim in dims:
+                dist.all_reduce(flat, group=self.mesh.get_group(dim))
+            offset = 0
+            for index, local in zip(indices, locals_):
+                grad = grads[index]
+                placements = list(grad.placements)
+                for dim in dims:
+                    placements[dim] = Replicate()
+                grads[index] = DTensor.from_local(
+                    flat[offset : offset + local.numel()].view(local.shape),
+                    self.mesh,
+                    placements,
+                    run_check=False,
+                    shape=grad.shape,
+                    stride=_contiguous_stride(grad.shape),
+                )
+                offset += local.numel()
+        return grads
+
+
+def _contiguous_stride(shape):
+    stride, size = [], 1
+    for length in reversed(shape):
+        stride.append(size)
+        size *= length
+    return tuple(reversed(stride))
+
+
+def _is_partial_sum(placement):
+    return placement.is_partial() and placement.reduce_op == "sum"
 
 
 def _concatenated(pieces):

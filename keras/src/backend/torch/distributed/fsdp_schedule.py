@@ -12,6 +12,10 @@ before it. At most one layer's gather is ahead, forward or backward.
 It costs memory (one more layer's gathered weights, and the collective's
 buffers) for the overlap of communication with compute: on by default on
 CUDA devices, off on CPUs (see `gathers_ahead`).
+
+The order also tells which call is the step's last to gather, ahead or
+not: the backward pass starts with it, so its weights are kept, not freed
+and gathered again at once (one all-gather fewer a step).
 """
 
 import contextlib
@@ -24,7 +28,7 @@ import numpy as np
 GATHER_AHEAD_ENV = "KERAS_DISTRIBUTION_GATHER_AHEAD"
 
 # Per thread, as Keras' own state is: the `GatherSchedule` of the step
-# running in this thread (see `prefetching`).
+# running in this thread (see `following`).
 _running = threading.local()
 
 
@@ -61,17 +65,17 @@ def gathers_ahead(distribution):
 
 
 @contextlib.contextmanager
-def prefetching(schedule, distribution):
-    """Lets the layer calls of one step gather their weights ahead, if
-    `gathers_ahead(distribution)`.
+def following(schedule, distribution):
+    """Lets the layer calls of one step follow `schedule`: the step's
+    last call keeps its gathered weights for the backward pass, and, if
+    `gathers_ahead(distribution)`, each call gathers the next one's
+    weights ahead.
 
     Args:
         schedule: the step's `GatherSchedule`.
         distribution: the distribution in effect.
     """
-    if not gathers_ahead(distribution):
-        yield
-        return
+    schedule.ahead = gathers_ahead(distribution)
     previous = running_schedule()
     _running.schedule = schedule
     try:
@@ -95,7 +99,9 @@ class GatherSchedule:
     conditionally).
     """
 
-    def __init__(self):
+    def __init__(self, ahead=True):
+        # Whether calls gather the next call's weights ahead.
+        self.ahead = ahead
         # The previous step's layer calls that gathered, as weak references.
         self._order = []
         self._calls = []
@@ -106,13 +112,32 @@ class GatherSchedule:
         self._released = []
 
     def take_ahead(self, layer, call):
-        """Gives `call` (of `layer`) what was gathered ahead for it."""
+        """Gives `call` (of `layer`) what was gathered ahead for it.
+
+        Returns:
+            The call's position in the step's order of calls.
+        """
         self._calls.append(weakref.ref(layer))
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[0]() is not layer:
             ahead[1].drop_ahead()
             ahead = None
         call.take(None if ahead is None else ahead[1])
+        return len(self._calls) - 1
+
+    def is_last(self, position, layer):
+        """Whether the call of `layer` at `position` was the last to gather
+        in the previous step: the backward pass starts with it, so freeing
+        its weights would only gather them again at once (FSDP2 keeps its
+        root module's parameters for the same reason).
+
+        Args:
+            position: what `take_ahead` returned for the call.
+            layer: the layer called.
+        """
+        return position == len(self._order) - 1 and (
+            self._order[position]() is layer
+        )
 
     def gather_ahead(self, layer, call_of):
         """Starts gathering the weights of the call after `layer`'s.
@@ -123,6 +148,8 @@ class GatherSchedule:
                 object with `gather_ahead` and `drop_ahead`), or `None`.
         """
         position = len(self._calls)
+        if not self.ahead:
+            return
         if position >= len(self._order) or self._order[position - 1]() is not (
             layer
         ):
@@ -140,10 +167,26 @@ class GatherSchedule:
 
         Returns:
             A function that, in the backward pass, starts gathering again
-            the weights of the call released before this one.
+            the weights of the call released before this one, or `None`
+            when calls do not gather ahead.
         """
+        if not self.ahead:
+            return None
         self._released.append(call)
         index = len(self._released) - 1
+        return lambda: self._restore_ahead(index)
+
+    def kept(self):
+        """Records that the step's last call kept its gathered weights.
+
+        Returns:
+            A function that, in the backward pass, starts gathering again
+            the weights of the call released before it, or `None` when
+            calls do not gather ahead.
+        """
+        if not self.ahead:
+            return None
+        index = len(self._released)
         return lambda: self._restore_ahead(index)
 
     def _restore_ahead(self, index):

@@ -21,6 +21,13 @@ from keras.src.backend.torch.distributed.runtime import DTensor
 
 if runtime.DTENSOR_AVAILABLE:
     from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard
+
+
+# torch 2.12 renamed the flat-buffer all-gather (the old name warns).
+_all_gather = getattr(torch.distributed, "all_gather_single", None) or (
+    torch.distributed.all_gather_into_tensor
+)
 
 
 @dataclasses.dataclass
@@ -60,7 +67,9 @@ def reset_fallback_counts():
         _counts.clear()
 
 
-def on_global_values(func, args, kwargs, refusal, name, mutated=()):
+def on_global_values(
+    func, args, kwargs, refusal, name, mutated=(), differentiable=False
+):
     """`func` computed on the global values of its `DTensor` operands.
 
     Args:
@@ -70,6 +79,9 @@ def on_global_values(func, args, kwargs, refusal, name, mutated=()):
         refusal: DTensor's error, or `None`.
         name: the name it is counted under.
         mutated: the operands it writes into.
+        differentiable: whether autograd records the gathers (a torch
+            function, above autograd; an op, below it, is recorded as a
+            whole).
 
     Returns:
         Its results, laid out again.
@@ -85,7 +97,10 @@ def on_global_values(func, args, kwargs, refusal, name, mutated=()):
             # Contiguous, as a fresh tensor in one process is: a global
             # value assembled from transposed shards may not take a `view`
             # that one process' tensor takes.
-            gathered[id(x)] = x.full_tensor().contiguous()
+            whole = None if differentiable else gathered_at_once(x)
+            if whole is None:
+                whole = x.full_tensor()
+            gathered[id(x)] = whole.contiguous()
         return gathered[id(x)]
 
     global_args, global_kwargs = map_leaves(global_value, (args, kwargs))
@@ -109,6 +124,80 @@ def on_global_values(func, args, kwargs, refusal, name, mutated=()):
         ),
         outputs,
     )
+
+
+def gathered_at_once(x):
+    """The global value of `x`, sharded along several mesh dimensions, in
+    one all-gather over all of the mesh's processes.
+
+    `full_tensor` gathers along one mesh dimension after the other: a
+    collective per dimension (the logits of a model sharded over the batch
+    and the model axes take two).
+
+    Args:
+        x: a `DTensor`.
+
+    Returns:
+        A plain tensor, or `None` where one all-gather does not apply: a
+        value sharded along at most one mesh dimension, a partial sum or a
+        strided shard, or a mesh that is not every process.
+    """
+    mesh = x.device_mesh
+    placements = x.placements
+    if (
+        any(not (p.is_replicate() or type(p) is Shard) for p in placements)
+        or sum(
+            1
+            for i, p in enumerate(placements)
+            if p.is_shard() and mesh.size(i) > 1
+        )
+        < 2
+    ):
+        return None
+    if mesh.size() != torch.distributed.get_world_size():
+        return None
+    shape = tuple(x.shape)
+    mesh_shape = tuple(mesh.shape)
+    ranks = mesh.mesh.reshape(-1).tolist()
+    coordinates = {
+        rank: tuple(
+            int(i) for i in torch.unravel_index(torch.tensor(k), mesh_shape)
+        )
+        for k, rank in enumerate(ranks)
+    }
+    # DTensor shards as `torch.chunk`: the first part is the largest.
+    _, padded = _part_box(shape, placements, mesh_shape, (0,) * mesh.ndim)
+    local = x.to_local()
+    send = local.new_zeros(padded)
+    send[tuple(slice(0, n) for n in local.shape)] = local
+    received = send.new_empty(len(ranks) * send.numel())
+    _all_gather(received, send.reshape(-1))
+    received = received.view((len(ranks),) + tuple(padded))
+    whole = local.new_empty(shape)
+    for rank in range(len(ranks)):
+        start, lengths = _part_box(
+            shape, placements, mesh_shape, coordinates[rank]
+        )
+        whole[tuple(slice(a, a + n) for a, n in zip(start, lengths))] = (
+            received[rank][tuple(slice(0, n) for n in lengths)]
+        )
+    return whole
+
+
+def _part_box(shape, placements, mesh_shape, coordinate):
+    """Where the part of the process at mesh `coordinate` lies in the global
+    value: `(start, lengths)`, per tensor dimension."""
+    start, lengths = [0] * len(shape), list(shape)
+    for mesh_dim, placement in enumerate(placements):
+        if not placement.is_shard():
+            continue
+        dim = placement.dim % len(shape)
+        chunk = -(-lengths[dim] // mesh_shape[mesh_dim])
+        low = min(chunk * coordinate[mesh_dim], lengths[dim])
+        high = min(low + chunk, lengths[dim])
+        start[dim] += low
+        lengths[dim] = high - low
+    return start, lengths
 
 
 def _laid_out(value, mesh, operands):

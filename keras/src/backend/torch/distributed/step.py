@@ -174,7 +174,7 @@ class DistributedStep:
         """
         with (
             fallback.step_fallback(lazy=self._may_run_locally()),
-            fsdp_schedule.prefetching(
+            fsdp_schedule.following(
                 self._gathers, runtime.current_distribution()
             ),
         ):
