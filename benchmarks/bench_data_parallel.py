@@ -14,7 +14,13 @@ alike:
 * ``torch_ddp``: ``DistributedDataParallel``, each process its share of
   the batch;
 * ``keras_one`` / ``torch_one``: the same model and global batch in one
-  process (process 0, while the others wait at a barrier).
+  process (process 0, while the others wait at a barrier);
+* ``torch_ddp_sync`` (models with batch normalization): DDP with batch
+  normalization over the global batch, as Keras computes it: torch's
+  ``SyncBatchNorm`` refuses CPU tensors, so `_GlobalBatchNorm2d` does what
+  it does on CUDA (one all-reduce of packed sums forward, one of their
+  gradients backward). Its losses are checked against ``torch_one``'s:
+  native PyTorch computing one process' numbers.
 
 Models (``--model``): ``cnn`` is ``[Conv2D(32, 3) -> BatchNormalization ->
 ReLU] x 2 -> GlobalAveragePooling2D -> Dense(10)`` on 16x16x3 images;
@@ -118,6 +124,60 @@ def _conv_block(channels_in, channels_out, padding):
     )
 
 
+class _AllReduce(torch.autograd.Function):
+    """A sum over processes; its gradient, the sum of theirs."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+class _GlobalBatchNorm2d(torch.nn.BatchNorm2d):
+    """`BatchNorm2d` over the global batch of all processes' rows."""
+
+    def forward(self, x):
+        if not self.training:
+            return super().forward(x)
+        channels, dims = x.shape[1], (0, 2, 3)
+        count = x.new_full((1,), x.numel() / channels)
+        packed = _AllReduce.apply(
+            torch.cat([x.sum(dims), (x * x).sum(dims), count])
+        )
+        n = packed[-1]
+        mean = packed[:channels] / n
+        variance = packed[channels : 2 * channels] / n - mean * mean
+        with torch.no_grad():
+            self.running_mean.lerp_(mean, self.momentum)
+            self.running_var.lerp_(variance * n / (n - 1), self.momentum)
+            self.num_batches_tracked += 1
+        shape = (1, channels, 1, 1)
+        normalized = (x - mean.view(shape)) * torch.rsqrt(
+            variance.view(shape) + self.eps
+        )
+        return normalized * self.weight.view(shape) + self.bias.view(shape)
+
+
+def _with_global_batch_norm(module):
+    """`module` with each `BatchNorm2d` replaced by `_GlobalBatchNorm2d`
+    (same parameters and state)."""
+    for name, child in module.named_children():
+        if isinstance(child, torch.nn.BatchNorm2d):
+            replacement = _GlobalBatchNorm2d(child.num_features)
+            replacement.load_state_dict(child.state_dict())
+            setattr(module, name, replacement)
+        else:
+            _with_global_batch_norm(child)
+    return module
+
+
 def torch_model(kind):
     """The torch equivalent of `keras_model(kind)` (channels first)."""
     torch.manual_seed(0)
@@ -161,11 +221,15 @@ def keras_step(kind, x, y, distribution, jit_compile=False):
     return step
 
 
-def torch_step(kind, x, y, ddp, jit_compile=False):
+def torch_step(kind, x, y, ddp, jit_compile=False, global_batch_norm=False):
     """A function running one torch train step (DDP on this rank's rows;
     `jit_compile`: the model compiled by `torch.compile`, as Keras'
-    `jit_compile=True` compiles its step)."""
+    `jit_compile=True` compiles its step; `global_batch_norm`: batch
+    normalization over every process' rows). It returns the loss of its
+    rows, detached."""
     model = torch_model(kind)
+    if global_batch_norm:
+        model = _with_global_batch_norm(model)
     if kind != "lstm":
         x = np.transpose(x, (0, 3, 1, 2))
     x, y = torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(y)
@@ -181,8 +245,10 @@ def torch_step(kind, x, y, ddp, jit_compile=False):
 
     def step():
         optimizer.zero_grad()
-        loss_function(model(x), y).backward()
+        loss = loss_function(model(x), y)
+        loss.backward()
         optimizer.step()
+        return loss.detach()
 
     return step
 
@@ -238,9 +304,19 @@ def main():
             "keras_one": (keras_step(kind, x, y, None, jit), True),
             "torch_one": (torch_step(kind, x, y, False, jit), True),
         }
-        # Each Keras model's losses, step by step: DataParallel's must be
-        # one process'.
-        losses = {"keras_dp": [], "keras_one": []}
+        if kind != "lstm":
+            steps["torch_ddp_sync"] = (
+                torch_step(kind, x, y, True, jit, global_batch_norm=True),
+                False,
+            )
+        # Each model's losses, step by step: DataParallel's must be one
+        # process', and so must DDP's with global batch normalization.
+        losses = {
+            "keras_dp": [],
+            "keras_one": [],
+            "torch_one": [],
+            "torch_ddp_sync": [],
+        }
         for name, (step, alone) in steps.items():
             for _ in range(args.warmup):
                 timed(step, alone, losses.get(name))
@@ -254,6 +330,11 @@ def main():
                     timed(step, alone, losses.get(name))
                     for _ in range(args.steps)
                 ]
+        if losses["torch_ddp_sync"]:
+            # Each process' loss is the mean over its (equal) share of rows.
+            synced = torch.stack(losses["torch_ddp_sync"])
+            dist.all_reduce(synced)
+            losses["torch_ddp_sync"] = list(synced / dist.get_world_size())
         if dist.get_rank() == 0:
             _report(kind, args, times, losses)
 
@@ -275,12 +356,26 @@ def _report(kind, args, times, losses):
         f"torch_one {floor:.2f}x (target <= {floor * 1.05:.2f}x); "
         f"keras_dp / keras_one {median['keras_dp'] / median['keras_one']:.2f}x"
     )
-    dp, one = np.array(losses["keras_dp"]), np.array(losses["keras_one"])
-    gap = float(np.max(np.abs(dp - one) / np.maximum(np.abs(one), 1e-12)))
-    print(
-        f"  losses: keras_dp last {dp[-1]:.6f}, keras_one last {one[-1]:.6f}; "
-        f"largest relative gap over {len(one)} steps {gap:.1e}"
-    )
+    if "torch_ddp_sync" in median:
+        sync_cost = median["torch_ddp_sync"] / median["torch_ddp"]
+        over_sync = median["keras_dp"] / median["torch_ddp_sync"]
+        print(
+            f"  keras_dp / torch_ddp_sync {over_sync:.2f}x "
+            f"(the same numbers; floor {floor:.2f}x); global batch "
+            f"normalization costs DDP {sync_cost:.2f}x"
+        )
+    pairs = [("keras_dp", "keras_one")]
+    if losses["torch_ddp_sync"]:
+        pairs.append(("torch_ddp_sync", "torch_one"))
+    for name, reference in pairs:
+        dp = np.array([float(v) for v in losses[name]])
+        one = np.array([float(v) for v in losses[reference]])
+        gap = float(np.max(np.abs(dp - one) / np.maximum(np.abs(one), 1e-12)))
+        print(
+            f"  losses: {name} last {dp[-1]:.6f}, {reference} last "
+            f"{one[-1]:.6f}; largest relative gap over {len(one)} steps "
+            f"{gap:.1e}"
+        )
 
 
 if __name__ == "__main__":
