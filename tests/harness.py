@@ -956,7 +956,7 @@ def _import_torch_and_keras() -> None:
         # pay that here too, not in the first test.
         keras.backend.clear_session()
     except Exception:
-        print("tests.harness: importing keras failed in the worker:")
+        print(f"{__name__}: importing keras failed in the worker:")
         traceback.print_exc()
 
 

@@ -504,6 +504,36 @@ def test_relocated_imports():
     )
 
 
+def test_relocated_lines_are_wrapped_to_upstreams_length():
+    long_path = "keras/src/testing/torch_distribution/" + "x" * 30 + ".py"
+    text = (
+        f'"""A module docstring that names `{long_path}` and more words."""\n'
+        "\n"
+        f"from keras.src.testing.torch_distribution.{'y' * 28} import name\n"
+        "\n"
+        "\n"
+        "def f():\n"
+        f"    # A comment that names `{long_path}` and then more.\n"
+        f'    data = "{long_path} stays as it is, code and data alike"\n'
+        "    return data\n"
+    )
+    wrapped = series.wrapped(text)
+    ast.parse(wrapped)
+    lines = wrapped.splitlines()
+    original = text.splitlines()
+    data = original[7]
+    assert [line for line in lines if len(line) > series.LINE_LENGTH] == [data]
+    # Prose is wrapped at word boundaries, the same words in order.
+    docstring = lines[: lines.index("")]
+    assert len(docstring) > 1
+    assert " ".join(docstring).split() == original[0].split()
+    comment = [line[6:] for line in lines if line.startswith("    # ")]
+    assert len(comment) > 1
+    assert " ".join(comment).split() == original[6][6:].split()
+    start = lines.index(original[2].replace(" name", " ("))
+    assert lines[start + 1 : start + 3] == ["    name,", ")"]
+
+
 def test_exported_tests_run_on_the_torch_backend_only():
     # Upstream runs its suite on every backend.
     text = (

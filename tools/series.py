@@ -131,8 +131,78 @@ def relocated_tests(root, plan):
         text = relocate(overlaylib.read_text(Path(root) / ours), mapping)
         if target.endswith("_test.py"):
             text = torch_only(text, ours)
-        relocated[target] = text
+        relocated[target] = wrapped(text)
     return relocated
+
+
+# Upstream's line length.
+LINE_LENGTH = 80
+_IMPORT = re.compile(r"^(\s*)from (\S+) import (\w+(?: as \w+)?)$")
+
+
+def wrapped(text):
+    """Wraps the lines that relocation made longer than ``LINE_LENGTH``.
+
+    Relocated modules have longer names (``tests/harness.py`` becomes
+    ``keras/src/testing/torch_distribution/harness.py``): a comment line
+    and a docstring's line are wrapped at word boundaries (same indent,
+    same comment marker), a ``from ... import name`` goes in parentheses.
+    Other lines (code, other strings) are left as they are.
+
+    Args:
+        text: a module's text.
+
+    Returns:
+        The text, wrapped.
+    """
+    import textwrap
+
+    docstring_lines = _docstring_lines(text)
+    lines = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if len(line) <= LINE_LENGTH:
+            lines.append(line)
+            continue
+        body = line.lstrip()
+        indent = line[: len(line) - len(body)]
+        prefix = None
+        if body.startswith("# "):
+            prefix, body = indent + "# ", body[2:]
+        elif number in docstring_lines:
+            prefix = indent
+        import_match = _IMPORT.match(line)
+        if prefix is not None:
+            lines.extend(
+                textwrap.wrap(
+                    body,
+                    LINE_LENGTH,
+                    initial_indent=prefix,
+                    subsequent_indent=prefix,
+                    break_long_words=False,
+                    break_on_hyphens=False,
+                )
+            )
+        elif import_match:
+            indent, module, name = import_match.groups()
+            lines += [
+                f"{indent}from {module} import (",
+                f"{indent}    {name},",
+                f"{indent})",
+            ]
+        else:
+            lines.append(line)
+    return "\n".join(lines) + ("\n" if text.endswith("\n") else "")
+
+
+def _docstring_lines(text):
+    """The numbers of the lines of a module's, class' or function's
+    docstring."""
+    numbers = set()
+    for node in ast.walk(ast.parse(text)):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and _is_docstring(body[0]):
+            numbers.update(range(body[0].lineno, body[0].end_lineno + 1))
+    return numbers
 
 
 TORCH_ONLY = """
