@@ -183,7 +183,7 @@ class Plan:
 
     def _batch_axes(self, shape, axes, reason):
         """`axes` with the batch axis on the largest dimension it divides
-        that the model axis leaves whole.
+        that the model axis leaves whole (FSDP-like, for kernels).
 
         A vector of a block sharded over the batch axis costs no
         collective of its own (it joins the block's gather and gradient
@@ -201,7 +201,8 @@ class Plan:
             if shape[d] % self.batch_size == 0:
                 batched = list(axes)
                 batched[d] = self.batch_dim_name
-                return tuple(batched), f"{reason}; dimension {d} over batch"
+                batch = f"dimension {d} over batch"
+                return tuple(batched), f"{reason}; {batch}" if reason else batch
         return axes, reason
 
     def _embedding_axes(self, layer, shape):
@@ -373,19 +374,12 @@ class Plan:
                     reasons.append(
                         f"dimension {order[0]} indivisible by {self.model_size}"
                     )
+        axes, reason = tuple(axes), "; ".join(reasons)
         if self.batch_size > 1:
-            rest = sorted(
-                (d for d in range(len(shape)) if d != model_dim),
-                key=lambda d: -shape[d],
-            )
-            for d in rest:
-                if shape[d] % self.batch_size == 0:
-                    axes[d] = self.batch_dim_name
-                    reasons.append(f"dimension {d} over batch")
-                    break
-        if not reasons:
-            reasons.append(describe(order[0]) if order else "replicated")
-        return tuple(axes), "; ".join(reasons)
+            axes, reason = self._batch_axes(shape, axes, reason)
+        if not reason:
+            reason = describe(order[0]) if order else "replicated"
+        return axes, reason
 
 
 class _Root:

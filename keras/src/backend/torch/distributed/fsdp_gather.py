@@ -31,20 +31,13 @@ import math
 import torch
 import torch.distributed as dist
 
+from keras.src.backend.torch.distributed import layouts
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
 
 if runtime.DTENSOR_AVAILABLE:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor import Shard
-
-# torch 2.12 renamed the flat-buffer collectives (the old names warn).
-_all_gather = getattr(dist, "all_gather_single", None) or (
-    dist.all_gather_into_tensor
-)
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or (
-    dist.reduce_scatter_tensor
-)
 
 
 def gather(shards, placements, async_op=False):
@@ -214,7 +207,7 @@ class _FlatGather:
                 ]
             )
         self._buffer = flat.new_empty(self.size * flat.numel())
-        self._work = _all_gather(
+        self._work = runtime.all_gather_flat(
             self._buffer, flat, group=self.group, async_op=async_op
         )
 
@@ -301,7 +294,7 @@ class _FlatGather:
                 ]
             send = _concatenated(pieces)
             received = send.new_empty(send.numel() // self.size)
-            _reduce_scatter(received, send, group=self.group)
+            runtime.reduce_scatter_flat(received, send, group=self.group)
             offset = 0
             for index, layout, _ in summed:
                 flat = received[offset : offset + layout.numel]
@@ -362,18 +355,10 @@ class _FlatGather:
                     placements,
                     run_check=False,
                     shape=grad.shape,
-                    stride=_contiguous_stride(grad.shape),
+                    stride=layouts.contiguous_strides(grad.shape),
                 )
                 offset += local.numel()
         return grads
-
-
-def _contiguous_stride(shape):
-    stride, size = [], 1
-    for length in reversed(shape):
-        stride.append(size)
-        size *= length
-    return tuple(reversed(stride))
 
 
 def _is_partial_sum(placement):

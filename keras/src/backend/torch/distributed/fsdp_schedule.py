@@ -147,9 +147,9 @@ class GatherSchedule:
             call_of: a function of a layer: what a call of it gathers (an
                 object with `gather_ahead` and `drop_ahead`), or `None`.
         """
-        position = len(self._calls)
         if not self.ahead:
             return
+        position = len(self._calls)
         if position >= len(self._order) or self._order[position - 1]() is not (
             layer
         ):

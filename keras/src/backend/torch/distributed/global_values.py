@@ -24,12 +24,6 @@ if runtime.DTENSOR_AVAILABLE:
     from torch.distributed.tensor import Shard
 
 
-# torch 2.12 renamed the flat-buffer all-gather (the old name warns).
-_all_gather = getattr(torch.distributed, "all_gather_single", None) or (
-    torch.distributed.all_gather_into_tensor
-)
-
-
 @dataclasses.dataclass
 class FallbackCount:
     """How often an op fell back, and what it gathered.
@@ -171,7 +165,7 @@ def gathered_at_once(x):
     send = local.new_zeros(padded)
     send[tuple(slice(0, n) for n in local.shape)] = local
     received = send.new_empty(len(ranks) * send.numel())
-    _all_gather(received, send.reshape(-1))
+    runtime.all_gather_flat(received, send.reshape(-1))
     received = received.view((len(ranks),) + tuple(padded))
     whole = local.new_empty(shape)
     for rank in range(len(ranks)):

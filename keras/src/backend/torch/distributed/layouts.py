@@ -346,7 +346,7 @@ def dtensor_from_local(local, mesh, placements, shape=None, stride=None):
     if shape is not None:
         shape = torch.Size(shape)
         if stride is None:
-            stride = _contiguous_strides(shape)
+            stride = contiguous_strides(shape)
     return DTensor.from_local(
         local, mesh, placements, run_check=False, shape=shape, stride=stride
     )
@@ -404,7 +404,8 @@ def drop_unit_shards(mesh, placements):
     )
 
 
-def _contiguous_strides(shape):
+def contiguous_strides(shape):
+    """The strides of a contiguous tensor of `shape`."""
     strides, step = [], 1
     for size in reversed(shape):
         strides.append(step)

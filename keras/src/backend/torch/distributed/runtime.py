@@ -30,6 +30,13 @@ except ImportError:  # torch < 2.5, or a build without torch.distributed.
 
 
 MIN_TORCH_VERSION = "2.5"
+# The flat-buffer collectives (torch 2.12 renamed them; the old names warn).
+all_gather_flat = getattr(dist, "all_gather_single", None) or (
+    dist.all_gather_into_tensor
+)
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or (
+    dist.reduce_scatter_tensor
+)
 # Environment variables.
 DEBUG_ENV = "KERAS_DISTRIBUTION_DEBUG"
 
