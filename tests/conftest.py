@@ -20,7 +20,6 @@ from tests import harness  # noqa: E402
 # Test modules that cannot run on the nightly base, and why.
 NOT_ON_KERAS_MASTER = {
     # The auto-parallel tests of Keras' own models run on both bases.
-    "test_keras_hub.py": "keras-hub 0.31.1 does not import with Keras master",
     "test_keras_hub_catalogue.py": (
         "keras-hub 0.31.1 does not import with Keras master"
     ),

@@ -497,6 +497,10 @@ def train_and_generate(name, mode):
     generated_one = lm.generate(
         one_prompt, max_length=SEQ_LEN, stop_token_ids=None
     )
+    expected = None
+    if mode != "single" and MODES[mode][1] == "own":
+        distribution = keras.distribution.distribution()
+        expected = expected_placements(lm, distribution._layout_map)
     return {
         "losses": [float(v) for v in history.history["loss"]],
         "weights": [np.array(w) for w in lm.get_weights()],
@@ -505,12 +509,29 @@ def train_and_generate(name, mode):
             v.path: str(tuple(getattr(v.value, "placements", ())))
             for v in lm.weights
         },
+        "expected_placements": expected,
         "rules": rules,
         "tokens": np.asarray(generated["token_ids"]),
         "tokens_one_prompt": np.asarray(generated_one["token_ids"]),
         "fallbacks": fallbacks,
         "parameter_bytes": parameter_bytes(lm),
     }
+
+
+def expected_placements(model, layout_map):
+    """`{path: placements as text}` that `layout_map` asks for (a variable
+    no rule matches is replicated)."""
+    mesh_axes = layout_map.device_mesh.axis_names
+    expected = {}
+    for variable in model.weights:
+        layout = layout_map[variable.path]
+        axes = tuple(layout.axes) if layout is not None else ()
+        placements = [
+            f"Shard(dim={axes.index(name)})" if name in axes else "Replicate()"
+            for name in mesh_axes
+        ]
+        expected[variable.path] = "(" + ", ".join(placements) + ")"
+    return expected
 
 
 def parameter_bytes(model):
@@ -689,9 +710,19 @@ def compare(per_rank, reference):
 
 
 def check_sharded(mode, per_rank):
-    """A problem (text) if no variable of a model-parallel mode is sharded."""
+    """A problem (text) if no variable of a model-parallel mode is sharded,
+    or, under the backbone's own layout map, if a variable is not laid out
+    as the map says."""
     if MODES[mode][1] in (None, "data_parallel"):
         return None
+    for result in per_rank:
+        placements = result.get("placements", {})
+        expected = result.get("expected_placements")
+        if expected is not None and placements != expected:
+            wrong = sorted(
+                p for p in expected if placements.get(p) != expected[p]
+            )
+            return f"{mode}: not laid out as its layout map says: {wrong[:5]}"
     placements = per_rank[0].get("placements", {})
     if any("Shard" in p for p in placements.values()):
         return None

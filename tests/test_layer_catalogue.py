@@ -15,8 +15,10 @@ failure; they are strict xfails that must fail that way: a case that
 starts to pass, or fails another way, fails the test, so the table stays
 true.
 
-CI runs `CI_RUNS` on `CI_CASES`, a subset that keeps every failure kind
-those runs had and a case of most families of layers.
+CI runs `CI_RUNS`: DataParallel on `CI_CASES`, a subset that keeps every
+failure kind the runs had and a case of most families of layers, and the
+2x2 layout (4 processes, both mesh axes, the slowest run) on the part of
+it that a model axis runs otherwise than DataParallel does.
 `KERAS_CATALOGUE_FULL=1` runs every run on every case (20-27 min on 2
 shared cores); `scripts/catalogue_sweep.sh` runs the same sweep and prints it as
 a table.
@@ -33,7 +35,7 @@ from tests import layer_catalogue as lc
 
 FULL = os.environ.get("KERAS_CATALOGUE_FULL") == "1"
 
-CI_RUNS = ("dp2", "mp_first", "2x2")
+
 # A case of most families of layers, and every case that once failed in
 # a way of its own (a regression shows in CI).
 CI_CASES = (
@@ -67,7 +69,26 @@ CI_CASES = (
     "CutMix",
 )
 
-RUNS = tuple(lc.RUNS) if FULL else CI_RUNS
+# Sharded weights and the DTensor fallback on a model axis: kernels of each
+# kind, what was once refused a sharding strategy, per-rank randomness.
+CI_MODEL_AXIS_CASES = (
+    "Dense",
+    "Embedding",
+    "Conv2D",
+    "MaxPooling3D",
+    "AveragePooling2D",
+    "SimpleRNN",
+    "ConvLSTM2D",
+    "BatchNormalization",
+    "MultiHeadAttention",
+    "Dropout-unseeded",
+    "ActivityRegularization",
+    "RandAugment",
+)
+# run -> the cases CI runs in it.
+CI_RUNS = {"dp2": CI_CASES, "2x2": CI_MODEL_AXIS_CASES}
+
+RUNS = {run: tuple(lc.CASES) for run in lc.RUNS} if FULL else CI_RUNS
 CASES = tuple(lc.CASES) if FULL else CI_CASES
 # Seconds the first test of a run may take: it runs all the run's cases
 # (4 processes on 2 cores take ~2.5 s a case; restarts after a hang more).
@@ -139,6 +160,8 @@ def test_known_failures_name_runs_and_cases():
         assert name in lc.CASES, name
     assert set(CI_CASES) <= set(lc.CASES)
     assert set(CI_RUNS) <= set(lc.RUNS)
+    for names in CI_RUNS.values():
+        assert set(names) <= set(CI_CASES), names
 
 
 def test_error_kind():
@@ -218,7 +241,7 @@ def _body_with_hanging_case(rank, world_size, *args):
         lc.CASES["Dense"], build=_hanging_build
     )
     # The case's watchdog, not the call's deadline, ends it.
-    lc.CASE_TIMEOUT = 15
+    lc.CASE_TIMEOUT = 8
     try:
         return lc.mode_body(rank, world_size, *args)
     finally:
@@ -262,7 +285,7 @@ def run_results():
     def get(run):
         if run not in cache:
             mode, world_size = lc.RUNS[run]
-            cache[run] = lc.run_mode(mode, world_size, CASES, log=print)
+            cache[run] = lc.run_mode(mode, world_size, RUNS[run], log=print)
         return cache[run]
 
     return get
@@ -283,7 +306,7 @@ def test_reference_is_pristine_keras_and_trains(reference):
 
 
 def _params():
-    pairs = [(run, name) for run in RUNS for name in CASES]
+    pairs = [(run, name) for run, names in RUNS.items() for name in names]
     return lc.known_failure_params(
         pairs, KNOWN_FAILURES, RUN_TIMEOUT, KnownFailure
     )

@@ -165,3 +165,100 @@ def test_entering_a_scope_again_is_no_collective():
 
 def test_fori_loop_outside_layer_calls():
     _check(_fori_loop_outside_layers, "dp", world_size=2)
+
+
+# Ops keras-hub's causal LMs needed (the models themselves:
+# tests/test_keras_hub_catalogue.py).
+
+
+def _ops_on_sharded_operands(rank, world_size):
+    """Gemma's uneven key kernel, sampling's slice_update and while_loop."""
+    import torch
+
+    import keras
+    from keras import ops
+    from tests import distributions
+
+    distribution = distributions.use_model_parallel(
+        layout_rules={"key/kernel": ("model", None, None)}, mesh_shape=(1, 2)
+    )
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 3, 5)).astype("float32")
+    # One head on a model axis of 2: shards of 1 and 0 heads.
+    key = keras.layers.EinsumDense(
+        "btd,ndh->btnh", output_shape=(None, 1, 4), name="key"
+    )
+    key.build(x.shape)
+    kernel = key.kernel.value
+    outputs = {
+        "kernel_placements": str(tuple(kernel.placements)),
+        "einsum": ops.convert_to_numpy(key(x)),
+        "kernel": ops.convert_to_numpy(kernel),
+    }
+    # A batch-sharded prompt updated at a tensor index, as samplers do.
+    prompt = keras.distribution.distribute_tensor(
+        np.arange(12, dtype="int32").reshape(4, 3),
+        distribution.get_data_layout((4, 3)),
+    )
+    index = torch.tensor(1)
+    update = np.full((4, 1), -1, dtype="int32")
+    outputs["slice_update"] = ops.convert_to_numpy(
+        ops.slice_update(prompt, [0, index], update)
+    )
+    # A loop body mixing the sharded loop variable with plain tensors.
+    _, total = ops.while_loop(
+        lambda i, v: i < 3,
+        lambda i, v: (i + 1, v + ops.ones((4, 3), dtype="int32") * i),
+        (0, prompt),
+    )
+    outputs["while_loop"] = ops.convert_to_numpy(total)
+    return outputs
+
+
+def test_ops_on_sharded_operands():
+    per_rank = run_on_ranks(_ops_on_sharded_operands, world_size=2)
+    prompt = np.arange(12, dtype="int32").reshape(4, 3)
+    updated = prompt.copy()
+    updated[:, 1] = -1
+    for result in per_rank:
+        assert "Shard(dim=0)" in result["kernel_placements"], result
+        x = np.random.default_rng(0).normal(size=(2, 3, 5)).astype("float32")
+        np.testing.assert_allclose(
+            result["einsum"],
+            np.einsum("btd,ndh->btnh", x, result["kernel"]),
+            rtol=1e-5,
+            atol=1e-6,
+        )
+        np.testing.assert_array_equal(result["slice_update"], updated)
+        np.testing.assert_array_equal(result["while_loop"], prompt + 3)
+    pm.assert_ranks_agree(per_rank)
+
+
+def _sharded_lookup(rank, world_size):
+    """An embedding sharded like keras-hub's, looked up by sharded ids."""
+    import keras
+    from keras import ops
+    from tests import distributions
+
+    distribution = distributions.use_model_parallel(
+        layout_rules={"embedding/embeddings": ("model", "batch")},
+        mesh_shape=(2, 2),
+    )
+    embedding = keras.layers.Embedding(16, 4, name="embedding")
+    embedding.build((None, 3))
+    ids = keras.distribution.distribute_tensor(
+        np.arange(12, dtype="int32").reshape(4, 3),
+        distribution.get_data_layout((4, 3)),
+    )
+    return {
+        "table": ops.convert_to_numpy(embedding.embeddings),
+        "lookup": ops.convert_to_numpy(embedding(ids)),
+    }
+
+
+def test_lookup_in_table_sharded_on_both_axes():
+    per_rank = run_on_ranks(_sharded_lookup, world_size=4)
+    ids = np.arange(12).reshape(4, 3)
+    for result in per_rank:
+        np.testing.assert_array_equal(result["lookup"], result["table"][ids])
+    pm.assert_ranks_agree(per_rank)
