@@ -188,7 +188,9 @@ def test_bench_memory_fails_above_the_bound():
 def test_bench_fsdp_compares_the_same_work(tmp_path):
     # bench_fsdp.py launches its own torchrun per implementation.
     path = tmp_path / "fsdp.json"
-    impls = ["keras_fsdp", "keras_fsdp_dtensor", "native_fsdp2"]
+    # torch's FSDP2 (`native_fsdp2`) runs beside them by hand (README): a
+    # third torchrun here would cost CI 10 s for code that is torch's.
+    impls = ["keras_fsdp", "keras_fsdp_dtensor"]
     result = subprocess.run(
         [
             sys.executable,

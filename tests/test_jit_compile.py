@@ -30,6 +30,8 @@ from tests.harness import run_on_ranks
 
 # Samples per setting: whole batches of 8.
 NUM_SAMPLES = {"dp": 16, "mp": 16}
+# The model each setting's compiled fit trains.
+COMPILED_KIND = {"dp": "batchnorm", "mp": "attention"}
 
 
 def _fit(kind, setting, num_samples, jit_compile):
@@ -69,15 +71,17 @@ def _check(kind, setting, per_rank, fit=""):
 
 @pytest.mark.parametrize("setting", ["dp", "mp"])
 def test_compiled_fit_parity(setting):
-    """A transformer block compiled on every rank (no fallback), and equal
-    to one process."""
+    """A model compiled on every rank (no fallback), and equal to one
+    process: under DataParallel, batch normalization's moments over the
+    global batch; under ModelParallel, a transformer block."""
+    kind = COMPILED_KIND[setting]
     per_rank = run_on_ranks(
         _fit_body,
         world_size=2,
-        args=("attention", setting, NUM_SAMPLES[setting], True),
+        args=(kind, setting, NUM_SAMPLES[setting], True),
         timeout=400,
     )
-    _check("attention", setting, per_rank)
+    _check(kind, setting, per_rank)
     for result in per_rank:
         assert result["jit_warnings"] == []
         assert result["graphs"] > 0

@@ -76,14 +76,11 @@ CI_MODEL_AXIS_CASES = (
     "Embedding",
     "Conv2D",
     "MaxPooling3D",
-    "AveragePooling2D",
     "SimpleRNN",
     "ConvLSTM2D",
     "BatchNormalization",
     "MultiHeadAttention",
     "Dropout-unseeded",
-    "ActivityRegularization",
-    "RandAugment",
 )
 # run -> the cases CI runs in it.
 CI_RUNS = {"dp2": CI_CASES, "2x2": CI_MODEL_AXIS_CASES}
