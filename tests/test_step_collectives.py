@@ -311,3 +311,174 @@ def test_dtensor_all_to_all_notice_is_dropped_and_only_it():
             runtime.GATHERED_ALL_TO_ALL_NOTICE,
             "another message",
         ]
+
+
+def _partial_values(mesh, layouts, factor):
+    """DTensors of `layouts` (`(shape, placements)`), each process' part
+    `arange * factor(index)`, sharded as the placements say."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Replicate
+
+    values = []
+    for index, (shape, placements) in enumerate(layouts):
+        numel = torch.Size(shape).numel()
+        part = torch.arange(float(numel)).reshape(shape) * factor(index)
+        whole = DTensor.from_local(
+            part, mesh, [Replicate()] * mesh.ndim, run_check=False
+        )
+        # Each process keeps its shard of its part on the sharded axes.
+        local = whole.redistribute(
+            mesh, [p if p.is_shard() else Replicate() for p in placements]
+        ).to_local()
+        values.append(
+            DTensor.from_local(
+                local,
+                mesh,
+                placements,
+                run_check=False,
+                shape=shape,
+                stride=whole.stride(),
+            )
+        )
+    return values
+
+
+def _reduced_as_dtensor_reduces(mesh, values):
+    """Collectives of `reduce_gradients(values)`, the placements it gives
+    and whether its values are DTensor's own reductions of them."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from keras.src.backend.torch.distributed import gradients
+
+    whole = [Replicate()] * mesh.ndim
+    expected = [v.redistribute(mesh, whole).to_local() for v in values]
+    with CommDebugMode() as comm:
+        reduced = gradients.reduce_gradients(values)
+    return {
+        "comms": {str(k): v for k, v in comm.get_comm_counts().items()},
+        "placements": [str(tuple(r.placements)) for r in reduced],
+        "equal": [
+            bool((r.redistribute(mesh, whole).to_local() == e).all())
+            for r, e in zip(reduced, expected)
+        ],
+    }
+
+
+def _mixed_layout_bucket_body(rank, world_size):
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("batch", "model"))
+    batch = mesh.get_local_rank(0)
+    # Partial sums over the batch axis, laid out four ways over the model
+    # axis (a kernel's gradient sharded on either dimension, an uneven
+    # one, a norm's replicated one), and an average: the parts differ
+    # along the batch axis.
+    over_batch = _partial_values(
+        mesh,
+        [
+            ((4, 6), [Partial(), Shard(1)]),
+            ((6, 4), [Partial(), Shard(0)]),
+            ((5,), [Partial(), Shard(0)]),
+            ((3,), [Partial(), Replicate()]),
+            ((), [Partial("avg"), Replicate()]),
+        ],
+        lambda index: batch + 1 + index,
+    )
+    # Partial over both axes (a replicated weight's gradient through
+    # model-sharded activations): every process' part differs.
+    over_both = _partial_values(
+        mesh,
+        [((2, 3), [Partial(), Partial()]), ((), [Partial("avg")] * 2)],
+        lambda index: rank + 1 + index,
+    )
+    return {
+        "over_batch": _reduced_as_dtensor_reduces(mesh, over_batch),
+        "over_both": _reduced_as_dtensor_reduces(mesh, over_both),
+    }
+
+
+def test_gradients_partial_over_the_same_axes_share_one_all_reduce():
+    # Partial over the batch axis only: one all-reduce over it sums them
+    # all, whatever their layout on the model axis (before: one per layout).
+    # Partial over both axes of a mesh of every process: one all-reduce
+    # over all of them (before: one per axis).
+    for result in run_on_ranks(_mixed_layout_bucket_body, world_size=4):
+        over_batch, over_both = result["over_batch"], result["over_both"]
+        assert over_batch["comms"] == {"c10d.allreduce_": 1}, result
+        assert over_batch["equal"] == [True] * 5, result
+        assert over_batch["placements"] == [
+            "(Replicate(), Shard(dim=1))",
+            "(Replicate(), Shard(dim=0))",
+            "(Replicate(), Shard(dim=0))",
+            "(Replicate(), Replicate())",
+            "(Replicate(), Replicate())",
+        ], result
+        assert over_both["comms"] == {"c10d.allreduce_": 1}, result
+        assert over_both["equal"] == [True] * 2, result
+        assert over_both["placements"] == ["(Replicate(), Replicate())"] * 2
+
+
+def _gradient_sharded_by_a_consumer_body(rank, world_size):
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Shard
+
+    import keras
+
+    distributions.use_model_parallel(layout_rules={}, mesh_shape=(1, 2))
+    rng = np.random.RandomState(0)
+    x = rng.rand(4, 8).astype("float32")
+    w = torch.tensor(rng.rand(4, 8).astype("float32"))
+
+    class RowsShardedBackward(torch.autograd.Function):
+        """Identity whose backward shards the gradient's rows over the
+        model axis, as DTensor's backward of a scatter or an index does
+        (a mixture of experts dispatching tokens)."""
+
+        @staticmethod
+        def forward(ctx, y):
+            return y.view_as(y)
+
+        @staticmethod
+        def backward(ctx, grad):
+            placements = list(grad.placements)
+            placements[1] = Shard(0)
+            return grad.redistribute(grad.device_mesh, placements)
+
+    norm = keras.layers.LayerNormalization(name="norm")
+    y = norm(x)
+    (RowsShardedBackward.apply(y) * w).sum().backward()
+    gamma_grad = norm.gamma.value.grad
+    # The gradient of a layer normalization's scale, from plain torch.
+    x = torch.tensor(x)
+    mean = x.mean(-1, keepdim=True)
+    variance = x.var(-1, unbiased=False, keepdim=True)
+    expected = (w * (x - mean) / torch.sqrt(variance + norm.epsilon)).sum(0)
+    keras.distribution.set_distribution(None)
+    return {
+        "placements": str(tuple(gamma_grad.placements)),
+        "value": gamma_grad.full_tensor().numpy(),
+        "expected": expected.numpy(),
+        "is_dtensor": isinstance(gamma_grad, DTensor),
+    }
+
+
+def test_a_layer_computes_on_its_outputs_whole_gradient():
+    # A consumer's backward left the gradient of the normalization's
+    # replicated output sharded by rows over the model axis: it is made
+    # whole as it reaches the layer (Megatron's `f`), so the scale's
+    # gradient is whole too, instead of a partial sum over the model axis
+    # for the step to all-reduce.
+    for result in run_on_ranks(
+        _gradient_sharded_by_a_consumer_body, world_size=2
+    ):
+        assert result["is_dtensor"], result
+        assert "Partial" not in result["placements"], result
+        np.testing.assert_allclose(
+            result["value"], result["expected"], rtol=1e-5, atol=1e-6
+        )

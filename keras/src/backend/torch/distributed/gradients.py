@@ -116,8 +116,11 @@ def optimizer_buffers(optimizer):
 def reduce_gradients(gradients, buffers=None, as_local=False):
     """Turns partial-sum gradients into the replicated or sharded ones.
 
-    Partial sums and partial averages of one mesh and dtype share buckets:
-    each bucket is summed once, and an average's part is then divided.
+    Partial sums and partial averages of one mesh and dtype, partial over
+    the same mesh axes, share buckets whatever their layout on the other
+    axes (a kernel's gradient sharded over the model axis beside a norm's
+    replicated one): each bucket is summed once, and an average's part is
+    then divided.
 
     Args:
         gradients: list of gradients (`DTensor`, tensor or `None`).
@@ -135,7 +138,7 @@ def reduce_gradients(gradients, buffers=None, as_local=False):
     groups = {}
     for i, g in enumerate(gradients):
         if isinstance(g, DTensor) and any(p.is_partial() for p in g.placements):
-            key = (id(g.device_mesh), _summed(g.placements), g.dtype, g.device)
+            key = (id(g.device_mesh), _reduced_axes(g), g.dtype, g.device)
             groups.setdefault(key, []).append(i)
     for key, indices in groups.items():
         if not _needs_reduction(gradients[indices[0]]):
@@ -154,6 +157,17 @@ def reduce_gradients(gradients, buffers=None, as_local=False):
             for i, g in zip(bucket, reduced):
                 gradients[i] = g
     return gradients
+
+
+def _reduced_axes(value):
+    """The placements `value` is all-reduced over: its partial ones, as
+    sums. An all-reduce over an axis sums the local values of the
+    processes that differ only on that axis, which hold the same part of
+    a value sharded or replicated over the other axes: values laid out
+    otherwise on those can share the collective."""
+    return tuple(
+        _summed([p])[0] if p.is_partial() else None for p in value.placements
+    )
 
 
 def _summed(placements):
@@ -216,15 +230,38 @@ def _all_reduce_bucket(gradients, flat, as_local):
     Returns:
         The reduced values, views of `flat`.
     """
-    first = gradients[0]
-    mesh = first.device_mesh
     torch.cat([g.to_local().reshape(-1) for g in gradients], out=flat)
-    for mesh_dim, placement in enumerate(first.placements):
-        if placement.is_partial() and mesh.size(mesh_dim) > 1:
-            dist.all_reduce(
-                flat, op=reduce_op(placement), group=mesh.get_group(mesh_dim)
-            )
+    for group, op in _all_reduces(gradients[0]):
+        dist.all_reduce(flat, op=op, group=group)
     return unpack_bucket(gradients, flat, as_local)
+
+
+def _all_reduces(value):
+    """`(process group, op)` of each all-reduce that sums `value`'s parts.
+
+    One per mesh axis it is partial over; one over every process instead
+    when it is partial, by one op, over every axis longer than one of a
+    mesh of every process (the gradient of a weight replicated on a 2-D
+    mesh: one collective, not two).
+    """
+    mesh = value.device_mesh
+    partial = [
+        (dim, _summed([p])[0].reduce_op)
+        for dim, p in enumerate(value.placements)
+        if p.is_partial() and mesh.size(dim) > 1
+    ]
+    every_axis = len(partial) == sum(1 for n in mesh.shape if n > 1)
+    if (
+        len(partial) > 1
+        and every_axis
+        and len({op for _, op in partial}) == 1
+        and mesh.size() == dist.get_world_size()
+    ):
+        return [(None, getattr(dist.ReduceOp, partial[0][1].upper()))]
+    return [
+        (mesh.get_group(dim), getattr(dist.ReduceOp, op.upper()))
+        for dim, op in partial
+    ]
 
 
 def reduce_op(placement):

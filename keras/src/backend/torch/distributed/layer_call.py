@@ -154,22 +154,27 @@ def _layer_output(x):
 
 
 def _reduce_partial_gradient(grad, placements):
-    """A replicated layer output's gradient, its partial sums reduced.
+    """A replicated layer output's gradient, whole on the axes where the
+    output is.
 
     The gradient of a replicated layer output arrives as a partial sum when
-    column-parallel layers consumed the output. Reduced here, once autograd
-    has summed what all consumers sent, the layer's own backward runs on the
-    whole gradient (Megatron's `f` operator). Left to DTensor, the backward
-    of e.g. a LayerNorm reduce-scatters and all-gathers it instead, and
-    leaves partial-sum weight gradients to all-reduce as well.
+    column-parallel layers consumed the output, and sharded when a consumer's
+    backward split it (DTensor's backward of a scatter or an index, as a
+    mixture of experts dispatches tokens, shards the rows over the model
+    axis). Made whole here, once autograd has summed what all consumers
+    sent, the layer's own backward runs on the whole gradient (Megatron's
+    `f` operator), and its weights' gradients are whole too. Left to
+    DTensor, the backward of e.g. a LayerNorm reduce-scatters and
+    all-gathers it instead, or computes on each process' rows, and leaves
+    partial-sum weight gradients to all-reduce as well.
     """
     if not isinstance(grad, DTensor):
         return grad
-    reduced = [
-        target if p.is_partial() else p
+    whole = [
+        target if target.is_replicate() or p.is_partial() else p
         for p, target in zip(grad.placements, placements)
     ]
-    return layouts.redistribute(grad, grad.device_mesh, reduced)
+    return layouts.redistribute(grad, grad.device_mesh, whole)
 
 
 @contextlib.contextmanager
