@@ -246,7 +246,7 @@ def _all_reduces(value):
     """
     mesh = value.device_mesh
     partial = [
-        (dim, _summed([p])[0].reduce_op)
+        (dim, p)
         for dim, p in enumerate(value.placements)
         if p.is_partial() and mesh.size(dim) > 1
     ]
@@ -254,14 +254,11 @@ def _all_reduces(value):
     if (
         len(partial) > 1
         and every_axis
-        and len({op for _, op in partial}) == 1
+        and len({_summed([p])[0] for _, p in partial}) == 1
         and mesh.size() == dist.get_world_size()
     ):
-        return [(None, getattr(dist.ReduceOp, partial[0][1].upper()))]
-    return [
-        (mesh.get_group(dim), getattr(dist.ReduceOp, op.upper()))
-        for dim, op in partial
-    ]
+        return [(None, reduce_op(partial[0][1]))]
+    return [(mesh.get_group(dim), reduce_op(p)) for dim, p in partial]
 
 
 def reduce_op(placement):

@@ -143,7 +143,7 @@ def _layer_output(x):
         # it was, which the next layer may update in place.
         output.register_hook(
             functools.partial(
-                _reduce_partial_gradient, placements=output.placements
+                _whole_output_gradient, placements=output.placements
             )
         )
     mask = get_keras_mask(x)
@@ -153,7 +153,7 @@ def _layer_output(x):
     return output
 
 
-def _reduce_partial_gradient(grad, placements):
+def _whole_output_gradient(grad, placements):
     """A replicated layer output's gradient, whole on the axes where the
     output is.
 
