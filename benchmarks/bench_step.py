@@ -66,6 +66,7 @@ from pathlib import Path
 # Before anything imports keras: its backend is read at import.
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from bench_env import machine_info  # noqa: E402
 from bench_env import sdpa_context  # noqa: E402
@@ -111,7 +112,8 @@ def parse_args(argv=None):
         nargs="+",
         choices=EAGER_IMPLS + LOCAL_IMPLS + UPSTREAM_IMPLS + COMPILED_IMPLS,
         help="implementations to run (default: the 4 eager and the 4 local "
-        "ones, upstream_local_dp where --upstream-keras exists, and the 4 "
+        "ones, upstream_local_dp where --upstream-keras exists and no GPU is "
+        "visible, and the 4 "
         "compiled ones with --jit-compile)",
     )
     p.add_argument(
@@ -169,7 +171,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.impl is None:
         args.impl = list(EAGER_IMPLS) + list(LOCAL_IMPLS)
-        if os.path.isdir(args.upstream_keras):
+        # The pristine worker runs on CPU only.
+        if os.path.isdir(args.upstream_keras) and not torch.cuda.is_available():
             args.impl.append("upstream_local_dp")
         if args.jit_compile:
             args.impl += list(COMPILED_IMPLS)

@@ -11,6 +11,16 @@ import os
 # module level, so this must be set before they are collected.
 os.environ["KERAS_BACKEND"] = "torch"
 
+# The multi-rank tests run CPU processes on gloo, as CI does, whatever the
+# machine has: the GPUs are hidden from them (two processes cannot share a
+# GPU under NCCL). `tests/test_cuda.py` gives its jobs the GPUs saved here.
+VISIBLE_GPUS_ENV = "KERAS_TEST_VISIBLE_GPUS"
+ALL_GPUS = "all"
+os.environ.setdefault(
+    VISIBLE_GPUS_ENV, os.environ.get("CUDA_VISIBLE_DEVICES", ALL_GPUS)
+)
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
 import importlib.metadata  # noqa: E402
 
 import pytest  # noqa: E402

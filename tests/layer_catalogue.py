@@ -850,7 +850,27 @@ def run_case(name, mode, num_samples=NUM_SAMPLES):
         },
         "rules": rules,
         "layer_classes": _exported_classes_in(model),
+        "devices": variable_devices(model.weights),
     }
+
+
+def variable_devices(variables):
+    """Where the values of `variables` live, as sorted texts.
+
+    Returns:
+        The distinct `"cuda"` / `"cpu"` of plain tensors and, for a
+        DTensor, its mesh's device type and its local shard's, e.g.
+        `"cuda/cuda"`.
+    """
+    devices = set()
+    for variable in variables:
+        value = variable.value
+        mesh = getattr(value, "device_mesh", None)
+        if mesh is None:
+            devices.add(value.device.type)
+        else:
+            devices.add(f"{mesh.device_type}/{value.to_local().device.type}")
+    return sorted(devices)
 
 
 def _exported_classes_in(model):
@@ -1300,7 +1320,12 @@ def pristine_keras_root():
 
 
 def compute_reference(
-    names=None, *, num_samples=NUM_SAMPLES, timeout=900, module_file=None
+    names=None,
+    *,
+    num_samples=NUM_SAMPLES,
+    timeout=900,
+    module_file=None,
+    env=None,
 ):
     """Cases `names` (default all) in one fresh interpreter, pristine Keras.
 
@@ -1308,6 +1333,7 @@ def compute_reference(
     torch backend and one thread; every case runs with no distribution.
     `module_file` is the catalogue whose `write_reference` runs them
     (default this one), loaded by path: it imports nothing of the project.
+    `env` adds to its environment (e.g. the GPUs it may use).
 
     Returns:
         `write_reference`'s dict; its "keras_file" is checked to be under
@@ -1319,7 +1345,9 @@ def compute_reference(
     import tempfile
 
     root = pristine_keras_root()
-    env = dict(os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1")
+    env = dict(
+        os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1", **(env or {})
+    )
     env["PYTHONPATH"] = str(root)
     with tempfile.TemporaryDirectory(prefix="catalogue-reference-") as tmp:
         out = os.path.join(tmp, "reference.pkl")

@@ -282,3 +282,47 @@ def test_mismatched_mesh_is_refused_where_first_used_not_when_set(use):
         # Describing the mesh needs no torch mesh: it works all the same.
         assert info["coordinate"] == (rank // 2, rank % 2)
         assert info["num_processes"] == 2
+
+
+# --------------------------------------------------------------------------
+# More processes on a node than GPUs is refused before NCCL starts.
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "local_rank, local_world, gpus, expected",
+    [
+        (0, 1, 1, 0),
+        (1, 2, 2, 1),
+        (0, 2, 1, "This node runs 2 processes but sees 1 GPU(s)"),
+        (2, 2, 2, "This node runs 3 processes but sees 2 GPU(s)"),
+    ],
+)
+def test_each_process_of_a_node_takes_a_gpu_of_its_own(
+    monkeypatch, local_rank, local_world, gpus, expected
+):
+    import torch
+
+    from keras.src.backend.torch.distributed import runtime
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
+    if isinstance(expected, int):
+        assert runtime._local_gpu(process_id=5) == expected
+        return
+    with pytest.raises(ValueError) as error:
+        runtime._local_gpu(process_id=5)
+    assert expected in str(error.value)
+    assert f"--nproc_per_node={gpus}" in str(error.value)
+    assert "CUDA_VISIBLE_DEVICES=" in str(error.value)
+
+
+def test_without_a_launcher_process_i_takes_gpu_i_of_its_node(monkeypatch):
+    import torch
+
+    from keras.src.backend.torch.distributed import runtime
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert [runtime._local_gpu(i) for i in (0, 3, 4, 9)] == [0, 3, 0, 1]

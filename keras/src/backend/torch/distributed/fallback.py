@@ -69,8 +69,16 @@ else:  # pragma: no cover - torch without DTensor has no distribution.
 
 # Errors DTensor raises when it cannot compute an op on the placements it
 # got: no strategy (`NotImplementedError`), a refused placement
-# (`RuntimeError`, `ValueError`), and an assertion in its propagation.
-_REFUSALS = (NotImplementedError, RuntimeError, ValueError, AssertionError)
+# (`RuntimeError`, `ValueError`), an assertion in its propagation, and a
+# crash of its redistribution planner (`IndexError`: torch 2.11, a padding
+# of a tensor sharded on the padded dimension).
+_REFUSALS = (
+    NotImplementedError,
+    RuntimeError,
+    ValueError,
+    AssertionError,
+    IndexError,
+)
 
 _state = threading.local()
 

@@ -91,9 +91,15 @@ def on_global_values(
             # Contiguous, as a fresh tensor in one process is: a global
             # value assembled from transposed shards may not take a `view`
             # that one process' tensor takes.
-            whole = None if differentiable else gathered_at_once(x)
-            if whole is None:
+            if differentiable:
                 whole = x.full_tensor()
+            else:
+                whole = gathered_at_once(x)
+                if whole is None:
+                    # Below autograd, nothing is recorded; a gather of an
+                    # operand that requires grad ends in `detach_`, which
+                    # torch < 2.13's DTensor refuses.
+                    whole = x.detach().full_tensor()
             gathered[id(x)] = whole.contiguous()
         return gathered[id(x)]
 

@@ -267,8 +267,7 @@ def _check_job_matches_group(num_processes, process_id):
 def _init_process_group(coordinator, num_processes, process_id):
     timeout = datetime.timedelta(seconds=health.start_timeout())
     if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", process_id))
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(_local_gpu(process_id))
         # gloo alongside NCCL serves collectives on CPU tensors.
         backend = "cpu:gloo,cuda:nccl"
     else:
@@ -296,6 +295,40 @@ def _init_process_group(coordinator, num_processes, process_id):
     log_debug(
         "process group: backend %s, world size %d", backend, num_processes
     )
+
+
+def _local_gpu(process_id):
+    """The index of the GPU this process computes on.
+
+    NCCL runs one process per GPU: two processes sharing one fail at their
+    first collective ("Duplicate GPU detected"). So under a launcher that
+    says how many processes share this node (torchrun's `LOCAL_RANK`,
+    `LOCAL_WORLD_SIZE`), more of them than visible GPUs is refused here,
+    before any collective.
+
+    Args:
+        process_id: this process' rank in the job.
+
+    Returns:
+        The index of a visible CUDA device.
+    """
+    num_gpus = torch.cuda.device_count()
+    if "LOCAL_RANK" not in os.environ:
+        # Which processes share this node is unknown without a launcher.
+        return process_id % num_gpus
+    local_rank = int(os.environ["LOCAL_RANK"])
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
+    on_this_node = max(local_world, local_rank + 1)
+    if on_this_node > num_gpus:
+        raise ValueError(
+            f"This node runs {on_this_node} processes but sees {num_gpus} "
+            "GPU(s) (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}), and "
+            "NCCL needs one GPU per process. Launch at most one process per "
+            f"GPU (torchrun --nproc_per_node={num_gpus}), or hide the GPUs "
+            "(CUDA_VISIBLE_DEVICES=) to run every process on CPU with gloo."
+        )
+    return local_rank
 
 
 def _launcher_store(timeout):
