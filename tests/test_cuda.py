@@ -137,7 +137,9 @@ def catalogue_runs(gpus):
 
 
 @pytest.mark.parametrize("mode", CATALOGUE_MODES)
-def test_catalogue_layers_train_on_the_gpu_as_in_one_process(catalogue_runs, mode):
+def test_catalogue_layers_train_on_the_gpu_as_in_one_process(
+    catalogue_runs, mode
+):
     reference, results = catalogue_runs
     problems = {}
     for name, per_rank in results[mode].items():
