@@ -46,6 +46,7 @@ from keras.src.backend.torch.distributed.runtime import DTensor
 
 if runtime.DTENSOR_AVAILABLE:
     from torch.distributed.tensor import Partial
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor import Shard
 
 # Layers of Keras' own that run code of the user's.
@@ -118,7 +119,7 @@ def call(call_function, layer, args, kwargs):
     sharding = _batch_sharding((args, kwargs))
     if sharding is None or (step is not None and step.runs_through_dtensor):
         return None
-    mesh, global_rows, local_rows = sharding
+    mesh, global_rows, local_rows, placements = sharding
     # A step decides once, for its step function (`step.local_variables`).
     if step is not None:
         variables = step.local_variables(mesh)
@@ -167,7 +168,7 @@ def call(call_function, layer, args, kwargs):
             variable.value.to_local().copy_(value)
 
     def to_global(x):
-        output = _to_global(x, mesh, global_rows)
+        output = _to_global(x, mesh, global_rows, placements)
         if step is not None:
             step.keep_local_output(output, x)
         return output
@@ -227,20 +228,28 @@ def classification_final(model):
 
 
 def _batch_sharding(values):
-    """`(mesh, global rows, local rows)` if every tensor in `values` is a
-    DTensor sharded on its first axis over a 1-D mesh, each process holding
-    at least one row; else `None`."""
+    """`(mesh, global rows, local rows, placements)` if every tensor in
+    `values` is a DTensor sharded on its first axis over a 1-D mesh, each
+    process holding at least one row; else `None`.
+
+    On a mesh of one process, inputs left whole (`Replicate`, as
+    `distribute_tensor` leaves a batch on an axis of size one) are that
+    process' rows too: a `DataParallel` job of one process computes on
+    plain tensors, as one with several does.
+    """
     leaves = [x for x in tree.flatten(values) if hasattr(x, "shape")]
     if not leaves or not all(isinstance(x, DTensor) for x in leaves):
         return None
     mesh = leaves[0].device_mesh
     global_rows = leaves[0].shape[0] if leaves[0].ndim else 0
+    placements = tuple(leaves[0].placements)
+    if mesh.ndim != 1 or placements not in _batch_placements(mesh):
+        return None
     for x in leaves:
         if (
             x.ndim == 0
             or x.device_mesh is not mesh
-            or mesh.ndim != 1
-            or tuple(x.placements) != (Shard(0),)
+            or tuple(x.placements) != placements
             or x.shape[0] != global_rows
         ):
             return None
@@ -251,7 +260,14 @@ def _batch_sharding(values):
     if any(stop <= start for start, stop in parts):
         return None
     start, stop = parts[mesh.get_local_rank()]
-    return mesh, global_rows, stop - start
+    return mesh, global_rows, stop - start, placements
+
+
+def _batch_placements(mesh):
+    """The placements of a batch split over the 1-D `mesh`."""
+    if mesh.size() == 1:
+        return ((Shard(0),), (Replicate(),))
+    return ((Shard(0),),)
 
 
 def _per_sample(layer):
@@ -402,17 +418,18 @@ def _is_local_batch(x, local_rows):
     )
 
 
-def _to_global(x, mesh, global_rows):
-    """A local output as the batch-sharded global value, with its mask."""
+def _to_global(x, mesh, global_rows, placements):
+    """A local output as the global value laid out as the inputs were
+    (`placements`), with its mask."""
     mask = get_keras_mask(x)
-    output = _sharded(x, mesh, global_rows)
+    output = _sharded(x, mesh, global_rows, placements)
     if mask is not None:
-        set_keras_mask(output, _sharded(mask, mesh, global_rows))
+        set_keras_mask(output, _sharded(mask, mesh, global_rows, placements))
     return output
 
 
-def _sharded(x, mesh, global_rows):
+def _sharded(x, mesh, global_rows, placements):
     x = x.contiguous()
     return layouts.dtensor_from_local(
-        x, mesh, [Shard(0)], shape=(global_rows,) + tuple(x.shape[1:])
+        x, mesh, list(placements), shape=(global_rows,) + tuple(x.shape[1:])
     )
