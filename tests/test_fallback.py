@@ -376,13 +376,18 @@ def _argmax_body(rank, world_size):
     # leaves them (keras-hub's accuracy metric takes their argmax).
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("batch", "model"))
     x = distribute_tensor(_logits(), mesh, [Shard(2), Replicate()])
+    # Ties and NaNs across the shards; rows also sharded, unevenly.
+    special = distribute_tensor(_special_logits(), mesh, [Shard(1), Shard(0)])
     with fallback.dtensor_fallback():
         positions = {
             "argmax": x.argmax(-1),
             "argmin": x.argmin(2),
+            "argmax_kept": x.argmax(-1, keepdim=True),
             "argmax_all": x.argmax(),
             # Along a dimension that is not sharded: DTensor computes it.
             "argmax_rows": x.argmax(0),
+            "special_argmax": special.argmax(1),
+            "special_argmin": special.argmin(1),
         }
     return (
         {k: v.full_tensor().numpy() for k, v in positions.items()},
@@ -393,21 +398,35 @@ def _argmax_body(rank, world_size):
     )
 
 
+def _special_logits():
+    x = torch.zeros(3, 8)
+    x[1, 5] = float("nan")  # in the second half of the sharded dimension
+    x[2, 2] = x[2, 6] = 1.0  # equal maxima in both halves
+    x[2, 1] = x[2, 7] = -1.0  # equal minima in both halves
+    return x
+
+
 def test_positions_over_a_sharded_dimension_are_global_positions():
     x = _logits()
+    special = _special_logits()
     expected = {
         "argmax": x.argmax(-1),
         "argmin": x.argmin(2),
+        "argmax_kept": x.argmax(-1, keepdim=True),
         "argmax_all": x.argmax(),
         "argmax_rows": x.argmax(0),
+        "special_argmax": special.argmax(1),
+        "special_argmin": special.argmin(1),
     }
     for positions, counts in run_on_ranks(_argmax_body, world_size=4):
         for name, value in expected.items():
-            np.testing.assert_array_equal(positions[name], value.numpy())
-        # Three over the sharded dimension, each gathering the other half.
-        assert counts["aten.argmax.default"] == (2, 2 * x.numel() // 2 * 4)
-        assert counts["aten.argmin.default"] == (1, x.numel() // 2 * 4)
-        assert len(counts) == 2
+            np.testing.assert_array_equal(
+                positions[name], value.numpy(), err_msg=name
+            )
+        # Over a sharded dimension each process sends its shard's best
+        # (`sharded_positions`); with no dimension, the global value is
+        # gathered: the other half of the tensor.
+        assert counts == {"aten.argmax.default": (1, x.numel() // 2 * 4)}
 
 
 def _keras_summary_body(rank, world_size):

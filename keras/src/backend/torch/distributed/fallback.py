@@ -46,6 +46,7 @@ import torch
 
 from keras.src.backend.torch.distributed import global_values
 from keras.src.backend.torch.distributed import runtime
+from keras.src.backend.torch.distributed import sharded_positions
 from keras.src.backend.torch.distributed.runtime import DTensor
 
 _LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default
@@ -197,6 +198,9 @@ class _FallbackMode(TorchDispatchMode):
             # torch 2.15 computes it on each shard and labels the shard's
             # positions as a shard of the result: wrong numbers, and a
             # result whose local tensor has the wrong shape.
+            result = sharded_positions.positions(func, args, kwargs)
+            if result is not None:
+                return result
             return global_values.on_global_values(
                 func, args, kwargs, _SPLIT_POSITIONS, str(func)
             )
