@@ -259,6 +259,44 @@ def test_a_view_of_a_value_laid_out_in_another_order():
         assert counts == ["aten.view.default"]
 
 
+def _memory_order_body(rank, world_size):
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Shard
+
+    strides_seen = []
+
+    # An op DTensor has no strategy for, which reads its operand's memory
+    # as laid out (cuDNN's RNN backward reads the forward's output so).
+    @torch.library.custom_op("keras_test::read_memory", mutates_args=())
+    def read_memory(x: torch.Tensor) -> torch.Tensor:
+        strides_seen.append(x.stride())
+        flat = torch.as_strided(x, (x.numel(),), (1,))
+        return flat.clone()
+
+    fallback = _fallback()
+    # cuDNN's batch-first output: a (batch, time, features) view of a
+    # time-major buffer, its rows sharded over the batch.
+    value = torch.arange(24, dtype=torch.float32).reshape(3, 4, 2)
+    value = value.transpose(0, 1)
+    x = DTensor.from_local(value[2 * rank : 2 * rank + 2], _mesh(), [Shard(0)])
+    with fallback.dtensor_fallback():
+        memory = torch.ops.keras_test.read_memory(x)
+    return {
+        "strides": strides_seen,
+        "memory": memory.full_tensor().numpy(),
+        "counts": sorted(fallback.fallback_counts()),
+    }
+
+
+def test_a_global_value_is_laid_out_in_memory_as_one_process_tensor():
+    value = torch.arange(24, dtype=torch.float32).reshape(3, 4, 2)
+    one_process = value.transpose(0, 1)
+    for result in run_on_ranks(_memory_order_body, world_size=2):
+        assert result["strides"] == [one_process.stride()]
+        np.testing.assert_array_equal(result["memory"], value.reshape(-1))
+        assert result["counts"] == ["keras_test.read_memory.default"]
+
+
 def _heads():
     return torch.arange(2 * 4 * 3, dtype=torch.float32).reshape(2, 4, 3).cos()
 

@@ -88,9 +88,6 @@ def on_global_values(
         if not isinstance(x, DTensor):
             return x
         if id(x) not in gathered:
-            # Contiguous, as a fresh tensor in one process is: a global
-            # value assembled from transposed shards may not take a `view`
-            # that one process' tensor takes.
             if differentiable:
                 whole = x.full_tensor()
             else:
@@ -100,7 +97,12 @@ def on_global_values(
                     # operand that requires grad ends in `detach_`, which
                     # torch < 2.13's DTensor refuses.
                     whole = x.detach().full_tensor()
-            gathered[id(x)] = whole.contiguous()
+            if _is_view(func):
+                # The view is copied out as a result anyway; contiguous,
+                # the value takes every view one process' tensor takes.
+                gathered[id(x)] = whole.contiguous()
+            else:
+                gathered[id(x)] = in_memory_order_of(whole, x)
         return gathered[id(x)]
 
     global_args, global_kwargs = map_leaves(global_value, (args, kwargs))
@@ -124,6 +126,44 @@ def on_global_values(
         ),
         outputs,
     )
+
+
+def in_memory_order_of(whole, x):
+    """`whole`, dense, with its dimensions in memory as `x`'s strides say.
+
+    A global value is the tensor one process would hold, and that tensor is
+    not always contiguous: cuDNN's batch-first RNN output is a transpose of
+    its time-major buffer, and its backward reads that saved output's memory
+    in the order the forward wrote it (from a contiguous copy it computes
+    wrong gradients of the recurrent kernel). A `DTensor`'s own strides
+    describe one process' tensor (its local tensor may be laid out
+    otherwise), and they are the same on every process, so every process
+    lays out its global value alike. Contiguous for a broadcast.
+
+    Args:
+        whole: the global value of `x`.
+        x: a `DTensor`.
+
+    Returns:
+        A dense tensor equal to `whole`.
+    """
+    order = _memory_order(x)
+    if order is None or order == sorted(order):
+        return whole.contiguous()
+    inverse = [order.index(d) for d in range(len(order))]
+    return whole.permute(order).contiguous().permute(inverse)
+
+
+def _memory_order(x):
+    """The dimensions of `x` from outermost to innermost in memory, or
+    `None` for a broadcast (a stride of 0).
+
+    Only the order: DTensor's global strides keep the order of its local
+    tensor's, not always their values.
+    """
+    if any(x.stride(d) == 0 and x.size(d) > 1 for d in range(x.dim())):
+        return None
+    return sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
 
 
 def gathered_at_once(x):
@@ -237,6 +277,16 @@ def _write_back(operand, value):
             local = local / mesh.size(mesh_dim)
     with torch.no_grad():
         operand.to_local().copy_(local)
+
+
+@functools.lru_cache(maxsize=None)
+def _is_view(func):
+    """Whether op `func` returns a view of an operand."""
+    schema = getattr(func, "_schema", None)
+    return schema is not None and any(
+        r.alias_info is not None and not r.alias_info.is_write
+        for r in schema.returns
+    )
 
 
 def mutated_operands(func, args, kwargs):

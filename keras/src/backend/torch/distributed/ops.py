@@ -157,9 +157,11 @@ def dropout(inputs, rate):
     if not isinstance(inputs, DTensor):
         return torch.nn.functional.dropout(inputs, p=rate, training=True)
     runtime.sync_torch_rng()
-    noise = torch.empty(inputs.shape, dtype=inputs.dtype, device=inputs.device)
-    noise.bernoulli_(1 - rate)
-    noise.div_(1 - rate)
+    # Torch's dropout of ones is its scaled mask, drawn as its dropout of a
+    # tensor of this shape and dtype draws it: its CUDA kernel draws in its
+    # own pattern, unlike `bernoulli_`.
+    ones = torch.ones(inputs.shape, dtype=inputs.dtype, device=inputs.device)
+    noise = torch.nn.functional.dropout(ones, p=rate, training=True)
     return inputs * layouts.replicate(noise, inputs.device_mesh)
 
 
