@@ -39,6 +39,9 @@ relative gap between ``keras_dp``'s and ``keras_one``'s losses, step by
 step (both train the same model on the same batch, the same number of
 steps): `DataParallel` must give one process' numbers.
 
+On a machine with GPUs every model and batch is on the process' GPU (the
+one Keras uses), and a step's time includes waiting for its kernels.
+
 ``--jit-compile`` compiles every step: Keras' ``jit_compile=True`` (under
 `DataParallel`, `compiled_step`), the torch models through
 ``torch.compile`` (DDP's too); the warmup steps compile.
@@ -230,6 +233,8 @@ def torch_step(kind, x, y, ddp, jit_compile=False, global_batch_norm=False):
     model = torch_model(kind)
     if global_batch_norm:
         model = _with_global_batch_norm(model)
+    device = _device()
+    model = model.to(device)
     if kind != "lstm":
         x = np.transpose(x, (0, 3, 1, 2))
     x, y = torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(y)
@@ -237,7 +242,9 @@ def torch_step(kind, x, y, ddp, jit_compile=False, global_batch_norm=False):
         rows = np.array_split(np.arange(len(y)), dist.get_world_size())
         rows = torch.from_numpy(rows[dist.get_rank()])
         x, y = x[rows], y[rows]
-        model = torch.nn.parallel.DistributedDataParallel(model)
+        ids = [device.index] if device.type == "cuda" else None
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    x, y = x.to(device), y.to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     loss_function = torch.nn.CrossEntropyLoss()
     if jit_compile:
@@ -251,6 +258,14 @@ def torch_step(kind, x, y, ddp, jit_compile=False, global_batch_norm=False):
         return loss.detach()
 
     return step
+
+
+def _device():
+    """Where the torch models train: the GPU Keras uses on this process
+    (set by `keras.distribution.initialize`), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 class _nothing:
@@ -270,6 +285,9 @@ def timed(step, alone, results=None):
         result = step()
         if results is not None:
             results.append(result)
+    if torch.cuda.is_available():
+        # A torch step returns before its kernels end.
+        torch.cuda.synchronize()
     elapsed = torch.tensor([time.perf_counter() - start])
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return float(elapsed)
