@@ -102,7 +102,7 @@ def on_global_values(
                 # the value takes every view one process' tensor takes.
                 gathered[id(x)] = whole.contiguous()
             else:
-                gathered[id(x)] = in_memory_order_of(whole, x)
+                gathered[id(x)] = _in_memory_order_of(whole, x)
         return gathered[id(x)]
 
     global_args, global_kwargs = map_leaves(global_value, (args, kwargs))
@@ -128,7 +128,7 @@ def on_global_values(
     )
 
 
-def in_memory_order_of(whole, x):
+def _in_memory_order_of(whole, x):
     """`whole`, dense, with its dimensions in memory as `x`'s strides say.
 
     A global value is the tensor one process would hold, and that tensor is
