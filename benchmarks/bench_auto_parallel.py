@@ -23,6 +23,7 @@ import sys
 import time
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -64,6 +65,12 @@ class CountCollectives(TorchDispatchMode):
         self.counts = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # A mode runs before a tensor subclass: giving a `DTensor` op back
+        # lets DTensor run it first, so that the collectives it issues
+        # inside the op (redistributing an operand) come here too, as in
+        # `CommDebugMode`.
+        if any(t is DTensor for t in types):
+            return NotImplemented
         name = func._opname
         # c10d's flat-buffer collectives are `_allgather_base_` and
         # `_reduce_scatter_base_` (`fsdp_gather`'s); the functional ones'

@@ -118,6 +118,48 @@ def test_indivisible_heads_fall_back_to_another_dimension():
     assert "indivisible" in recorder.reasons["key/kernel"]
 
 
+def test_too_few_key_value_heads_beside_sharded_queries_are_replicated():
+    class GroupedQueryAttention(keras.layers.Layer):
+        def build(self, shape):
+            # Two query heads, one key/value head (Gemma's): each process'
+            # query head reads the one key/value head whole.
+            self.query = keras.layers.EinsumDense(
+                "btd,ndh->btnh", output_shape=(None, 2, 8), name="query"
+            )
+            self.query.build(shape)
+            self.key = keras.layers.EinsumDense(
+                "bsd,kdh->bskh", output_shape=(None, 1, 8), name="key"
+            )
+            self.key.build(shape)
+            self.value = keras.layers.EinsumDense(
+                "bsd,kdh->bskh", output_shape=(None, 1, 8), name="value"
+            )
+            self.value.build(shape)
+            self.out = keras.layers.EinsumDense(
+                "btnh,nhd->btd", output_shape=(None, 16), name="out"
+            )
+            self.out.build((None, None, 2, 8))
+
+        def call(self, x):
+            return x
+
+    def build():
+        GroupedQueryAttention()(np.zeros((2, 3, 16), "float32"))
+
+    recorder = _plan(build)
+    axes = {p.split("/")[-2]: a for p, a in recorder.axes.items()}
+    assert axes["query"] == ("model", None, None)
+    assert axes["key"] == (None, None, None)
+    assert axes["value"] == (None, None, None)
+    assert axes["out"] == ("model", None, None)
+    key_reason = [r for p, r in recorder.reasons.items() if "key" in p][0]
+    assert "heads indivisible by 2" in key_reason
+    # On a 2-D mesh they are still split over the batch axis.
+    batch_axes = _plan(build, {"batch": 2, "model": 2}).axes
+    key_axes = [a for p, a in batch_axes.items() if "/key/" in p][0]
+    assert "model" not in key_axes and "batch" in key_axes
+
+
 def test_embedding_shards_vocabulary_and_2d_mesh_adds_batch_axis():
     def build():
         keras.layers.Embedding(48, 16, name="embed").build((None,))

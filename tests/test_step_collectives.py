@@ -482,3 +482,87 @@ def test_a_layer_computes_on_its_outputs_whole_gradient():
         np.testing.assert_allclose(
             result["value"], result["expected"], rtol=1e-5, atol=1e-6
         )
+
+
+def _class_sharded_head_body(rank, world_size, loss_name):
+    import torch
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    import keras
+    from keras.src.backend.torch.distributed import local_loss
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(BATCH, DIM)).astype("float32")
+    labels = rng.integers(0, HIDDEN, size=(BATCH,))
+    losses = {
+        "crossentropy": (
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            labels,
+        ),
+        "mse": ("mse", np.eye(HIDDEN, dtype="float32")[labels]),
+    }
+    loss, y = losses[loss_name]
+    gather = local_loss.gathered_predictions
+    results = {}
+    for mode in ("gathered", "as_before"):
+        if mode == "as_before":
+            local_loss.gathered_predictions = lambda model, y, y_pred: y_pred
+        try:
+            # A classifier head sharded over its classes (a vocabulary).
+            distributions.use_setting(
+                "mp",
+                layout_rules={
+                    "head/kernel": (None, "model"),
+                    "head/bias": ("model",),
+                },
+            )
+            keras.utils.set_random_seed(1)
+            inputs = keras.Input((DIM,))
+            hidden = keras.layers.Dense(DIM, name="body")(inputs)
+            model = keras.Model(
+                inputs, keras.layers.Dense(HIDDEN, name="head")(hidden)
+            )
+            model.compile(
+                optimizer=keras.optimizers.SGD(0.1),
+                loss=loss,
+                metrics=["accuracy"],
+            )
+            model.train_on_batch(x, y)
+            with CommDebugMode() as comm:
+                logs = model.train_on_batch(x, y, return_dict=True)
+            results[mode] = {
+                "comms": comm.get_total_counts(),
+                "ops": {str(k): v for k, v in comm.get_comm_counts().items()},
+                "logs": logs,
+                "weights": [w.numpy() for w in model.weights],
+            }
+        finally:
+            local_loss.gathered_predictions = gather
+            keras.distribution.set_distribution(None)
+    torch.distributed.barrier()
+    return results
+
+
+def test_class_sharded_logits_are_gathered_once_for_loss_and_metrics():
+    # The softmax cross-entropy gathers the classes the head shards, and
+    # the accuracy's argmax gathered them again: now one gather before
+    # both, with the same numbers.
+    for result in run_on_ranks(
+        _class_sharded_head_body, world_size=2, args=("crossentropy",)
+    ):
+        gathered, before = result["gathered"], result["as_before"]
+        assert gathered["comms"] == before["comms"] - 1, (
+            gathered["ops"],
+            before["ops"],
+        )
+        assert gathered["logs"] == before["logs"]
+        for a, b in zip(gathered["weights"], before["weights"]):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_class_sharded_outputs_of_other_losses_are_left_sharded():
+    # Mean squared error reduces the classes in partial sums: no gather.
+    for result in run_on_ranks(
+        _class_sharded_head_body, world_size=2, args=("mse",)
+    ):
+        assert result["gathered"]["comms"] == result["as_before"]["comms"]

@@ -93,6 +93,8 @@ class Plan:
         self._stream = weakref.WeakKeyDictionary()
         # The role and sharded size of each layer's kernel, for its bias.
         self._roles = weakref.WeakKeyDictionary()
+        # Layers whose attention heads are sharded (a query kernel's).
+        self._head_parallel = weakref.WeakSet()
         # Layers with a trainable kernel sharded over the batch axis.
         self._batch_sharded = weakref.WeakSet()
         # The root of layers created outside any other layer.
@@ -224,11 +226,18 @@ class Plan:
         heads_in = [c for c in contracted if c != inputs[-1:]]
         size = {c: shape[kernel.index(c)] for c in kernel}
         if heads_out:
+            self._open_width(parent, math.prod(size[c] for c in out_only))
+            if self._shares_sharded_heads(parent, heads_out, size):
+                return (
+                    self._axes(shape, [], lambda d: "", model=False)[0],
+                    f"replicated over model: heads indivisible by "
+                    f"{self.model_size} ({layer.equation}: "
+                    f"{''.join(heads_out)})",
+                )
             role, letters = (
                 COLUMN,
                 heads_out + [c for c in out_only if c not in heads_out],
             )
-            self._open_width(parent, math.prod(size[c] for c in out_only))
             what = "column-parallel over heads"
         elif heads_in:
             role, letters = (
@@ -251,7 +260,26 @@ class Plan:
         ]
         if sharded:
             self._roles[layer] = (role, size[sharded[0]], sharded[0])
+            if role == COLUMN and sharded[0] in heads_out:
+                self._head_parallel.add(self._key(parent))
         return axes, reason
+
+    def _shares_sharded_heads(self, parent, heads, size):
+        """Whether a column kernel over `heads` the model axis does not
+        divide sits beside one sharded over its heads.
+
+        Grouped-query attention with fewer key/value heads than processes
+        (Gemma's one): each process needs every key/value head its query
+        heads read, so the key and value kernels are replicated over the
+        model axis, as Megatron-LM does. Their head size is the only other
+        dimension to shard, and sharding it splits each attention score
+        into partial sums: the rotary embedding's halves and the scores
+        would each need a collective, the scores' the size of the
+        attention matrix.
+        """
+        return self._key(parent) in self._head_parallel and all(
+            size[c] % self.model_size for c in heads
+        )
 
     def _matmul_axes(self, layer, scope, parent, shape, kind):
         in_dim, out_dim = len(shape) - 2, len(shape) - 1

@@ -51,6 +51,7 @@ all_gather = collectives.all_gather
 # (one object per step function, which its train step reaches through the
 # hooks below), and its epoch iterator reads one process' share of the data.
 DistributedStep = step.DistributedStep
+loss_predictions = step.loss_predictions
 local_loss = step.local_loss
 metric_predictions = step.metric_predictions
 reduce_with_loss = step.reduce_with_loss

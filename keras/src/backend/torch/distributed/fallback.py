@@ -45,6 +45,7 @@ import threading
 import torch
 
 from keras.src.backend.torch.distributed import global_values
+from keras.src.backend.torch.distributed import linear_partials
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed import sharded_positions
 from keras.src.backend.torch.distributed.runtime import DTensor
@@ -204,6 +205,9 @@ class _FallbackMode(TorchDispatchMode):
             return global_values.on_global_values(
                 func, args, kwargs, _SPLIT_POSITIONS, str(func)
             )
+        result = linear_partials.on_partial_sums(func, args, kwargs)
+        if result is not None:
+            return result
         mutated = global_values.mutated_operands(func, args, kwargs)
         if any(not isinstance(x, DTensor) for x in mutated):
             # A plain tensor updated with a `DTensor` (`total += loss`):

@@ -49,6 +49,64 @@ _PER_SAMPLE_FUNCTION_NAMES = (
     "squared_hinge",
 )
 
+# Of those, the ones that take a softmax over the class axis of logits
+# (`from_logits=True`): through DTensor, a class axis sharded over the mesh
+# is gathered for it.
+_SOFTMAX_FUNCTION_NAMES = (
+    "categorical_crossentropy",
+    "categorical_focal_crossentropy",
+    "sparse_categorical_crossentropy",
+)
+
+
+def gathered_predictions(model, y, y_pred):
+    """The model's outputs with their class axis gathered, where the
+    compiled loss would gather it.
+
+    A model-parallel classifier or language model whose head shards its
+    output features (the vocabulary) leaves the logits sharded on their
+    last axis. A softmax cross-entropy gathers that axis; the accuracy
+    metrics then take an `argmax` over it, a second collective (see
+    `sharded_positions`). Gathered once here, before both, the loss and the
+    metrics read whole rows: one collective of the same size instead of
+    two, and the loss can be computed on plain tensors (see
+    `local_compiled_loss`). The backward pass of the gather takes each
+    process' columns of the gradient, with no collective.
+
+    Args:
+        model: the model being trained or evaluated.
+        y: the targets.
+        y_pred: the model's outputs.
+
+    Returns:
+        `y_pred`, redistributed to be whole along its last axis if it is a
+        `DTensor` sharded there and the model's one compiled loss is a
+        softmax cross-entropy of logits; else `y_pred` itself.
+    """
+    if not isinstance(y_pred, DTensor) or y_pred.ndim == 0:
+        return y_pred
+    last = y_pred.ndim - 1
+    placements = [
+        Replicate() if p.is_shard() and p.dim in (last, -1) else p
+        for p in y_pred.placements
+    ]
+    if placements == list(y_pred.placements):
+        return y_pred
+    entry = _single_compiled_loss(model, y, y_pred)
+    if entry is None or not _softmax_of_logits(entry[1]):
+        return y_pred
+    return y_pred.redistribute(y_pred.device_mesh, placements)
+
+
+def _softmax_of_logits(loss):
+    """Whether `loss` is a built-in softmax cross-entropy of logits."""
+    fn = getattr(loss, "fn", None)
+    return (
+        getattr(fn, "__name__", None) in _SOFTMAX_FUNCTION_NAMES
+        and loss._fn_kwargs.get("from_logits", False)
+        and loss._fn_kwargs.get("axis", -1) == -1
+    )
+
 
 def local_compiled_loss(model, y, y_pred, sample_weight, local_y_pred):
     """The train step's compiled loss, computed on local tensors.

@@ -294,6 +294,25 @@ def model_step(model, kind):
     return getattr(model, _MODEL_STEP_ATTRIBUTE.format(kind), None)
 
 
+def loss_predictions(model, y, y_pred):
+    """The model's outputs as a train or test step's loss and metrics read
+    them.
+
+    Args:
+        model: the model being trained or evaluated.
+        y: the targets.
+        y_pred: the model's outputs.
+
+    Returns:
+        `y_pred` itself outside a step under a distribution, else with a
+        class axis sharded over the mesh gathered where the compiled loss
+        would gather it (see `local_loss.gathered_predictions`).
+    """
+    if local_rows.running_step(model) is None:
+        return y_pred
+    return local_loss_lib.gathered_predictions(model, y, y_pred)
+
+
 def local_loss(model, y, y_pred, sample_weight):
     """The train step's compiled loss, computed on local tensors.
 

@@ -1,0 +1,165 @@
+"""Ops linear in an operand, computed on its partial sums as they are.
+
+A partial sum (`Partial()`) is what a contraction over a sharded dimension
+leaves: each process holds a term, the value is their sum. An op linear in
+an operand gives the sum of its results on the terms, so it needs no
+collective there: each process applies it to its own term, and the result
+is a partial sum too. DTensor knows this of matmuls, sums and additions,
+not of the backward ops of `softmax` and `log_softmax` nor of `scatter`.
+Handed a partial sum, those reduce it: a mixture-of-experts router's
+gradient (partial over the experts, which tensor parallelism splits) was
+reduce-scattered for the top-k's backward `scatter`, then gathered again
+for the softmax's backward and the router kernel's: two collectives where
+none is needed, since the gradient stays linear up to the layer's input,
+whose partial gradient the experts' own backward all-reduces anyway.
+
+`_LINEAR_OPERANDS` lists each op with the operands it is linear in
+(jointly: `scatter` replaces entries of `self` with entries of `src`).
+Where every such operand is a partial sum, or replicated, over a mesh axis
+on which every other operand is replicated, the op runs on local tensors
+and its result is a partial sum over that axis; a replicated linear operand
+enters as its value on the axis' first process and zeros on the others
+(exactly: `Partial`'s own split divides by the axis' size). Other mesh axes
+must lay out every operand alike, sharded (on a dimension the op does not
+work along) or replicated. Anything else goes to DTensor as it is, and so
+does a `scatter` on CUDA without deterministic algorithms: given an index
+twice, each process could keep a different one of the values written there.
+"""
+
+import torch
+
+from keras.src.backend.torch.distributed import runtime
+from keras.src.backend.torch.distributed.runtime import DTensor
+
+if runtime.DTENSOR_AVAILABLE:
+    from torch.distributed.tensor import Partial
+
+_aten = torch.ops.aten
+
+# op -> (positions of the operands it is linear in, position of its `dim`).
+_LINEAR_OPERANDS = {
+    # grad_input = output * (grad - sum(grad * output, dim))
+    _aten._softmax_backward_data.default: ((0,), 2),
+    # grad_input = grad - exp(output) * sum(grad, dim)
+    _aten._log_softmax_backward_data.default: ((0,), 2),
+    # `self` where `index` does not point, `src` where it does. The backward
+    # of `topk`, `max`, `sort` (`value_selecting_reduction_backward`).
+    _aten.scatter.src: ((0, 3), 1),
+}
+# Ops that, given an index twice, keep one of the values written there:
+# each process must keep the same one, or the terms' sum is a mix of two
+# values. The CPU kernel writes in index order; CUDA's only does with
+# deterministic algorithms on.
+_ONE_OF_DUPLICATES = (_aten.scatter.src,)
+
+
+def on_partial_sums(func, args, kwargs):
+    """Computes `func` on the terms of its partial-sum operands.
+
+    Args:
+        func: the aten op being dispatched.
+        args: its positional arguments, some of them `DTensor`s.
+        kwargs: its keyword arguments.
+
+    Returns:
+        The result, a `DTensor` that is a partial sum over the mesh axes
+        where a linear operand was one, or `None` where `func` is not
+        listed or its operands do not allow it (DTensor then computes it).
+    """
+    entry = _LINEAR_OPERANDS.get(func)
+    if entry is None or kwargs or torch.compiler.is_compiling():
+        return None
+    linear, dim_position = entry
+    if func in _ONE_OF_DUPLICATES and not _writes_in_order(args[0]):
+        return None
+    operands = [(i, x) for i, x in enumerate(args) if isinstance(x, DTensor)]
+    if not all(isinstance(args[i], DTensor) for i in linear):
+        return None
+    mesh = args[linear[0]].device_mesh
+    if any(x.device_mesh != mesh for _, x in operands):
+        return None
+    partial_axes = [
+        axis
+        for axis in range(mesh.ndim)
+        if any(args[i].placements[axis].is_partial() for i in linear)
+    ]
+    if not partial_axes:
+        return None
+    dim = args[dim_position] % args[linear[0]].ndim
+    placements = _result_placements(
+        operands, linear, partial_axes, dim, mesh.ndim
+    )
+    if placements is None:
+        return None
+    local_args = list(args)
+    for i, x in operands:
+        local = x.to_local()
+        if i in linear:
+            local = _as_term(local, x.placements, partial_axes, mesh)
+        local_args[i] = local
+    result = func(*local_args)
+    reference = args[linear[0]]
+    return DTensor.from_local(
+        result,
+        mesh,
+        placements,
+        run_check=False,
+        shape=reference.shape,
+        stride=_contiguous_stride(reference.shape),
+    )
+
+
+def _writes_in_order(x):
+    return (
+        x.device.type == "cpu" or torch.are_deterministic_algorithms_enabled()
+    )
+
+
+def _result_placements(operands, linear, partial_axes, dim, ndim):
+    """The result's placements, or `None` if the operands do not allow a
+    computation on local tensors."""
+    placements = []
+    for axis in range(ndim):
+        if axis in partial_axes:
+            for i, x in operands:
+                p = x.placements[axis]
+                allowed = p.is_replicate() or (
+                    i in linear and p == Partial("sum")
+                )
+                if not allowed:
+                    return None
+            placements.append(Partial("sum"))
+            continue
+        first = operands[0][1].placements[axis]
+        for _, x in operands:
+            p = x.placements[axis]
+            if p != first:
+                return None
+            if p.is_shard() and (
+                p.dim == dim
+                or x.ndim != operands[0][1].ndim
+                or x.shape[p.dim] != operands[0][1].shape[p.dim]
+            ):
+                return None
+            if p.is_partial():
+                return None
+        placements.append(first)
+    return placements
+
+
+def _as_term(local, placements, partial_axes, mesh):
+    """A replicated operand's term of a partial sum: its value on the
+    first process of each axis it is replicated over, zeros elsewhere."""
+    for axis in partial_axes:
+        if placements[axis].is_replicate() and mesh.get_local_rank(axis):
+            return torch.zeros_like(local)
+    return local
+
+
+def _contiguous_stride(shape):
+    stride = []
+    step = 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(stride))
