@@ -105,17 +105,19 @@ def test_multi_head_attention_shards_heads():
     )
 
 
-def test_indivisible_heads_fall_back_to_another_dimension():
+def test_indivisible_heads_split_the_input_features():
     def build():
-        # One key/value head, as Gemma's: indivisible by a model axis of 2.
+        # One head: indivisible by a model axis of 2. Its head size is not
+        # split (that would split each attention score into partial sums);
+        # its input features are, as a row-parallel layer's.
         layer = keras.layers.EinsumDense(
             "btd,kdh->btkh", output_shape=(None, 1, 8), name="key"
         )
         layer.build((None, None, 16))
 
     recorder = _plan(build)
-    assert recorder.axes["key/kernel"] == (None, None, "model")
-    assert "indivisible" in recorder.reasons["key/kernel"]
+    assert recorder.axes["key/kernel"] == (None, "model", None)
+    assert "heads indivisible" in recorder.reasons["key/kernel"]
 
 
 def test_too_few_key_value_heads_beside_sharded_queries_are_replicated():

@@ -105,6 +105,15 @@ def _cases_body(rank, world_size):
         (replicated(zeros), 1, replicated(index), src),
         (zeros, 1, index, src_value),
     )
+    # `self` replicated on every axis, the others' rows split: it takes
+    # its rows.
+    everywhere = [Replicate()] * mesh.ndim
+    run(
+        "scatter_into_whole_zeros",
+        aten.scatter.src,
+        (distribute_tensor(zeros, mesh, everywhere), 1, replicated(index), src),
+        (zeros, 1, index, src_value),
+    )
     # A replicated `self` enters the sum once, not once per process.
     base = torch.arange(40, dtype=torch.float32).reshape(8, 5)
     run(

@@ -234,11 +234,19 @@ class Plan:
                     f"{self.model_size} ({layer.equation}: "
                     f"{''.join(heads_out)})",
                 )
-            role, letters = (
-                COLUMN,
-                heads_out + [c for c in out_only if c not in heads_out],
-            )
-            what = "column-parallel over heads"
+            if self._indivisible(heads_out, size) and contracted:
+                # Sharding the head size instead would split every
+                # attention score into partial sums (see
+                # `_shares_sharded_heads`): the input features are split,
+                # as a row-parallel layer's, and the heads computed whole.
+                role, letters = ROW, contracted
+                what = "row-parallel over input features (heads indivisible)"
+            else:
+                role, letters = (
+                    COLUMN,
+                    heads_out + [c for c in out_only if c not in heads_out],
+                )
+                what = "column-parallel over heads"
         elif heads_in:
             role, letters = (
                 ROW,
@@ -277,9 +285,12 @@ class Plan:
         would each need a collective, the scores' the size of the
         attention matrix.
         """
-        return self._key(parent) in self._head_parallel and all(
-            size[c] % self.model_size for c in heads
+        return self._key(parent) in self._head_parallel and self._indivisible(
+            heads, size
         )
+
+    def _indivisible(self, heads, size):
+        return all(size[c] % self.model_size for c in heads)
 
     def _matmul_axes(self, layer, scope, parent, shape, kind):
         in_dim, out_dim = len(shape) - 2, len(shape) - 1

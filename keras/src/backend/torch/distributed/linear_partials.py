@@ -19,11 +19,12 @@ Where every such operand is a partial sum, or replicated, over a mesh axis
 on which every other operand is replicated, the op runs on local tensors
 and its result is a partial sum over that axis; a replicated linear operand
 enters as its value on the axis' first process and zeros on the others
-(exactly: `Partial`'s own split divides by the axis' size). Other mesh axes
-must lay out every operand alike, sharded (on a dimension the op does not
-work along) or replicated. Anything else goes to DTensor as it is, and so
-does a `scatter` on CUDA without deterministic algorithms: given an index
-twice, each process could keep a different one of the values written there.
+(exactly: `Partial`'s own split divides by the axis' size). On other mesh
+axes the operands are replicated or split alike, on a dimension the op does
+not work along (a replicated one takes its chunk). Anything else goes to
+DTensor as it is, and so does a `scatter` on CUDA without deterministic
+algorithms: given an index twice, each process could keep a different one
+of the values written there.
 """
 
 import torch
@@ -33,6 +34,7 @@ from keras.src.backend.torch.distributed.runtime import DTensor
 
 if runtime.DTENSOR_AVAILABLE:
     from torch.distributed.tensor import Partial
+    from torch.distributed.tensor import Replicate
 
 _aten = torch.ops.aten
 
@@ -93,7 +95,7 @@ def on_partial_sums(func, args, kwargs):
         return None
     local_args = list(args)
     for i, x in operands:
-        local = x.to_local()
+        local = _laid_out_as(x, placements, partial_axes).to_local()
         if i in linear:
             local = _as_term(local, x.placements, partial_axes, mesh)
         local_args[i] = local
@@ -130,21 +132,35 @@ def _result_placements(operands, linear, partial_axes, dim, ndim):
                     return None
             placements.append(Partial("sum"))
             continue
-        first = operands[0][1].placements[axis]
+        shards = {x.placements[axis] for _, x in operands} - {Replicate()}
+        if len(shards) > 1:
+            return None
+        if not shards:
+            placements.append(Replicate())
+            continue
+        shard = shards.pop()
+        if not shard.is_shard() or shard.dim == dim:
+            return None
+        reference = operands[0][1]
         for _, x in operands:
-            p = x.placements[axis]
-            if p != first:
-                return None
-            if p.is_shard() and (
-                p.dim == dim
-                or x.ndim != operands[0][1].ndim
-                or x.shape[p.dim] != operands[0][1].shape[p.dim]
+            if x.ndim != reference.ndim or (
+                x.shape[shard.dim] != reference.shape[shard.dim]
             ):
                 return None
-            if p.is_partial():
-                return None
-        placements.append(first)
+        placements.append(shard)
     return placements
+
+
+def _laid_out_as(x, placements, partial_axes):
+    """`x` split as `placements` on the axes it is replicated over where
+    the others are split (a local chunk, no collective)."""
+    target = [
+        p if axis not in partial_axes else x.placements[axis]
+        for axis, p in enumerate(placements)
+    ]
+    if target == list(x.placements):
+        return x
+    return x.redistribute(x.device_mesh, target)
 
 
 def _as_term(local, placements, partial_axes, mesh):
