@@ -122,6 +122,23 @@ def _cases_body(rank, world_size):
         (replicated(base), 1, replicated(index), src),
         (base, 1, index, src_value),
     )
+    # A partial sum plus a shard (over the same axis): the shard, in zeros,
+    # joins this process' term.
+    columns = torch.arange(40, dtype=torch.float32).reshape(8, 5)
+    split = list(whole)
+    split[model_axis] = Shard(1)
+    run(
+        "partial_plus_shard",
+        aten.add.Tensor,
+        (grad, distribute_tensor(columns, mesh, split)),
+        (grad_value, columns),
+    )
+    run(
+        "shard_plus_partial",
+        aten.add.Tensor,
+        (distribute_tensor(columns, mesh, split), grad),
+        (columns, grad_value),
+    )
     # Not linear in the softmax output: DTensor computes it (reducing the
     # partial output first).
     output, output_value = partial_sum((8, 5), seed=3)

@@ -93,8 +93,6 @@ class Plan:
         self._stream = weakref.WeakKeyDictionary()
         # The role and sharded size of each layer's kernel, for its bias.
         self._roles = weakref.WeakKeyDictionary()
-        # Layers whose attention heads are sharded (a query kernel's).
-        self._head_parallel = weakref.WeakSet()
         # Layers with a trainable kernel sharded over the batch axis.
         self._batch_sharded = weakref.WeakSet()
         # The root of layers created outside any other layer.
@@ -227,18 +225,16 @@ class Plan:
         size = {c: shape[kernel.index(c)] for c in kernel}
         if heads_out:
             self._open_width(parent, math.prod(size[c] for c in out_only))
-            if self._shares_sharded_heads(parent, heads_out, size):
-                return (
-                    self._axes(shape, [], lambda d: "", model=False)[0],
-                    f"replicated over model: heads indivisible by "
-                    f"{self.model_size} ({layer.equation}: "
-                    f"{''.join(heads_out)})",
-                )
             if self._indivisible(heads_out, size) and contracted:
-                # Sharding the head size instead would split every
-                # attention score into partial sums (see
-                # `_shares_sharded_heads`): the input features are split,
-                # as a row-parallel layer's, and the heads computed whole.
+                # Heads the model axis does not divide (Gemma's one
+                # key/value head) are computed whole, from input features
+                # split as a row-parallel layer's: one all-reduce of the
+                # output. Splitting the head size instead splits every
+                # attention score into partial sums: the rotary embedding's
+                # halves and the scores (the size of the attention matrix)
+                # would each take a collective. Replicating the kernel
+                # (Megatron-LM's key/value heads) would cost no collective
+                # but store it whole on every process.
                 role, letters = ROW, contracted
                 what = "row-parallel over input features (heads indivisible)"
             else:
@@ -268,26 +264,7 @@ class Plan:
         ]
         if sharded:
             self._roles[layer] = (role, size[sharded[0]], sharded[0])
-            if role == COLUMN and sharded[0] in heads_out:
-                self._head_parallel.add(self._key(parent))
         return axes, reason
-
-    def _shares_sharded_heads(self, parent, heads, size):
-        """Whether a column kernel over `heads` the model axis does not
-        divide sits beside one sharded over its heads.
-
-        Grouped-query attention with fewer key/value heads than processes
-        (Gemma's one): each process needs every key/value head its query
-        heads read, so the key and value kernels are replicated over the
-        model axis, as Megatron-LM does. Their head size is the only other
-        dimension to shard, and sharding it splits each attention score
-        into partial sums: the rotary embedding's halves and the scores
-        would each need a collective, the scores' the size of the
-        attention matrix.
-        """
-        return self._key(parent) in self._head_parallel and self._indivisible(
-            heads, size
-        )
 
     def _indivisible(self, heads, size):
         return all(size[c] % self.model_size for c in heads)

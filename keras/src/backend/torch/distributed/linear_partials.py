@@ -25,10 +25,19 @@ not work along (a replicated one takes its chunk). Anything else goes to
 DTensor as it is, and so does a `scatter` on CUDA without deterministic
 algorithms: given an index twice, each process could keep a different one
 of the values written there.
+
+A sum of a partial sum and a value sharded over the same mesh axis is a
+partial sum too: each process adds its shard, in zeros, to its term
+(`_sum_with_shards`). DTensor reduce-scatters the partial sum instead; the
+input gradient of an attention layer whose query is split over heads (a
+partial sum) and whose key and value split their input features (shards)
+was then gathered again where the layer's input needs it whole: two
+collectives where the one all-reduce of the whole gradient does.
 """
 
 import torch
 
+from keras.src.backend.torch.distributed import layouts
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
 
@@ -48,6 +57,15 @@ _LINEAR_OPERANDS = {
     # of `topk`, `max`, `sort` (`value_selecting_reduction_backward`).
     _aten.scatter.src: ((0, 3), 1),
 }
+# A partial sum plus a shard: each process adds its shard, in zeros, to
+# its term. DTensor reduce-scatters the partial sum instead, and the sum,
+# sharded, is gathered again where a whole value is needed (the input
+# gradient of a layer whose query is column parallel and whose key and
+# value are row parallel). A partial sum plus a replicated value stays
+# DTensor's (reduced first): kept partial, it was reduced later in more
+# places than one.
+_ADD = _aten.add.Tensor
+
 # Ops that, given an index twice, keep one of the values written there:
 # each process must keep the same one, or the terms' sum is a mix of two
 # values. The CPU kernel writes in index order; CUDA's only does with
@@ -68,8 +86,12 @@ def on_partial_sums(func, args, kwargs):
         where a linear operand was one, or `None` where `func` is not
         listed or its operands do not allow it (DTensor then computes it).
     """
+    if kwargs or torch.compiler.is_compiling():
+        return None
+    if func is _ADD:
+        return _sum_with_shards(args)
     entry = _LINEAR_OPERANDS.get(func)
-    if entry is None or kwargs or torch.compiler.is_compiling():
+    if entry is None:
         return None
     linear, dim_position = entry
     if func in _ONE_OF_DUPLICATES and not _writes_in_order(args[0]):
@@ -100,14 +122,8 @@ def on_partial_sums(func, args, kwargs):
             local = _as_term(local, x.placements, partial_axes, mesh)
         local_args[i] = local
     result = func(*local_args)
-    reference = args[linear[0]]
-    return DTensor.from_local(
-        result,
-        mesh,
-        placements,
-        run_check=False,
-        shape=reference.shape,
-        stride=_contiguous_stride(reference.shape),
+    return layouts.dtensor_from_local(
+        result, mesh, placements, shape=args[linear[0]].shape
     )
 
 
@@ -172,10 +188,71 @@ def _as_term(local, placements, partial_axes, mesh):
     return local
 
 
-def _contiguous_stride(shape):
-    stride = []
-    step = 1
-    for size in reversed(shape):
-        stride.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(stride))
+
+def _sum_with_shards(args):
+    """`a + b` of a partial sum and a shard (over the same mesh axis) as a
+    partial sum, or `None` (DTensor then adds them)."""
+    a, b = args[:2]
+    if not (
+        isinstance(a, DTensor)
+        and isinstance(b, DTensor)
+        and a.device_mesh == b.device_mesh
+        and a.shape == b.shape
+    ):
+        return None
+    mesh = a.device_mesh
+    placements = []
+    split = False
+    for axis in range(mesh.ndim):
+        pa, pb = a.placements[axis], b.placements[axis]
+        if pa.is_partial() or pb.is_partial():
+            other = pb if pa.is_partial() else pa
+            if not (
+                pa.is_partial() or _sole_split(a, axis)
+            ) or not (pb.is_partial() or _sole_split(b, axis)):
+                return None
+            split = split or other.is_shard()
+            placements.append(Partial("sum"))
+        elif pa == pb:
+            placements.append(pa)
+        else:
+            return None
+    if not split:
+        return None
+    terms = [_shard_as_term(x, placements, mesh) for x in (a, b)]
+    if terms[0] is None or terms[1] is None:
+        return None
+    return layouts.dtensor_from_local(
+        terms[0] + terms[1], mesh, placements, shape=a.shape
+    )
+
+
+def _sole_split(x, axis):
+    """Whether `x` is sharded over mesh `axis` on a dimension no other mesh
+    axis shards."""
+    p = x.placements[axis]
+    return p.is_shard() and not any(
+        q.is_shard() and q.dim % x.ndim == p.dim % x.ndim
+        for other, q in enumerate(x.placements)
+        if other != axis
+    )
+
+
+def _shard_as_term(x, placements, mesh):
+    """`x`'s local tensor as its term of a partial sum over the axes
+    `placements` makes partial: a shard over such an axis in zeros."""
+    local = x.to_local()
+    for axis, target in enumerate(placements):
+        p = x.placements[axis]
+        if not (target.is_partial() and p.is_shard()):
+            continue
+        dim = p.dim % x.ndim
+        shape = list(local.shape)
+        shape[dim] = x.shape[dim]
+        start, stop = layouts.chunk_bounds(
+            x.shape[dim], mesh.size(axis), mesh.get_local_rank(axis)
+        )
+        term = local.new_zeros(shape)
+        term.narrow(dim, start, stop - start).copy_(local)
+        local = term
+    return local
