@@ -34,6 +34,10 @@ MODELS = ("Gemma", "Llama", "Qwen", "QwenMoe", "Qwen3Moe")
 # gated halves and QwenMoe's shared expert are as wide as the model, and
 # widths alone cannot tell which kernel reads the other's output.
 WIDE = {"intermediate_dim": 64, "shared_expert_intermediate_dim": 32}
+# `--config wide_heads`: wide, with 4 query and 2 key/value heads, so that
+# a model axis of 4 divides the query heads (as it does every preset's).
+WIDE_HEADS = dict(WIDE, num_query_heads=4, num_key_value_heads=2)
+CONFIGS = {"wide": WIDE, "wide_heads": WIDE_HEADS}
 PLANS = ("own", "auto")
 
 
@@ -90,14 +94,15 @@ def count_collectives(step):
 
 
 def build(name, config):
-    """The catalogue's tiny causal LM `name`, wider with `config="wide"`."""
+    """The catalogue's tiny causal LM `name`, changed as `CONFIGS[config]`
+    says unless `config="tiny"`."""
     from tests import hub_catalogue as hc
 
     if config == "tiny":
         return hc.build_causal_lm(name)
     saved = hc.CONFIGS[name]
     hc.CONFIGS[name] = dict(
-        saved, **{k: v for k, v in WIDE.items() if k in saved}
+        saved, **{k: v for k, v in CONFIGS[config].items() if k in saved}
     )
     try:
         return hc.build_causal_lm(name)
@@ -146,7 +151,9 @@ def main():
     parser.add_argument("--mesh", default=None, help="e.g. 1,2 or 2,2")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--config", choices=("tiny", "wide"), default="wide")
+    parser.add_argument(
+        "--config", choices=("tiny",) + tuple(CONFIGS), default="wide"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     import keras

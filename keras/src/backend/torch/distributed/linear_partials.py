@@ -188,7 +188,6 @@ def _as_term(local, placements, partial_axes, mesh):
     return local
 
 
-
 def _sum_with_shards(args):
     """`a + b` of a partial sum and a shard (over the same mesh axis) as a
     partial sum, or `None` (DTensor then adds them)."""
@@ -206,12 +205,12 @@ def _sum_with_shards(args):
     for axis in range(mesh.ndim):
         pa, pb = a.placements[axis], b.placements[axis]
         if pa.is_partial() or pb.is_partial():
-            other = pb if pa.is_partial() else pa
-            if not (
-                pa.is_partial() or _sole_split(a, axis)
-            ) or not (pb.is_partial() or _sole_split(b, axis)):
-                return None
-            split = split or other.is_shard()
+            for x in (a, b):
+                if not (
+                    x.placements[axis].is_partial() or _sole_split(x, axis)
+                ):
+                    return None
+            split = split or not (pa.is_partial() and pb.is_partial())
             placements.append(Partial("sum"))
         elif pa == pb:
             placements.append(pa)
