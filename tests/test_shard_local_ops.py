@@ -230,6 +230,25 @@ ATTENTION_CASES = {
     "heads_with_a_broadcast_mask": ((2,), (2, 1, 4, 4), ("r",), ["S(2)"]),
     "batch_with_a_mask_sharded_alike": ((0,), (2, 1, 4, 4), (0,), ["S(0)"]),
     "heads_with_a_mask_per_head": ((2,), (2, 4, 4, 4), (1,), ["S(2)"]),
+    "heads_with_one_whole_key_value_head": (
+        (2,),
+        (2, 1, 4, 4),
+        ("r",),
+        ["S(2)"],
+    ),
+    "heads_with_two_whole_key_value_heads": (
+        (2,),
+        (2, 1, 4, 4),
+        ("r",),
+        ["S(2)"],
+    ),
+}
+# Grouped-query cases: name -> (key/value heads, their placements). Replicated
+# while the query's 4 heads are split: each process attends its 2 query
+# heads with the key/value head(s) they read.
+KEY_VALUE_HEADS = {
+    "heads_with_one_whole_key_value_head": (1, ("r",)),
+    "heads_with_two_whole_key_value_heads": (2, ("r",)),
 }
 # Masks laid out otherwise than the scores they mask: attention goes to
 # DTensor (not run here: inside a layer call the fallback computes it).
@@ -240,8 +259,9 @@ MISMATCHED_MASKS = {
 }
 
 
-def _attention_operands(mask_shape):
-    q, k, v = _operands(((2, 4, 4, 3), (2, 4, 4, 3), (2, 4, 4, 3)))
+def _attention_operands(mask_shape, key_heads=4):
+    key_shape = (2, 4, key_heads, 3)
+    q, k, v = _operands(((2, 4, 4, 3), key_shape, key_shape))
     # A causal mask with one padded key in the second row.
     mask = torch.ones(mask_shape, dtype=torch.bool).tril()
     mask[1, ..., 0] = False
@@ -262,15 +282,16 @@ def _attention_body(rank, world_size, name):
 
     _set_a_distribution()
     layout, mask_shape, mask_layout = ATTENTION_CASES[name][:3]
+    key_heads, key_layout = KEY_VALUE_HEADS.get(name, (4, layout))
     mesh = init_device_mesh("cpu", (2,))
-    *qkv, mask = _attention_operands(mask_shape)
+    *qkv, mask = _attention_operands(mask_shape, key_heads)
 
     def placements(layout):
         return [Replicate() if p == "r" else Shard(p) for p in layout]
 
     qkv = [
-        distribute_tensor(x, mesh, placements(layout)).requires_grad_()
-        for x in qkv
+        distribute_tensor(x, mesh, placements(own)).requires_grad_()
+        for x, own in zip(qkv, (layout, key_layout, key_layout))
     ]
     mask = distribute_tensor(mask, mesh, placements(mask_layout))
     comm = CommDebugMode()
@@ -293,7 +314,8 @@ def _attention_body(rank, world_size, name):
 def test_attention_on_shards_equals_one_process(name):
     torch_nn = _backend_ops("nn")
     _, mask_shape, _, expected = ATTENTION_CASES[name]
-    *qkv, mask = _attention_operands(mask_shape)
+    key_heads = KEY_VALUE_HEADS.get(name, (4,))[0]
+    *qkv, mask = _attention_operands(mask_shape, key_heads)
     qkv = [x.requires_grad_() for x in qkv]
     y = torch_nn.dot_product_attention(*qkv, mask=mask)
     (y * _weights(y.shape)).sum().backward()

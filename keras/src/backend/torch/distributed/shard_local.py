@@ -224,7 +224,11 @@ def local_attention(function):
     mask or a bias (that needs no gradient) goes along when it is laid out
     like the scores it masks: its batch and head dimensions sharded as the
     query's, or of size 1 and replicated (a causal or padding mask
-    broadcast over the heads). Upstream's flash attention probe
+    broadcast over the heads). Grouped-query attention with fewer
+    key/value heads than processes keeps its key and value replicated
+    (whole heads, from split input features: `auto_plan`): each process
+    attends its query heads with the key/value heads they read, and the key
+    and value get a partial gradient. Upstream's flash attention probe
     (`SDPAParams`) is skipped there too: dynamo cannot trace it, and
     torch's own kernel choice takes the flash kernel first where it can
     run. Other operands (a partial or uneven layout, a mask laid out
@@ -248,9 +252,8 @@ def local_attention(function):
         for name in ("mask", "bias"):
             if isinstance(kwargs.get(name), DTensor):
                 kwargs[name] = kwargs[name].to_local()
-        output = function(
-            query.to_local(), key.to_local(), value.to_local(), **kwargs
-        )
+        key, value = (_local_key_value_heads(x, query) for x in (key, value))
+        output = function(query.to_local(), key, value, **kwargs)
         return DTensor.from_local(
             output, query.device_mesh, query.placements, run_check=False
         )
@@ -267,8 +270,23 @@ def _shard_local_attention(query, key, value, args, kwargs):
     if args:
         return False
     mesh, placements = query.device_mesh, query.placements
+    if key.placements != value.placements or key.ndim != 4:
+        return False
+    if value.ndim != 4 or key.shape[2] != value.shape[2]:
+        return False
+    # At most one mesh dimension splits the query's heads but not the
+    # key's and value's (see `_reads_whole_heads`).
+    differing = [
+        mesh_dim
+        for mesh_dim, own in enumerate(key.placements)
+        if own != placements[mesh_dim]
+    ]
+    if len(differing) > 1:
+        return False
     for x in (key, value):
-        if x.device_mesh != mesh or x.placements != placements:
+        if x.device_mesh != mesh:
+            return False
+        if differing and not _reads_whole_heads(query, x, differing[0]):
             return False
     for mesh_dim, placement in enumerate(placements):
         if placement.is_replicate():
@@ -276,11 +294,63 @@ def _shard_local_attention(query, key, value, args, kwargs):
         if not placement.is_shard() or placement.dim not in (0, 2):
             return False
         size = mesh.size(mesh_dim)
-        if any(x.shape[placement.dim] % size for x in (query, key, value)):
+        if any(
+            x.shape[placement.dim] % size
+            for x in (query, key, value)
+            if x.placements[mesh_dim] == placement
+        ):
             return False
     return all(
         _scores_like(kwargs.get(name), query) for name in ("mask", "bias")
     )
+
+
+def _reads_whole_heads(query, key, mesh_dim):
+    """Whether a `key` (or value) replicated over `mesh_dim`, over which
+    the query's heads are split, gives each process the key/value heads its
+    query heads read, whole: grouped-query attention with fewer key/value
+    heads than processes (a plan computes them whole on each process)."""
+    placement = query.placements[mesh_dim]
+    if not (
+        key.placements[mesh_dim].is_replicate()
+        and type(placement) is Shard
+        and placement.dim == 2
+    ):
+        return False
+    heads, key_heads = query.shape[2], key.shape[2]
+    size = query.device_mesh.size(mesh_dim)
+    if heads % size or heads % key_heads:
+        return False
+    local_heads, group = heads // size, heads // key_heads
+    # Each process' query heads are whole groups, or within one group.
+    return local_heads % group == 0 or group % local_heads == 0
+
+
+def _local_key_value_heads(x, query):
+    """This process' tensor of key or value `x`: on the mesh dimensions
+    where it is replicated and the query's heads are split, the key/value
+    heads of this process' query heads. Their gradient there is a partial
+    sum: each process' query heads give their key/value heads' part."""
+    mesh = query.device_mesh
+    gathered = [
+        mesh_dim
+        for mesh_dim, own in enumerate(x.placements)
+        if own != query.placements[mesh_dim]
+    ]
+    if not gathered:
+        return x.to_local()
+    grad_placements = list(x.placements)
+    for mesh_dim in gathered:
+        grad_placements[mesh_dim] = Partial()
+    local = x.to_local(grad_placements=grad_placements)
+    heads, key_heads = query.shape[2], x.shape[2]
+    group = heads // key_heads
+    for mesh_dim in gathered:
+        local_heads = heads // mesh.size(mesh_dim)
+        first = mesh.get_local_rank(mesh_dim) * local_heads
+        start, stop = first // group, (first + local_heads - 1) // group + 1
+        local = local[:, :, start:stop]
+    return local
 
 
 def _scores_like(mask, query):
