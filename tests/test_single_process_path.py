@@ -42,6 +42,7 @@ HOOK_FRAMES = {
 # hook's entry point, and the check it starts with.
 ALLOWED_DISTRIBUTION_FRAMES = {
     "step.py:__call__",
+    "step.py:loss_predictions",
     "step.py:local_loss",
     "step.py:metric_predictions",
     "step.py:reduce_with_loss",
