@@ -39,12 +39,14 @@ the smaller or indivisible). Vectors and scalars (norm scales, biases of
 row-parallel layers, counters) stay replicated over the model axis; a
 column-parallel layer's bias follows its output features.
 
-A dimension the model axis does not divide (Gemma's single key/value head)
-is not sharded unevenly: the next candidate dimension of the kernel is
-taken (the head size, then any dimension), else the kernel is replicated
-over the model axis. The plan decides only where data lives, never what is
-computed: any layout gives one process' numbers, so a plan that guesses a
-pairing wrong costs collectives, not correctness.
+Heads the model axis does not divide (Gemma's single key/value head) are
+not sharded unevenly, nor is their head size sharded instead: the
+projection splits its input features, as a row-parallel layer does, and
+the heads are computed whole. Any other dimension the model axis does not
+divide gives way to the next candidate dimension of the kernel, else the
+kernel is replicated over the model axis. The plan decides only where data
+lives, never what is computed: any layout gives one process' numbers, so a
+plan that guesses a pairing wrong costs collectives, not correctness.
 """
 
 import math

@@ -44,6 +44,7 @@ from keras.src.backend.torch.distributed.runtime import DTensor
 if runtime.DTENSOR_AVAILABLE:
     from torch.distributed.tensor import Partial
     from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard
 
 _aten = torch.ops.aten
 
@@ -155,9 +156,10 @@ def _result_placements(operands, linear, partial_axes, dim, ndim):
             placements.append(Replicate())
             continue
         shard = shards.pop()
-        if not shard.is_shard() or shard.dim == dim:
-            return None
         reference = operands[0][1]
+        # Not a strided shard: its chunks are not `torch.chunk`'s.
+        if type(shard) is not Shard or shard.dim % reference.ndim == dim:
+            return None
         for _, x in operands:
             if x.ndim != reference.ndim or (
                 x.shape[shard.dim] != reference.shape[shard.dim]
@@ -230,7 +232,7 @@ def _sole_split(x, axis):
     """Whether `x` is sharded over mesh `axis` on a dimension no other mesh
     axis shards."""
     p = x.placements[axis]
-    return p.is_shard() and not any(
+    return type(p) is Shard and not any(
         q.is_shard() and q.dim % x.ndim == p.dim % x.ndim
         for other, q in enumerate(x.placements)
         if other != axis

@@ -332,20 +332,20 @@ def _local_key_value_heads(x, query):
     heads of this process' query heads. Their gradient there is a partial
     sum: each process' query heads give their key/value heads' part."""
     mesh = query.device_mesh
-    gathered = [
+    whole = [
         mesh_dim
         for mesh_dim, own in enumerate(x.placements)
         if own != query.placements[mesh_dim]
     ]
-    if not gathered:
+    if not whole:
         return x.to_local()
     grad_placements = list(x.placements)
-    for mesh_dim in gathered:
+    for mesh_dim in whole:
         grad_placements[mesh_dim] = Partial()
     local = x.to_local(grad_placements=grad_placements)
     heads, key_heads = query.shape[2], x.shape[2]
     group = heads // key_heads
-    for mesh_dim in gathered:
+    for mesh_dim in whole:
         local_heads = heads // mesh.size(mesh_dim)
         first = mesh.get_local_rank(mesh_dim) * local_heads
         start, stop = first // group, (first + local_heads - 1) // group + 1
