@@ -87,13 +87,14 @@ def on_partial_sums(func, args, kwargs):
         where a linear operand was one, or `None` where `func` is not
         listed or its operands do not allow it (DTensor then computes it).
     """
+    # Called for every op on `DTensor`s in a step: the op is looked up first.
+    entry = _LINEAR_OPERANDS.get(func)
+    if entry is None and func is not _ADD:
+        return None
     if kwargs or torch.compiler.is_compiling():
         return None
     if func is _ADD:
         return _sum_with_shards(args)
-    entry = _LINEAR_OPERANDS.get(func)
-    if entry is None:
-        return None
     linear, dim_position = entry
     if func in _ONE_OF_DUPLICATES and not _writes_in_order(args[0]):
         return None
