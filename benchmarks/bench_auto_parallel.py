@@ -37,7 +37,18 @@ WIDE = {"intermediate_dim": 64, "shared_expert_intermediate_dim": 32}
 # `--config wide_heads`: wide, with 4 query and 2 key/value heads, so that
 # a model axis of 4 divides the query heads (as it does every preset's).
 WIDE_HEADS = dict(WIDE, num_query_heads=4, num_key_value_heads=2)
-CONFIGS = {"wide": WIDE, "wide_heads": WIDE_HEADS}
+# `--config preset_shaped`: wide_heads with a 1024-token vocabulary, so
+# that the embedding is as large a part of the model as in a preset and
+# the key/value heads as small a part: `AutoModelParallel` then replicates
+# key/value heads that the model axis does not divide (Megatron-LM's), as
+# for a preset, where in the tiny models they exceed its memory budget
+# (`auto_plan.REPLICATION_BUDGET`).
+PRESET_SHAPED = dict(WIDE_HEADS, vocabulary_size=1024)
+CONFIGS = {
+    "wide": WIDE,
+    "wide_heads": WIDE_HEADS,
+    "preset_shaped": PRESET_SHAPED,
+}
 PLANS = ("own", "auto")
 
 

@@ -120,43 +120,77 @@ def test_indivisible_heads_split_the_input_features():
     assert "heads indivisible" in recorder.reasons["key/kernel"]
 
 
-def test_too_few_key_value_heads_beside_sharded_queries_split_features():
-    class GroupedQueryAttention(keras.layers.Layer):
-        def build(self, shape):
-            # Two query heads, one key/value head (Gemma's).
-            self.query = keras.layers.EinsumDense(
-                "btd,ndh->btnh", output_shape=(None, 2, 8), name="query"
-            )
-            self.query.build(shape)
-            self.key = keras.layers.EinsumDense(
-                "bsd,kdh->bskh", output_shape=(None, 1, 8), name="key"
-            )
-            self.key.build(shape)
-            self.value = keras.layers.EinsumDense(
-                "bsd,kdh->bskh", output_shape=(None, 1, 8), name="value"
-            )
-            self.value.build(shape)
-            self.out = keras.layers.EinsumDense(
-                "btnh,nhd->btd", output_shape=(None, 16), name="out"
-            )
-            self.out.build((None, None, 2, 8))
+class _GroupedQueryAttention(keras.layers.Layer):
+    def build(self, shape):
+        # Two query heads, one key/value head (Gemma's).
+        self.query = keras.layers.EinsumDense(
+            "btd,ndh->btnh", output_shape=(None, 2, 8), name="query"
+        )
+        self.query.build(shape)
+        self.key = keras.layers.EinsumDense(
+            "bsd,kdh->bskh", output_shape=(None, 1, 8), name="key"
+        )
+        self.key.build(shape)
+        self.value = keras.layers.EinsumDense(
+            "bsd,kdh->bskh", output_shape=(None, 1, 8), name="value"
+        )
+        self.value.build(shape)
+        self.out = keras.layers.EinsumDense(
+            "btnh,nhd->btd", output_shape=(None, 16), name="out"
+        )
+        self.out.build((None, None, 2, 8))
 
-        def call(self, x):
-            return x
+    def call(self, x):
+        return x
 
+
+def _grouped_query_plan(vocabulary_size=None):
     def build():
-        GroupedQueryAttention()(np.zeros((2, 3, 16), "float32"))
+        if vocabulary_size:
+            keras.layers.Embedding(vocabulary_size, 16).build((None,))
+        _GroupedQueryAttention()(np.zeros((2, 3, 16), "float32"))
 
     recorder = _plan(build)
-    axes = {p.split("/")[-2]: a for p, a in recorder.axes.items()}
+    axes = {
+        p.split("/")[-2]: a
+        for p, a in recorder.axes.items()
+        if "embedding" not in p
+    }
+    reasons = {p.split("/")[-2]: r for p, r in recorder.reasons.items()}
+    return axes, reasons
+
+
+def test_too_few_key_value_heads_beside_sharded_queries_split_features():
+    # Alone, the key/value heads are too large a part of the model to
+    # replicate within the budget.
+    axes, reasons = _grouped_query_plan()
     # The query heads split; the one key/value head computed whole from
     # split input features; each stored at 1/2.
     assert axes["query"] == ("model", None, None)
     assert axes["key"] == (None, "model", None)
     assert axes["value"] == (None, "model", None)
     assert axes["out"] == ("model", None, None)
-    key_reason = [r for p, r in recorder.reasons.items() if "/key/" in p][0]
-    assert "heads indivisible" in key_reason
+    assert "heads indivisible" in reasons["key"]
+
+
+def test_key_value_heads_beside_sharded_queries_replicate_within_budget():
+    # After a preset-sized embedding (16384 elements), the key/value
+    # kernels (128 each, 64 beyond an even share) fit the budget: they are
+    # replicated, as Megatron-LM's, and cost no collective.
+    axes, reasons = _grouped_query_plan(vocabulary_size=1024)
+    assert axes["query"] == ("model", None, None)
+    assert axes["key"] == (None, None, None)
+    assert axes["value"] == (None, None, None)
+    assert axes["out"] == ("model", None, None)
+    assert "beside sharded query heads" in reasons["key"]
+    # A budget of nothing splits their features again.
+    budget = auto_plan.REPLICATION_BUDGET
+    auto_plan.REPLICATION_BUDGET = 0.0
+    try:
+        axes, _ = _grouped_query_plan(vocabulary_size=1024)
+    finally:
+        auto_plan.REPLICATION_BUDGET = budget
+    assert axes["key"] == (None, "model", None)
 
 
 def test_embedding_shards_vocabulary_and_2d_mesh_adds_batch_axis():

@@ -135,11 +135,18 @@ FORMERLY_FLAKY = (
 REPEATS = 3 if FULL else 2
 
 
+# Models whose key/value heads `AutoModelParallel` replicates, and the
+# meshes they run on (see `hub_catalogue.VARIANT_OF`).
+GROUPED_MODES = ("auto_1x2", "auto_1x4")
+GROUPED = tuple(hc.VARIANT_OF)
+
+
 @pytest.fixture(scope="module")
 def reference():
     """`{model: result}` in one process, pristine Keras."""
     names = {n for names in CASES.values() for n in names}
     names |= {n for names in FORMERLY_FLAKY.values() for n in names}
+    names |= set(GROUPED)
     return hc.compute_reference(sorted(names))
 
 
@@ -247,3 +254,54 @@ def test_formerly_flaky_models_give_the_same_numbers_every_time(
             assert run[0]["losses"] == first["losses"], (name, i)
             for a, b in zip(run[0]["weights"], first["weights"]):
                 np.testing.assert_array_equal(a, b, f"{name} run {i}")
+
+
+@pytest.fixture(scope="module")
+def grouped_results():
+    return {
+        mode: hc.run_mode(mode, GROUPED, log=print) for mode in GROUPED_MODES
+    }
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.parametrize("mode", GROUPED_MODES)
+def test_replicated_key_value_heads_equal_one_process(
+    mode, reference, grouped_results
+):
+    """Key/value heads that the model axis does not divide, beside split
+    query heads, are replicated over it (`auto_plan`), their gradients
+    computed as partial sums (`layer_call`, `shard_local`): the numbers are
+    one process', within the memory bound."""
+    num_processes = hc.world_size(mode)
+    replicated = 0
+    for name in GROUPED:
+        per_rank = grouped_results[mode][name]
+        problems = hc.compare(per_rank, reference["results"][name])
+        tracebacks = [r.get("traceback", "") for r in per_rank]
+        assert not problems, "\n".join(
+            [f"{mode} {name}"] + problems[:10]
+        ) + next((t for t in tracebacks if t), "")
+        local, total = per_rank[0]["parameter_bytes"]
+        assert local <= total / num_processes + AUTO_BYTES_SLACK * total
+        placements = per_rank[0]["placements"]
+        kernels = {
+            kind: [
+                p
+                for path, p in placements.items()
+                if path.endswith("kernel") and f"/{kind}" in path
+            ]
+            for kind in ("query", "key", "value")
+        }
+        assert all(kernels.values()), (name, sorted(placements))
+        assert all("Shard" in p for p in kernels["query"]), (name, kernels)
+        model_size = hc.MODES[mode][0][1]
+        if hc.CONFIGS[name]["num_key_value_heads"] % model_size == 0:
+            continue  # Heads the model axis divides: split as the query's.
+        for kind in ("key", "value"):
+            assert not any("Shard" in p for p in kernels[kind]), (
+                name,
+                kernels,
+            )
+        replicated += 1
+    # Each mesh replicates some model's key/value heads.
+    assert replicated, mode

@@ -566,3 +566,82 @@ def test_class_sharded_outputs_of_other_losses_are_left_sharded():
         _class_sharded_head_body, world_size=2, args=("mse",)
     ):
         assert result["gathered"]["comms"] == result["as_before"]["comms"]
+
+
+def _replicated_projections_body(rank, world_size):
+    import torch
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    import keras
+    from keras.src.backend.torch.distributed import layer_call
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(BATCH, DIM)).astype("float32")
+    y = rng.normal(size=(BATCH, DIM)).astype("float32")
+    rule = layer_call._partial_gradient_axes
+    results = {}
+    for mode in ("kept_partial", "as_before"):
+        if mode == "as_before":
+            layer_call._partial_gradient_axes = lambda layer, ndim: ()
+        try:
+            # Two projections with replicated kernels beside a column
+            # layer, each read by a column layer (key/value heads beside
+            # split query heads): their output gradients are partial sums.
+            distributions.use_setting(
+                "mp",
+                layout_rules={
+                    f"{name}/kernel": axes
+                    for names, axes in (
+                        (("q", "k_up", "v_up"), (None, "model")),
+                        (("q_down", "k_down", "v_down"), ("model", None)),
+                    )
+                    for name in names
+                },
+            )
+            keras.utils.set_random_seed(1)
+            inputs = keras.Input((DIM,))
+            h = keras.layers.LayerNormalization(name="norm")(inputs)
+            outputs = [inputs]
+            for name, width in (("q", HIDDEN), ("k", DIM), ("v", DIM)):
+                z = h
+                if name != "q":
+                    z = keras.layers.Dense(width, name=name)(h)
+                    name = f"{name}_up"
+                z = keras.layers.Dense(HIDDEN, "relu", name=name)(z)
+                down = name.replace("_up", "") + "_down"
+                outputs.append(keras.layers.Dense(DIM, name=down)(z))
+            model = keras.Model(inputs, keras.layers.Add()(outputs))
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+            model.train_on_batch(x, y)
+            with CommDebugMode() as comm:
+                loss = model.train_on_batch(x, y)
+            results[mode] = {
+                "comms": comm.get_total_counts(),
+                "ops": {str(k): v for k, v in comm.get_comm_counts().items()},
+                "loss": float(loss),
+                "weights": [w.numpy() for w in model.weights],
+                "k_kernel": str(model.get_layer("k").kernel.value.placements),
+            }
+        finally:
+            layer_call._partial_gradient_axes = rule
+            keras.distribution.set_distribution(None)
+    torch.distributed.barrier()
+    return results
+
+
+def test_replicated_projections_keep_partial_output_gradients():
+    # The output gradients of the two replicated projections reach them as
+    # partial sums; kept so, they join the query's at the normalization's
+    # output (one all-reduce) and their kernels' gradients join the step's
+    # reduction (one), where each projection all-reduced its own: one
+    # collective fewer, the same numbers.
+    for result in run_on_ranks(_replicated_projections_body, world_size=2):
+        kept, before = result["kept_partial"], result["as_before"]
+        assert "Shard" not in kept["k_kernel"], kept["k_kernel"]
+        assert kept["comms"] == before["comms"] - 1, (
+            kept["ops"],
+            before["ops"],
+        )
+        np.testing.assert_allclose(kept["loss"], before["loss"], rtol=1e-6)
+        for a, b in zip(kept["weights"], before["weights"]):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

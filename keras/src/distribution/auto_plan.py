@@ -40,9 +40,16 @@ row-parallel layers, counters) stay replicated over the model axis; a
 column-parallel layer's bias follows its output features.
 
 Heads the model axis does not divide (Gemma's single key/value head) are
-not sharded unevenly, nor is their head size sharded instead: the
-projection splits its input features, as a row-parallel layer does, and
-the heads are computed whole. Any other dimension the model axis does not
+not sharded unevenly, nor is their head size sharded instead. Beside query
+heads sharded over the model axis, their kernel is replicated over it, as
+Megatron-LM does for key/value heads, while the memory this costs stays
+within `REPLICATION_BUDGET` of the model created so far: each process
+computes the key/value heads whole and no collective is added, since
+their gradients, partial sums over the query heads, join the query's.
+Past the budget (a tiny model, whose key/value heads are a sizeable part
+of it), the projection splits its input features, as a row-parallel layer
+does, and the heads are computed whole from an all-reduced output. Any
+other dimension the model axis does not
 divide gives way to the next candidate dimension of the kernel, else the
 kernel is replicated over the model axis. The plan decides only where data
 lives, never what is computed: any layout gives one process' numbers, so a
@@ -63,6 +70,11 @@ STACK = "stack"
 # layer left open (a router, a gate, a classifier head) keeps its output
 # whole: its consumer (softmax, top-k) reads every feature.
 NARROW_WIDTH = 256
+# A kernel replicated over the model axis to save collectives (key/value
+# heads) may bring the parameters each process stores beyond an even
+# share to at most this fraction of the model created so far. Keeps the
+# whole model's excess, norms and biases included, well inside 5%.
+REPLICATION_BUDGET = 0.03
 
 _EQUATION = re.compile(r"^([a-zA-Z.]+),([a-zA-Z]+)->([a-zA-Z.]+)$")
 
@@ -99,6 +111,12 @@ class Plan:
         self._batch_sharded = weakref.WeakSet()
         # The root of layers created outside any other layer.
         self._root = _Root()
+        # Layers whose attention heads are sharded (a query kernel's).
+        self._head_parallel = weakref.WeakSet()
+        # Elements of the float variables planned so far, and how many of
+        # them each process stores beyond an even share.
+        self._elements = 0
+        self._excess = 0.0
 
     def layout_axes(self, variable):
         """The mesh axes of each dimension of `variable`, and why.
@@ -110,6 +128,14 @@ class Plan:
             `(axes, reason)`: a tuple of mesh axis names (or `None`), one per
             dimension, and a short text saying what decided it.
         """
+        axes, reason = self._layout_axes(variable)
+        if _is_float(variable.dtype):
+            size = math.prod(variable.shape)
+            self._elements += size
+            self._excess += self._excess_of(size, axes)
+        return axes, reason
+
+    def _layout_axes(self, variable):
         shape = tuple(variable.shape)
         if not shape:
             return (), "replicated: scalar"
@@ -227,16 +253,27 @@ class Plan:
         size = {c: shape[kernel.index(c)] for c in kernel}
         if heads_out:
             self._open_width(parent, math.prod(size[c] for c in out_only))
-            if self._indivisible(heads_out, size) and contracted:
+            indivisible = self._indivisible(heads_out, size)
+            if (
+                indivisible
+                and self._key(parent) in self._head_parallel
+                and self._within_budget(shape)
+            ):
+                return (
+                    self._axes(shape, [], lambda d: "", model=False)[0],
+                    f"replicated over model: heads indivisible by "
+                    f"{self.model_size} beside sharded query heads "
+                    f"({layer.equation}: {''.join(heads_out)})",
+                )
+            if indivisible and contracted:
                 # Heads the model axis does not divide (Gemma's one
                 # key/value head) are computed whole, from input features
                 # split as a row-parallel layer's: one all-reduce of the
-                # output. Splitting the head size instead splits every
+                # output, and one of its gradient where sharded query heads
+                # read it. Splitting the head size instead splits every
                 # attention score into partial sums: the rotary embedding's
                 # halves and the scores (the size of the attention matrix)
-                # would each take a collective. Replicating the kernel
-                # (Megatron-LM's key/value heads) would cost no collective
-                # but store it whole on every process.
+                # would each take a collective.
                 role, letters = ROW, contracted
                 what = "row-parallel over input features (heads indivisible)"
             else:
@@ -266,10 +303,30 @@ class Plan:
         ]
         if sharded:
             self._roles[layer] = (role, size[sharded[0]], sharded[0])
+            if role == COLUMN and sharded[0] in heads_out:
+                self._head_parallel.add(self._key(parent))
         return axes, reason
 
     def _indivisible(self, heads, size):
         return all(size[c] % self.model_size for c in heads)
+
+    def _within_budget(self, shape):
+        """Whether replicating a kernel of `shape` over the model axis keeps
+        the excess within `REPLICATION_BUDGET` of the model so far."""
+        size = math.prod(shape)
+        axes = self._axes(shape, [], lambda d: "", model=False)[0]
+        excess = self._excess + self._excess_of(size, axes)
+        return excess <= REPLICATION_BUDGET * (self._elements + size)
+
+    def _excess_of(self, size, axes):
+        """Elements of a variable of `size` laid out over `axes` that each
+        process stores beyond an even share."""
+        split = 1
+        if self.model_dim_name in axes:
+            split *= self.model_size
+        if self.batch_dim_name in axes and self.batch_size > 1:
+            split *= self.batch_size
+        return size / split - size / (self.model_size * self.batch_size)
 
     def _matmul_axes(self, layer, scope, parent, shape, kind):
         in_dim, out_dim = len(shape) - 2, len(shape) - 1

@@ -110,7 +110,56 @@ def call_layer(call_function, layer, *args, **kwargs):
         # The outermost call on data (not while a functional model that
         # calls this one is built): a whole model, built by now.
         layout_rules.check_model(layer, distribution)
-    return tree.map_structure(_layer_output, outputs)
+    partial_axes = ()
+    if not symbolic and torch.is_grad_enabled():
+        partial_axes = _partial_gradient_axes(layer, mesh.ndim)
+    output = functools.partial(_layer_output, partial_axes=partial_axes)
+    return tree.map_structure(output, outputs)
+
+
+def _partial_gradient_axes(layer, ndim):
+    """The mesh dimensions over which `layer`'s backward takes a partial-sum
+    output gradient as it is.
+
+    A gradient's partial sums are reduced where they are smallest and
+    fewest: once, where the value's producer gets them all. A `Dense` or
+    `EinsumDense` with no activation is linear, and its backward multiplies
+    the output gradient by its kernel: for a partial sum over an axis its
+    weights are replicated on, DTensor gives partial sums of the input and
+    weight gradients with no collective. The input's joins the other
+    partial sums its producer gets (a query's, beside key/value heads that
+    the model axis does not divide), which the producer's one all-reduce
+    makes whole, and the weights' join the step's one reduction of
+    replicated weights: the layer's own all-reduce is saved. A layer with
+    no weights hands the partial sum on, for DTensor to reduce where an op
+    needs it whole. Any other layer computes on its whole output gradient
+    (`_whole_output_gradient`).
+
+    Args:
+        layer: the layer called.
+        ndim: the number of mesh dimensions.
+
+    Returns:
+        A tuple of mesh dimension indices.
+    """
+    from keras.src import activations
+    from keras.src import layers
+
+    if not isinstance(layer, (layers.Dense, layers.EinsumDense)):
+        return tuple(range(ndim)) if not layer.weights else ()
+    if getattr(layer, "quantization_mode", None) is not None or (
+        getattr(layer, "activation", None) not in (None, activations.linear)
+    ):
+        return ()
+    axes = set(range(ndim))
+    for variable in layer.weights:
+        value = variable._value
+        # A plain tensor is a global value: replicated everywhere.
+        if isinstance(value, DTensor):
+            axes &= {
+                d for d, p in enumerate(value.placements) if not p.is_shard()
+            }
+    return tuple(sorted(axes))
 
 
 def _is_symbolic(values):
@@ -123,8 +172,14 @@ def _is_symbolic(values):
     )
 
 
-def _layer_output(x):
-    """A layer output with its partial sums and their gradients reduced."""
+def _layer_output(x, partial_axes=()):
+    """A layer output with its partial sums and their gradients reduced.
+
+    Args:
+        x: an output of a layer call.
+        partial_axes: mesh dimensions over which the output's gradient may
+            stay a partial sum (`_partial_gradient_axes`).
+    """
     if not isinstance(x, DTensor):
         return x
     mesh = x.device_mesh
@@ -143,7 +198,9 @@ def _layer_output(x):
         # it was, which the next layer may update in place.
         output.register_hook(
             functools.partial(
-                _whole_output_gradient, placements=output.placements
+                _whole_output_gradient,
+                placements=output.placements,
+                partial_axes=partial_axes,
             )
         )
     mask = get_keras_mask(x)
@@ -153,7 +210,7 @@ def _layer_output(x):
     return output
 
 
-def _whole_output_gradient(grad, placements):
+def _whole_output_gradient(grad, placements, partial_axes=()):
     """A replicated layer output's gradient, whole on the axes where the
     output is.
 
@@ -171,8 +228,12 @@ def _whole_output_gradient(grad, placements):
     if not isinstance(grad, DTensor):
         return grad
     whole = [
-        target if target.is_replicate() or p.is_partial() else p
-        for p, target in zip(grad.placements, placements)
+        p
+        if p.is_partial() and d in partial_axes
+        else target
+        if target.is_replicate() or p.is_partial()
+        else p
+        for d, (p, target) in enumerate(zip(grad.placements, placements))
     ]
     return layouts.redistribute(grad, grad.device_mesh, whole)
 

@@ -124,6 +124,7 @@ def _shard_local_einsum(subscripts, operands):
         # failed on this path in a compiled MultiHeadAttention step
         # (`InternalTorchDynamoError`, `tests/test_jit_compile.py`).
         return None
+    projection = any(isinstance(x, KerasVariable) for x in operands)
     operands = [
         x.value if isinstance(x, KerasVariable) else x for x in operands
     ]
@@ -149,6 +150,14 @@ def _shard_local_einsum(subscripts, operands):
         if label is False:
             return None
         split_labels.append(label)
+    if projection and not any(split_labels):
+        # A replicated projection (key/value heads read by split query
+        # heads) goes to DTensor, whose backward keeps a partial-sum output
+        # gradient partial: the weight's gradient joins the step's
+        # reduction, the input's the partial sums its producer reduces
+        # once. A product of two activations reduces it here instead, once,
+        # rather than leave both operands' gradients partial.
+        return None
     placements = [_output_placement(label, output) for label in split_labels]
     local_operands = [
         _local_part(x, labels, split_labels)
