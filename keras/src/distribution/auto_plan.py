@@ -49,9 +49,9 @@ their gradients, partial sums over the query heads, join the query's.
 Past the budget (a tiny model, whose key/value heads are a sizeable part
 of it), the projection splits its input features, as a row-parallel layer
 does, and the heads are computed whole from an all-reduced output. Any
-other dimension the model axis does not
-divide gives way to the next candidate dimension of the kernel, else the
-kernel is replicated over the model axis. The plan decides only where data
+other dimension the model axis does not divide gives way to the next
+candidate dimension of the kernel, else the kernel is replicated over the
+model axis. The plan decides only where data
 lives, never what is computed: any layout gives one process' numbers, so a
 plan that guesses a pairing wrong costs collectives, not correctness.
 """
@@ -259,12 +259,13 @@ class Plan:
                 and self._key(parent) in self._head_parallel
                 and self._within_budget(shape)
             ):
-                return (
-                    self._axes(shape, [], lambda d: "", model=False)[0],
+                axes, batch = self._axes(shape, [], str, model=False)
+                reason = (
                     f"replicated over model: heads indivisible by "
                     f"{self.model_size} beside sharded query heads "
-                    f"({layer.equation}: {''.join(heads_out)})",
+                    f"({layer.equation}: {''.join(heads_out)})"
                 )
+                return axes, f"{reason}; {batch}" if any(axes) else reason
             if indivisible and contracted:
                 # Heads the model axis does not divide (Gemma's one
                 # key/value head) are computed whole, from input features

@@ -3,7 +3,10 @@
 Inside a layer call (and a training step), a plain tensor is a global value
 replicated on every process, as a plain array is in JAX. Outputs that are
 partial sums (a row-parallel kernel) are reduced as the layer returns, as
-Megatron's and torch's `RowwiseParallel` layers do.
+Megatron's and torch's `RowwiseParallel` layers do, and so are the partial
+sums of a replicated output's gradient as they reach the layer (Megatron's
+`f`), but for a layer whose backward keeps them partial at no cost (a
+linear projection with replicated weights, a layer with no weights).
 """
 
 import contextlib
@@ -63,7 +66,8 @@ def call_layer(call_function, layer, *args, **kwargs):
     `replicated_plain_tensors`. Outputs that are partial sums are
     all-reduced as the layer returns them; in the backward pass, partial-sum
     gradients of replicated outputs (left by column-parallel consumers) are
-    all-reduced as they reach the layer. With
+    all-reduced as they reach the layer, unless its backward keeps them
+    partial at no cost (`_partial_gradient_axes`). With
     `KERAS_DISTRIBUTION_CHECK_REPLICATION=1`, the plain inputs of the
     outermost layer call are first checked to be identical on all processes.
     A model's first call checks its layout rules (`layout_rules`).
@@ -227,14 +231,14 @@ def _whole_output_gradient(grad, placements, partial_axes=()):
     """
     if not isinstance(grad, DTensor):
         return grad
-    whole = [
-        p
-        if p.is_partial() and d in partial_axes
-        else target
-        if target.is_replicate() or p.is_partial()
-        else p
-        for d, (p, target) in enumerate(zip(grad.placements, placements))
-    ]
+    whole = []
+    for axis, (p, target) in enumerate(zip(grad.placements, placements)):
+        if p.is_partial() and axis in partial_axes:
+            whole.append(p)
+        elif p.is_partial() or target.is_replicate():
+            whole.append(target)
+        else:
+            whole.append(p)
     return layouts.redistribute(grad, grad.device_mesh, whole)
 
 
