@@ -582,7 +582,7 @@ def _replicated_projections_body(rank, world_size):
     results = {}
     for mode in ("kept_partial", "as_before"):
         if mode == "as_before":
-            layer_call._partial_gradient_axes = lambda layer, ndim: ()
+            layer_call._partial_gradient_axes = lambda *args: ()
         try:
             # Two projections with replicated kernels beside a column
             # layer, each read by a column layer (key/value heads beside
@@ -644,4 +644,58 @@ def test_replicated_projections_keep_partial_output_gradients():
         )
         np.testing.assert_allclose(kept["loss"], before["loss"], rtol=1e-6)
         for a, b in zip(kept["weights"], before["weights"]):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _merging_layer_body(rank, world_size):
+    import torch
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    import keras
+    from keras.src.backend.torch.distributed import layer_call
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(BATCH, DIM)).astype("float32")
+    y = rng.normal(size=(BATCH, DIM)).astype("float32")
+    count = layer_call._differentiated_inputs
+    results = {}
+    for mode in ("merged_once", "handed_on"):
+        if mode == "handed_on":
+            layer_call._differentiated_inputs = lambda inputs: 1
+        try:
+            distributions.use_setting("mp", layout_rules=LAYOUT_RULES)
+            keras.utils.set_random_seed(1)
+            inputs = keras.Input((DIM,))
+            # Two normalizations (layers with weights: each computes on its
+            # whole output gradient) merged by an `Add` (no weights, two
+            # inputs) that a column-parallel layer reads.
+            a = keras.layers.LayerNormalization(name="norm_a")(inputs)
+            b = keras.layers.LayerNormalization(name="norm_b")(inputs)
+            h = keras.layers.Add()([a, b])
+            h = keras.layers.Dense(HIDDEN, "relu", name="fc1")(h)
+            model = keras.Model(inputs, keras.layers.Dense(DIM, name="fc2")(h))
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+            model.train_on_batch(x, y)
+            with CommDebugMode() as comm:
+                loss = model.train_on_batch(x, y)
+            results[mode] = {
+                "comms": comm.get_total_counts(),
+                "loss": float(loss),
+                "weights": [w.numpy() for w in model.weights],
+            }
+        finally:
+            layer_call._differentiated_inputs = count
+            keras.distribution.set_distribution(None)
+    torch.distributed.barrier()
+    return results
+
+
+def test_a_layer_merging_inputs_reduces_its_partial_gradient_once():
+    # Handed on through the `Add`, the partial gradient would reach both
+    # normalizations, and each would all-reduce it.
+    for result in run_on_ranks(_merging_layer_body, world_size=2):
+        once, handed_on = result["merged_once"], result["handed_on"]
+        assert once["comms"] == handed_on["comms"] - 1, result
+        np.testing.assert_allclose(once["loss"], handed_on["loss"], rtol=1e-6)
+        for a, b in zip(once["weights"], handed_on["weights"]):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

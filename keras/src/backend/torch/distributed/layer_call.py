@@ -116,12 +116,12 @@ def call_layer(call_function, layer, *args, **kwargs):
         layout_rules.check_model(layer, distribution)
     partial_axes = ()
     if not symbolic and torch.is_grad_enabled():
-        partial_axes = _partial_gradient_axes(layer, mesh.ndim)
+        partial_axes = _partial_gradient_axes(layer, mesh.ndim, (args, kwargs))
     output = functools.partial(_layer_output, partial_axes=partial_axes)
     return tree.map_structure(output, outputs)
 
 
-def _partial_gradient_axes(layer, ndim):
+def _partial_gradient_axes(layer, ndim, inputs):
     """The mesh dimensions over which `layer`'s backward takes a partial-sum
     output gradient as it is.
 
@@ -135,13 +135,16 @@ def _partial_gradient_axes(layer, ndim):
     the model axis does not divide), which the producer's one all-reduce
     makes whole, and the weights' join the step's one reduction of
     replicated weights: the layer's own all-reduce is saved. A layer with
-    no weights hands the partial sum on, for DTensor to reduce where an op
-    needs it whole. Any other layer computes on its whole output gradient
+    no weights and one input that needs a gradient (a rotary embedding)
+    hands the partial sum on to it, for DTensor to reduce where an op needs
+    it whole; with several (an `Add`, a `Dot`), each would get partial sums
+    to reduce. Any other layer computes on its whole output gradient
     (`_whole_output_gradient`).
 
     Args:
         layer: the layer called.
         ndim: the number of mesh dimensions.
+        inputs: the arguments of the call.
 
     Returns:
         A tuple of mesh dimension indices.
@@ -150,7 +153,9 @@ def _partial_gradient_axes(layer, ndim):
     from keras.src import layers
 
     if not isinstance(layer, (layers.Dense, layers.EinsumDense)):
-        return tuple(range(ndim)) if not layer.weights else ()
+        if layer.weights or _differentiated_inputs(inputs) > 1:
+            return ()
+        return tuple(range(ndim))
     if getattr(layer, "quantization_mode", None) is not None or (
         getattr(layer, "activation", None) not in (None, activations.linear)
     ):
@@ -164,6 +169,15 @@ def _partial_gradient_axes(layer, ndim):
                 d for d, p in enumerate(value.placements) if not p.is_shard()
             }
     return tuple(sorted(axes))
+
+
+def _differentiated_inputs(inputs):
+    """How many tensors of `inputs` need a gradient."""
+    return sum(
+        1
+        for x in tree.flatten(inputs)
+        if isinstance(x, torch.Tensor) and x.requires_grad
+    )
 
 
 def _is_symbolic(values):
