@@ -568,50 +568,35 @@ def test_class_sharded_outputs_of_other_losses_are_left_sharded():
         assert result["gathered"]["comms"] == result["as_before"]["comms"]
 
 
-def _replicated_projections_body(rank, world_size):
+def _counted_steps_both_ways(build, module, name, replacement, modes):
+    """A model's counted step, as it is and with `module.<name>` replaced.
+
+    Args:
+        build: sets the distribution and returns a compiled model.
+        module: the module whose attribute the second run replaces.
+        name: the attribute.
+        replacement: its value in the second run.
+        modes: the names of the two runs' results.
+
+    Returns:
+        `{mode: {"comms", "ops", "loss", "weights", "placements"}}`.
+    """
     import torch
     from torch.distributed.tensor.debug import CommDebugMode
 
     import keras
-    from keras.src.backend.torch.distributed import layer_call
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(BATCH, DIM)).astype("float32")
     y = rng.normal(size=(BATCH, DIM)).astype("float32")
-    rule = layer_call._partial_gradient_axes
+    original = getattr(module, name)
     results = {}
-    for mode in ("kept_partial", "as_before"):
-        if mode == "as_before":
-            layer_call._partial_gradient_axes = lambda *args: ()
+    for mode in modes:
+        if mode == modes[1]:
+            setattr(module, name, replacement)
         try:
-            # Two projections with replicated kernels beside a column
-            # layer, each read by a column layer (key/value heads beside
-            # split query heads): their output gradients are partial sums.
-            distributions.use_setting(
-                "mp",
-                layout_rules={
-                    f"{name}/kernel": axes
-                    for names, axes in (
-                        (("q", "k_up", "v_up"), (None, "model")),
-                        (("q_down", "k_down", "v_down"), ("model", None)),
-                    )
-                    for name in names
-                },
-            )
             keras.utils.set_random_seed(1)
-            inputs = keras.Input((DIM,))
-            h = keras.layers.LayerNormalization(name="norm")(inputs)
-            outputs = [inputs]
-            for name, width in (("q", HIDDEN), ("k", DIM), ("v", DIM)):
-                z = h
-                if name != "q":
-                    z = keras.layers.Dense(width, name=name)(h)
-                    name = f"{name}_up"
-                z = keras.layers.Dense(HIDDEN, "relu", name=name)(z)
-                down = name.replace("_up", "") + "_down"
-                outputs.append(keras.layers.Dense(DIM, name=down)(z))
-            model = keras.Model(inputs, keras.layers.Add()(outputs))
-            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+            model = build()
             model.train_on_batch(x, y)
             with CommDebugMode() as comm:
                 loss = model.train_on_batch(x, y)
@@ -620,13 +605,66 @@ def _replicated_projections_body(rank, world_size):
                 "ops": {str(k): v for k, v in comm.get_comm_counts().items()},
                 "loss": float(loss),
                 "weights": [w.numpy() for w in model.weights],
-                "k_kernel": str(model.get_layer("k").kernel.value.placements),
+                "placements": {
+                    w.path: str(getattr(w.value, "placements", None))
+                    for w in model.weights
+                },
             }
         finally:
-            layer_call._partial_gradient_axes = rule
+            setattr(module, name, original)
             keras.distribution.set_distribution(None)
     torch.distributed.barrier()
     return results
+
+
+def _assert_one_collective_fewer(fewer, more):
+    assert fewer["comms"] == more["comms"] - 1, (fewer["ops"], more["ops"])
+    np.testing.assert_allclose(fewer["loss"], more["loss"], rtol=1e-6)
+    for a, b in zip(fewer["weights"], more["weights"]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _replicated_projections_body(rank, world_size):
+    import keras
+    from keras.src.backend.torch.distributed import layer_call
+
+    def build():
+        # Two projections with replicated kernels beside a column layer,
+        # each read by a column layer (key/value heads beside split query
+        # heads): their output gradients are partial sums.
+        distributions.use_setting(
+            "mp",
+            layout_rules={
+                f"{name}/kernel": axes
+                for names, axes in (
+                    (("q", "k_up", "v_up"), (None, "model")),
+                    (("q_down", "k_down", "v_down"), ("model", None)),
+                )
+                for name in names
+            },
+        )
+        inputs = keras.Input((DIM,))
+        h = keras.layers.LayerNormalization(name="norm")(inputs)
+        outputs = [inputs]
+        for name, width in (("q", HIDDEN), ("k", DIM), ("v", DIM)):
+            z = h
+            if name != "q":
+                z = keras.layers.Dense(width, name=name)(h)
+                name = f"{name}_up"
+            z = keras.layers.Dense(HIDDEN, "relu", name=name)(z)
+            down = name.replace("_up", "") + "_down"
+            outputs.append(keras.layers.Dense(DIM, name=down)(z))
+        model = keras.Model(inputs, keras.layers.Add()(outputs))
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        return model
+
+    return _counted_steps_both_ways(
+        build,
+        layer_call,
+        "_partial_gradient_axes",
+        lambda *args: (),
+        ("kept_partial", "as_before"),
+    )
 
 
 def test_replicated_projections_keep_partial_output_gradients():
@@ -637,65 +675,40 @@ def test_replicated_projections_keep_partial_output_gradients():
     # collective fewer, the same numbers.
     for result in run_on_ranks(_replicated_projections_body, world_size=2):
         kept, before = result["kept_partial"], result["as_before"]
-        assert "Shard" not in kept["k_kernel"], kept["k_kernel"]
-        assert kept["comms"] == before["comms"] - 1, (
-            kept["ops"],
-            before["ops"],
-        )
-        np.testing.assert_allclose(kept["loss"], before["loss"], rtol=1e-6)
-        for a, b in zip(kept["weights"], before["weights"]):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        k_kernel = kept["placements"]["k/kernel"]
+        assert "Shard" not in k_kernel, k_kernel
+        _assert_one_collective_fewer(kept, before)
 
 
 def _merging_layer_body(rank, world_size):
-    import torch
-    from torch.distributed.tensor.debug import CommDebugMode
-
     import keras
     from keras.src.backend.torch.distributed import layer_call
 
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(BATCH, DIM)).astype("float32")
-    y = rng.normal(size=(BATCH, DIM)).astype("float32")
-    count = layer_call._differentiated_inputs
-    results = {}
-    for mode in ("merged_once", "handed_on"):
-        if mode == "handed_on":
-            layer_call._differentiated_inputs = lambda inputs: 1
-        try:
-            distributions.use_setting("mp", layout_rules=LAYOUT_RULES)
-            keras.utils.set_random_seed(1)
-            inputs = keras.Input((DIM,))
-            # Two normalizations (layers with weights: each computes on its
-            # whole output gradient) merged by an `Add` (no weights, two
-            # inputs) that a column-parallel layer reads.
-            a = keras.layers.LayerNormalization(name="norm_a")(inputs)
-            b = keras.layers.LayerNormalization(name="norm_b")(inputs)
-            h = keras.layers.Add()([a, b])
-            h = keras.layers.Dense(HIDDEN, "relu", name="fc1")(h)
-            model = keras.Model(inputs, keras.layers.Dense(DIM, name="fc2")(h))
-            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-            model.train_on_batch(x, y)
-            with CommDebugMode() as comm:
-                loss = model.train_on_batch(x, y)
-            results[mode] = {
-                "comms": comm.get_total_counts(),
-                "loss": float(loss),
-                "weights": [w.numpy() for w in model.weights],
-            }
-        finally:
-            layer_call._differentiated_inputs = count
-            keras.distribution.set_distribution(None)
-    torch.distributed.barrier()
-    return results
+    def build():
+        distributions.use_setting("mp", layout_rules=LAYOUT_RULES)
+        inputs = keras.Input((DIM,))
+        # Two normalizations (layers with weights: each computes on its
+        # whole output gradient) merged by an `Add` (no weights, two
+        # inputs) that a column-parallel layer reads.
+        a = keras.layers.LayerNormalization(name="norm_a")(inputs)
+        b = keras.layers.LayerNormalization(name="norm_b")(inputs)
+        h = keras.layers.Add()([a, b])
+        h = keras.layers.Dense(HIDDEN, "relu", name="fc1")(h)
+        model = keras.Model(inputs, keras.layers.Dense(DIM, name="fc2")(h))
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        return model
+
+    return _counted_steps_both_ways(
+        build,
+        layer_call,
+        "_differentiated_inputs",
+        lambda inputs: 1,
+        ("merged_once", "handed_on"),
+    )
 
 
 def test_a_layer_merging_inputs_reduces_its_partial_gradient_once():
     # Handed on through the `Add`, the partial gradient would reach both
     # normalizations, and each would all-reduce it.
     for result in run_on_ranks(_merging_layer_body, world_size=2):
-        once, handed_on = result["merged_once"], result["handed_on"]
-        assert once["comms"] == handed_on["comms"] - 1, result
-        np.testing.assert_allclose(once["loss"], handed_on["loss"], rtol=1e-6)
-        for a, b in zip(once["weights"], handed_on["weights"]):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        _assert_one_collective_fewer(result["merged_once"], result["handed_on"])

@@ -19,8 +19,9 @@ layout (`add_variable_from_reference`). Tracing the model first is not
 possible for a model that does not exist yet (a preset's constructor builds
 it), and a trace under torch would not be backend-agnostic.
 
-What it reads: the layer that creates the variable (Keras opens a name scope
-with the layer as its caller around `add_weight`) and the layer around it.
+What it reads (`layer_reading`): the layer that creates the variable (Keras
+opens a name scope with the layer as its caller around `add_weight`) and the
+layer around it.
 Keras builds layers in the order data flows through them: a functional or
 `Sequential` model builds each layer when it is called on its symbolic
 inputs, a subclassed model or block builds its sublayers at its first call
@@ -57,10 +58,9 @@ plan that guesses a pairing wrong costs collectives, not correctness.
 """
 
 import math
-import re
 import weakref
 
-from keras.src.backend.common import global_state
+from keras.src.distribution import layer_reading
 
 # Roles a kernel can take in the plan.
 COLUMN = "column"
@@ -75,8 +75,6 @@ NARROW_WIDTH = 256
 # share to at most this fraction of the model created so far. Keeps the
 # whole model's excess, norms and biases included, well inside 5%.
 REPLICATION_BUDGET = 0.03
-
-_EQUATION = re.compile(r"^([a-zA-Z.]+),([a-zA-Z]+)->([a-zA-Z.]+)$")
 
 
 class Plan:
@@ -141,13 +139,13 @@ class Plan:
             return (), "replicated: scalar"
         if not _is_float(variable.dtype):
             return (None,) * len(shape), "replicated: not a float tensor"
-        layer, parent = _creating_layers()
+        layer, parent = layer_reading.creating_layers()
         if len(shape) == 1 or variable.name == "bias":
             axes, reason = self._vector_axes(variable, layer)
             if variable.trainable and self._gathered_with_block(layer, parent):
                 return self._batch_axes(shape, axes, reason)
             return axes, reason
-        kind = _layer_kind(layer)
+        kind = layer_reading.layer_kind(layer)
         if kind == "embedding":
             axes, reason = self._embedding_axes(layer, shape)
         elif kind == "einsum" and variable.name == "kernel":
@@ -182,7 +180,9 @@ class Plan:
                 "vector" if len(shape) == 1 else "bias"
             )
         if len(role) > 2:
-            axes = _einsum_bias_axes(layer, shape, role[2], self._model_axis())
+            axes = layer_reading.einsum_bias_axes(
+                layer, shape, role[2], self._model_axis()
+            )
             if axes is not None:
                 return axes, "column-parallel bias (heads)"
         elif shape[-1] == role[1]:
@@ -242,7 +242,7 @@ class Plan:
         return self._axes(shape, order, lambda d: f"embedding {what[d]}")
 
     def _einsum_axes(self, layer, parent, shape):
-        parsed = _parse_equation(getattr(layer, "equation", ""))
+        parsed = layer_reading.parse_equation(getattr(layer, "equation", ""))
         if parsed is None or len(parsed[1]) != len(shape):
             return self._matmul_axes(layer, parent, parent, shape, "einsum")
         inputs, kernel, output = parsed
@@ -460,63 +460,6 @@ class Plan:
 
 class _Root:
     """The enclosing "layer" of layers created outside any layer."""
-
-
-def _creating_layers():
-    """The layer creating a variable now, and the layer around it."""
-    from keras.src.layers.layer import Layer
-
-    stack = global_state.get_global_attribute("name_scope_stack") or []
-    layers = []
-    for scope in stack:
-        caller = getattr(scope, "caller", None)
-        if isinstance(caller, Layer) and (
-            not layers or layers[-1] is not caller
-        ):
-            layers.append(caller)
-    layer = layers[-1] if layers else None
-    parent = layers[-2] if len(layers) > 1 else None
-    return layer, parent
-
-
-def _layer_kind(layer):
-    from keras.src import layers
-
-    if isinstance(layer, layers.Embedding):
-        return "embedding"
-    if isinstance(layer, layers.EinsumDense):
-        return "einsum"
-    if isinstance(layer, layers.Dense):
-        return "dense"
-    if "Conv" in type(layer).__name__:
-        return "conv"
-    return "layer"
-
-
-def _parse_equation(equation):
-    """`(input, kernel, output)` letters of an `EinsumDense` equation."""
-    match = _EQUATION.match(equation.replace(" ", ""))
-    if match is None:
-        return None
-    inputs, kernel, output = match.groups()
-    return inputs.replace(".", ""), kernel, output.replace(".", "")
-
-
-def _einsum_bias_axes(layer, shape, letter, axis_name):
-    """Axes of an `EinsumDense` bias sharding kernel letter `letter`.
-
-    Keras shapes the bias like the output from its first bias axis on.
-    """
-    parsed = _parse_equation(getattr(layer, "equation", ""))
-    bias_axes = getattr(layer, "bias_axes", None)
-    if parsed is None or not bias_axes:
-        return None
-    output = parsed[2]
-    first = min(output.index(c) for c in bias_axes if c in output)
-    letters = output[first:]
-    if len(letters) != len(shape) or letter not in letters:
-        return None
-    return tuple(axis_name if c == letter else None for c in letters)
 
 
 def _is_narrow(in_width, out_width):

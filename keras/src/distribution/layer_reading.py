@@ -1,0 +1,96 @@
+"""What the auto plan reads of a layer (`auto_plan`).
+
+Which layer creates a variable (and the layer around it), what kind of
+computation a layer is, and the letters of an `EinsumDense` equation: the
+facts the planner decides from, kept apart from its decisions.
+"""
+
+import re
+
+from keras.src.backend.common import global_state
+
+_EQUATION = re.compile(r"^([a-zA-Z.]+),([a-zA-Z]+)->([a-zA-Z.]+)$")
+
+
+def creating_layers():
+    """The layer creating a variable now, and the layer around it.
+
+    Keras opens a name scope with the layer as its caller around
+    `add_weight`; the innermost two such layers are read.
+
+    Returns:
+        `(layer, parent)`, either `None` where there is none.
+    """
+    from keras.src.layers.layer import Layer
+
+    stack = global_state.get_global_attribute("name_scope_stack") or []
+    layers = []
+    for scope in stack:
+        caller = getattr(scope, "caller", None)
+        if isinstance(caller, Layer) and (
+            not layers or layers[-1] is not caller
+        ):
+            layers.append(caller)
+    layer = layers[-1] if layers else None
+    parent = layers[-2] if len(layers) > 1 else None
+    return layer, parent
+
+
+def layer_kind(layer):
+    """What a layer computes, for the planner: `"embedding"`, `"einsum"`,
+    `"dense"`, `"conv"` or `"layer"` (anything else)."""
+    from keras.src import layers
+
+    if isinstance(layer, layers.Embedding):
+        return "embedding"
+    if isinstance(layer, layers.EinsumDense):
+        return "einsum"
+    if isinstance(layer, layers.Dense):
+        return "dense"
+    if "Conv" in type(layer).__name__:
+        return "conv"
+    return "layer"
+
+
+def parse_equation(equation):
+    """The letters of an `EinsumDense` equation.
+
+    Args:
+        equation: e.g. `"btd,ndh->btnh"`.
+
+    Returns:
+        `(input, kernel, output)` letters (ellipses dropped), or `None` if
+        the equation is not of two operands.
+    """
+    match = _EQUATION.match(equation.replace(" ", ""))
+    if match is None:
+        return None
+    inputs, kernel, output = match.groups()
+    return inputs.replace(".", ""), kernel, output.replace(".", "")
+
+
+def einsum_bias_axes(layer, shape, letter, axis_name):
+    """Axes of an `EinsumDense` bias sharding kernel letter `letter`.
+
+    Keras shapes the bias like the output from its first bias axis on.
+
+    Args:
+        layer: the `EinsumDense`.
+        shape: the bias' shape.
+        letter: the kernel letter sharded.
+        axis_name: the mesh axis it is sharded over.
+
+    Returns:
+        A tuple of mesh axis names (or `None`), or `None` if the bias does
+        not have the letter.
+    """
+    parsed = parse_equation(getattr(layer, "equation", ""))
+    bias_axes = getattr(layer, "bias_axes", None)
+    if parsed is None or not bias_axes:
+        return None
+    output = parsed[2]
+    first = min(output.index(c) for c in bias_axes if c in output)
+    letters = output[first:]
+    if len(letters) != len(shape) or letter not in letters:
+        return None
+    return tuple(axis_name if c == letter else None for c in letters)
