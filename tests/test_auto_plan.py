@@ -193,6 +193,45 @@ def test_key_value_heads_beside_sharded_queries_replicate_within_budget():
     assert axes["key"] == (None, "model", None)
 
 
+def _narrow_blocks():
+    # Narrow blocks: their row biases and norms are a twelfth of the model,
+    # as the vectors of a tiny config are.
+    inputs = keras.Input((8,))
+    x = inputs
+    for i in range(4):
+        x = keras.layers.Dense(16, activation="gelu", name=f"up{i}")(x)
+        x = keras.layers.Dense(8, name=f"down{i}")(x)
+        x = keras.layers.LayerNormalization(name=f"norm{i}")(x)
+    return keras.Model(inputs, x)
+
+
+def test_replicated_weights_past_the_share_bound_are_sharded():
+    bound = 1 / 4 + auto_plan.SHARE_BOUND
+    built = {}
+    recorder = _plan(
+        lambda: built.setdefault("model", _narrow_blocks()),
+        {"batch": 1, "model": 4},
+    )
+    weights = built["model"].weights
+    assert recorder.share(weights) <= bound + 1e-9
+    # Replicated while the running excess fits the bound (the first row
+    # bias), sharded over the model axis once it would not.
+    assert recorder.axes["down0/bias"] == (None,)
+    past = [p for p, r in recorder.reasons.items() if "past" in r]
+    assert past and all(recorder.axes[p] == ("model",) for p in past)
+    # Without the bound, every process would store more than it allows.
+    saved = auto_plan.SHARE_BOUND
+    auto_plan.SHARE_BOUND = 1.0
+    try:
+        recorder = _plan(
+            lambda: built.update(model=_narrow_blocks()),
+            {"batch": 1, "model": 4},
+        )
+    finally:
+        auto_plan.SHARE_BOUND = saved
+    assert recorder.share(built["model"].weights) > bound
+
+
 def test_embedding_shards_vocabulary_and_2d_mesh_adds_batch_axis():
     def build():
         keras.layers.Embedding(48, 16, name="embed").build((None,))
@@ -211,12 +250,13 @@ def test_a_blocks_vectors_join_its_gather_over_the_batch_axis():
         def __init__(self, **kwargs):
             super().__init__(**kwargs)
             self.norm = keras.layers.LayerNormalization(name="norm")
-            self.up = keras.layers.Dense(32, name="up")
+            self.up = keras.layers.Dense(128, name="up")
             self.down = keras.layers.Dense(8, name="down")
 
         def call(self, x):
             return self.down(self.up(self.norm(x)))
 
+    # Wide enough that what stays replicated is within `SHARE_BOUND`.
     def build():
         inputs = keras.Input((8,))
         x = Block(name="block")(inputs)

@@ -73,9 +73,10 @@ CI_CASES = {
     "own_1x2": ("Gemma",),
     "own_2x2": ("Llama",),
     # AutoModelParallel: a model with one key/value head (indivisible); a
-    # 4-way model axis; experts on a 2-D mesh.
+    # 4-way model axis, and a model whose replicated weights would pass
+    # `auto_plan.SHARE_BOUND` there; experts on a 2-D mesh.
     "auto_1x2": ("Gemma",),
-    "auto_1x4": ("Llama",),
+    "auto_1x4": ("Llama", "RWKV7"),
     "auto_2x2": ("Qwen3Moe",),
 }
 # Failure kinds CI leaves to the full sweep: each costs the watchdog.

@@ -52,15 +52,26 @@ of it), the projection splits its input features, as a row-parallel layer
 does, and the heads are computed whole from an all-reduced output. Any
 other dimension the model axis does not divide gives way to the next
 candidate dimension of the kernel, else the kernel is replicated over the
-model axis. The plan decides only where data
-lives, never what is computed: any layout gives one process' numbers, so a
-plan that guesses a pairing wrong costs collectives, not correctness.
+model axis.
+
+What every process stores beyond an even share (replicated vectors,
+narrow projections, key/value heads) is kept within `SHARE_BOUND` of the
+model created so far: past it, a weight the plan would replicate over the
+model axis is sharded over it instead, ZeRO-like (each process stores a
+shard, gathered where it is used: a collective or two per use). Only a
+model whose replicated weights are a sizeable part of it (a tiny config,
+width 16) reaches the bound; a preset stays well inside it.
+
+The plan decides only where data lives, never what is computed: any layout
+gives one process' numbers, so a plan that guesses a pairing wrong costs
+collectives, not correctness.
 """
 
 import math
 import weakref
 
 from keras.src.distribution import layer_reading
+from keras.src.distribution import plan_share
 
 # Roles a kernel can take in the plan.
 COLUMN = "column"
@@ -75,6 +86,13 @@ NARROW_WIDTH = 256
 # share to at most this fraction of the model created so far. Keeps the
 # whole model's excess, norms and biases included, well inside 5%.
 REPLICATION_BUDGET = 0.03
+# What each process stores beyond an even share may reach at most this
+# fraction of the model created so far (the acceptance bound is 5%): past
+# it, a weight the plan would replicate over the model axis (a norm scale,
+# a row-parallel bias, a narrow projection) is sharded over it instead, and
+# gathered where it is used. Only a model whose replicated weights are a
+# sizeable part of it (a tiny config) comes near it.
+SHARE_BOUND = 0.04
 
 
 class Plan:
@@ -111,10 +129,10 @@ class Plan:
         self._root = _Root()
         # Layers whose attention heads are sharded (a query kernel's).
         self._head_parallel = weakref.WeakSet()
-        # Elements of the float variables planned so far, and how many of
-        # them each process stores beyond an even share.
-        self._elements = 0
-        self._excess = 0.0
+        # What each process stores beyond an even share, so far.
+        self._share = plan_share.PlanShare(
+            model_dim_name, self.model_size, batch_dim_name, self.batch_size
+        )
 
     def layout_axes(self, variable):
         """The mesh axes of each dimension of `variable`, and why.
@@ -128,9 +146,9 @@ class Plan:
         """
         axes, reason = self._layout_axes(variable)
         if _is_float(variable.dtype):
-            size = math.prod(variable.shape)
-            self._elements += size
-            self._excess += self._excess_of(size, axes)
+            shape = tuple(variable.shape)
+            axes, reason = self._bounded(shape, axes, reason)
+            self._share.record(shape, axes)
         return axes, reason
 
     def _layout_axes(self, variable):
@@ -314,20 +332,29 @@ class Plan:
     def _within_budget(self, shape):
         """Whether replicating a kernel of `shape` over the model axis keeps
         the excess within `REPLICATION_BUDGET` of the model so far."""
-        size = math.prod(shape)
         axes = self._axes(shape, [], lambda d: "", model=False)[0]
-        excess = self._excess + self._excess_of(size, axes)
-        return excess <= REPLICATION_BUDGET * (self._elements + size)
+        return self._share.within(shape, axes, REPLICATION_BUDGET)
 
-    def _excess_of(self, size, axes):
-        """Elements of a variable of `size` laid out over `axes` that each
-        process stores beyond an even share."""
-        split = 1
-        if self.model_dim_name in axes:
-            split *= self.model_size
-        if self.batch_dim_name in axes and self.batch_size > 1:
-            split *= self.batch_size
-        return size / split - size / (self.model_size * self.batch_size)
+    def _bounded(self, shape, axes, reason):
+        """`axes`, or a weight replicated over the model axis sharded over
+        it where replicating it would pass `SHARE_BOUND`.
+
+        Not judged before the first variable sharded over the model axis:
+        what precedes a model's first kernel (an input norm) is all the
+        model there is so far, and every such vector would pass the bound.
+        """
+        if not self._share.sharded or self._share.within(
+            shape, axes, SHARE_BOUND
+        ):
+            return axes, reason
+        sharded = self._share.over_model(shape, axes)
+        if sharded is None:
+            return axes, reason
+        dim = sharded.index(self.model_dim_name)
+        return sharded, (
+            f"dimension {dim} over model: replicated weights past "
+            f"{SHARE_BOUND:.0%} of the model ({reason})"
+        )
 
     def _matmul_axes(self, layer, scope, parent, shape, kind):
         in_dim, out_dim = len(shape) - 2, len(shape) - 1
