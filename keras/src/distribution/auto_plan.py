@@ -239,17 +239,13 @@ class Plan:
         """
         if self.batch_dim_name in axes:
             return axes, reason
-        free = sorted(
-            (d for d, a in enumerate(axes) if a is None),
-            key=lambda d: -shape[d],
+        batched = plan_share.on_free_dimension(
+            shape, axes, self.batch_dim_name, self.batch_size
         )
-        for d in free:
-            if shape[d] % self.batch_size == 0:
-                batched = list(axes)
-                batched[d] = self.batch_dim_name
-                batch = f"dimension {d} over batch"
-                return tuple(batched), f"{reason}; {batch}" if reason else batch
-        return axes, reason
+        if batched is None:
+            return axes, reason
+        batch = f"dimension {batched.index(self.batch_dim_name)} over batch"
+        return batched, f"{reason}; {batch}" if reason else batch
 
     def _embedding_axes(self, layer, shape):
         vocab_dim = 0 if shape == (layer.input_dim, layer.output_dim) else 1

@@ -62,13 +62,30 @@ class PlanShare:
         divides, or `None` if none does (or the variable has it already)."""
         if self.model_size == 1 or self.model_dim_name in axes:
             return None
-        free = sorted(
-            (d for d, a in enumerate(axes) if a is None),
-            key=lambda d: -shape[d],
+        return on_free_dimension(
+            shape, axes, self.model_dim_name, self.model_size
         )
-        for d in free:
-            if shape[d] % self.model_size == 0:
-                sharded = list(axes)
-                sharded[d] = self.model_dim_name
-                return tuple(sharded)
-        return None
+
+
+def on_free_dimension(shape, axes, axis_name, axis_size):
+    """`axes` with `axis_name` on the largest dimension of `shape` that no
+    axis shards and `axis_size` divides, or `None` if none.
+
+    Args:
+        shape: the variable's shape.
+        axes: the mesh axis of each dimension (or `None`).
+        axis_name: the mesh axis to add.
+        axis_size: its length.
+
+    Returns:
+        A tuple of mesh axis names (or `None`), or `None`.
+    """
+    free = sorted(
+        (d for d, a in enumerate(axes) if a is None), key=lambda d: -shape[d]
+    )
+    for d in free:
+        if shape[d] % axis_size == 0:
+            placed = list(axes)
+            placed[d] = axis_name
+            return tuple(placed)
+    return None
