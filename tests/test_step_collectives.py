@@ -624,42 +624,62 @@ def _assert_one_collective_fewer(fewer, more):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def _replicated_projections_body(rank, world_size):
+def _projections_model(key_in_block=False):
+    """Two projections with replicated kernels beside a column layer, each
+    read by a column layer (key/value heads beside split query heads):
+    their output gradients are partial sums. With `key_in_block`, the key
+    projection is called by a block with weights of its own, which returns
+    the projection's output as it is."""
     import keras
+
+    class Block(keras.layers.Layer):
+        # Its own weight puts it among the layers that compute on their
+        # whole output gradient.
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.key = keras.layers.Dense(DIM, name="k")
+            self.steps = self.add_weight(
+                shape=(), initializer="zeros", trainable=False, name="steps"
+            )
+
+        def call(self, x):
+            return self.key(x)
+
+    distributions.use_setting(
+        "mp",
+        layout_rules={
+            f"{name}/kernel": axes
+            for names, axes in (
+                (("q", "k_up", "v_up"), (None, "model")),
+                (("q_down", "k_down", "v_down"), ("model", None)),
+            )
+            for name in names
+        },
+    )
+    inputs = keras.Input((DIM,))
+    h = keras.layers.LayerNormalization(name="norm")(inputs)
+    outputs = [inputs]
+    for name, width in (("q", HIDDEN), ("k", DIM), ("v", DIM)):
+        z = h
+        if name == "k" and key_in_block:
+            z = Block(name="block")(h)
+        elif name != "q":
+            z = keras.layers.Dense(width, name=name)(h)
+        if name != "q":
+            name = f"{name}_up"
+        z = keras.layers.Dense(HIDDEN, "relu", name=name)(z)
+        down = name.replace("_up", "") + "_down"
+        outputs.append(keras.layers.Dense(DIM, name=down)(z))
+    model = keras.Model(inputs, keras.layers.Add()(outputs))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    return model
+
+
+def _replicated_projections_body(rank, world_size):
     from keras.src.backend.torch.distributed import layer_call
 
-    def build():
-        # Two projections with replicated kernels beside a column layer,
-        # each read by a column layer (key/value heads beside split query
-        # heads): their output gradients are partial sums.
-        distributions.use_setting(
-            "mp",
-            layout_rules={
-                f"{name}/kernel": axes
-                for names, axes in (
-                    (("q", "k_up", "v_up"), (None, "model")),
-                    (("q_down", "k_down", "v_down"), ("model", None)),
-                )
-                for name in names
-            },
-        )
-        inputs = keras.Input((DIM,))
-        h = keras.layers.LayerNormalization(name="norm")(inputs)
-        outputs = [inputs]
-        for name, width in (("q", HIDDEN), ("k", DIM), ("v", DIM)):
-            z = h
-            if name != "q":
-                z = keras.layers.Dense(width, name=name)(h)
-                name = f"{name}_up"
-            z = keras.layers.Dense(HIDDEN, "relu", name=name)(z)
-            down = name.replace("_up", "") + "_down"
-            outputs.append(keras.layers.Dense(DIM, name=down)(z))
-        model = keras.Model(inputs, keras.layers.Add()(outputs))
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-        return model
-
     return _counted_steps_both_ways(
-        build,
+        _projections_model,
         layer_call,
         "_partial_gradient_axes",
         lambda *args: (),
@@ -712,3 +732,25 @@ def test_a_layer_merging_inputs_reduces_its_partial_gradient_once():
     # normalizations, and each would all-reduce it.
     for result in run_on_ranks(_merging_layer_body, world_size=2):
         _assert_one_collective_fewer(result["merged_once"], result["handed_on"])
+
+
+def _inner_output_body(rank, world_size):
+    from keras.src.backend.torch.distributed import layer_call
+
+    return _counted_steps_both_ways(
+        lambda: _projections_model(key_in_block=True),
+        layer_call,
+        "_hooked_by_inner_layer",
+        lambda output: False,
+        ("inner_layer_decides", "outer_hook_too"),
+    )
+
+
+def test_an_inner_layers_output_returned_as_is_keeps_its_gradient_rule():
+    # The key projection keeps its partial output gradient; the block that
+    # returns its output as it is (a mixture-of-experts block returning its
+    # router's logits) would make it whole again with a hook of its own.
+    for result in run_on_ranks(_inner_output_body, world_size=2):
+        kept = result["inner_layer_decides"]
+        _assert_one_collective_fewer(kept, result["outer_hook_too"])
+        assert "Shard" not in kept["placements"]["block/k/kernel"]

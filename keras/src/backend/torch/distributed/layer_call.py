@@ -36,6 +36,8 @@ if runtime.DTENSOR_AVAILABLE:
     from torch.nn.attention import sdpa_kernel
 
 CHECK_REPLICATION_ENV = "KERAS_DISTRIBUTION_CHECK_REPLICATION"
+# Marks a layer output whose gradient a layer call has hooked.
+GRADIENT_HOOK_ATTRIBUTE = "_keras_distribution_gradient_hook"
 
 # How many `replicated_plain_tensors` contexts are open (they nest), in
 # the whole process: the `implicit_replication` flag they set is torch's,
@@ -207,6 +209,7 @@ def _layer_output(x, partial_axes=()):
     if (
         output.requires_grad
         and torch.is_grad_enabled()
+        and not _hooked_by_inner_layer(output)
         and any(
             p.is_replicate() and mesh.size(d) > 1
             for d, p in enumerate(output.placements)
@@ -221,11 +224,31 @@ def _layer_output(x, partial_axes=()):
                 partial_axes=partial_axes,
             )
         )
+        setattr(output, GRADIENT_HOOK_ATTRIBUTE, True)
     mask = get_keras_mask(x)
     if output is not x and mask is not None:
         # A mask the layer attached to its output stays with it.
         set_keras_mask(output, mask)
     return output
+
+
+def _hooked_by_inner_layer(output):
+    """Whether `output` is an inner layer's output returned as it is (a
+    router's logits from a mixture-of-experts block), or a view of one.
+
+    Its gradient goes to that layer's backward alone (through the view's,
+    which is linear), and the inner call's hook prepares it
+    (`_partial_gradient_axes`): a second hook, for the outer layer, would
+    make a partial sum that the inner layer keeps partial whole, at a
+    collective. A view counts as the output itself since module backward
+    hooks (`CommDebugMode`'s module tracker) return views of every
+    module's outputs.
+    """
+    while output is not None:
+        if getattr(output, GRADIENT_HOOK_ATTRIBUTE, False):
+            return True
+        output = output._base
+    return False
 
 
 def _whole_output_gradient(grad, placements, partial_axes=()):
