@@ -6,7 +6,9 @@ those decisions are judged by: the float elements planned so far, and how
 many of them each process stores beyond an even share (`1 / processes` of
 each variable). A decision that would bring that excess past a fraction of
 the model so far is not taken; since each variable is judged as it comes,
-every prefix of the model, and so the whole, keeps within the fraction.
+every prefix of the model, and so the whole, keeps within the fraction,
+but for what the plan cannot shard instead (a variable no dimension of
+which the model axis divides, or what precedes the first sharded one).
 """
 
 import math
