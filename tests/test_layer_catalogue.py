@@ -18,7 +18,8 @@ true.
 CI runs `CI_RUNS`: DataParallel on `CI_CASES`, a subset that keeps every
 failure kind the runs had and a case of most families of layers, and the
 2x2 layout (4 processes, both mesh axes, the slowest run) on the part of
-it that a model axis runs otherwise than DataParallel does.
+it that a model axis runs otherwise than DataParallel does, and a few
+cases with their weights sharded over the batch axis (`fsdp`).
 `KERAS_CATALOGUE_FULL=1` runs every run on every case (20-27 min on 2
 shared cores); `scripts/catalogue_sweep.sh` runs the same sweep and prints it as
 a table.
@@ -82,8 +83,16 @@ CI_MODEL_AXIS_CASES = (
     "MultiHeadAttention",
     "Dropout-unseeded",
 )
+# Weights and statistics sharded over the batch axis: a batch
+# normalization's moving mean, updated with the batch's mean (an average
+# over the batch axis), was once twice one process' there.
+CI_BATCH_AXIS_CASES = ("Dense", "BatchNormalization", "MultiHeadAttention")
 # run -> the cases CI runs in it.
-CI_RUNS = {"dp2": CI_CASES, "2x2": CI_MODEL_AXIS_CASES}
+CI_RUNS = {
+    "dp2": CI_CASES,
+    "2x2": CI_MODEL_AXIS_CASES,
+    "fsdp": CI_BATCH_AXIS_CASES,
+}
 
 RUNS = {run: tuple(lc.CASES) for run in lc.RUNS} if FULL else CI_RUNS
 CASES = tuple(lc.CASES) if FULL else CI_CASES

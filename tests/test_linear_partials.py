@@ -139,6 +139,24 @@ def _cases_body(rank, world_size):
         (distribute_tensor(columns, mesh, split), grad),
         (columns, grad_value),
     )
+    # An average over processes plus a shard is not a partial sum of the
+    # two: DTensor adds them (a batch normalization's moving mean, its
+    # batch mean an average over the batch axis, the variable sharded).
+    mean_terms, _ = _terms((8, 5), size, seed=4)
+    local_mean = mean_terms[model_rank]
+    mean_placements = list(partial)
+    mean_placements[model_axis] = Partial("avg")
+    if world_size == 4:
+        local_mean = local_mean.chunk(2, dim=0)[mesh.get_local_rank(0)]
+    mean = DTensor.from_local(
+        local_mean, mesh, mean_placements, run_check=False
+    )
+    run(
+        "average_plus_shard",
+        aten.add.Tensor,
+        (distribute_tensor(columns, mesh, split), mean),
+        (columns, sum(mean_terms) / size),
+    )
     # Not linear in the softmax output: DTensor computes it (reducing the
     # partial output first).
     output, output_value = partial_sum((8, 5), seed=3)
@@ -157,7 +175,7 @@ def _check(per_rank, world_size):
             np.testing.assert_allclose(
                 out, expected, rtol=1e-6, atol=1e-6, err_msg=name
             )
-            if name == "partial_output":
+            if name in ("partial_output", "average_plus_shard"):
                 assert collectives >= 1, name
                 assert "partial" not in placements, name
                 continue

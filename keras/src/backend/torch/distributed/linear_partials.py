@@ -209,8 +209,11 @@ def _sum_with_shards(args):
         pa, pb = a.placements[axis], b.placements[axis]
         if pa.is_partial() or pb.is_partial():
             for x in (a, b):
+                # Not an average: a shard's chunk in zeros is its term of
+                # a sum, of an average a fraction.
                 if not (
-                    x.placements[axis].is_partial() or _sole_split(x, axis)
+                    x.placements[axis] == Partial("sum")
+                    or _sole_split(x, axis)
                 ):
                     return None
             split = split or not (pa.is_partial() and pb.is_partial())
