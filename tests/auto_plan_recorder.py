@@ -20,6 +20,7 @@ class PlanRecorder:
     Attributes:
         axes: `{variable path: mesh axes per dimension}`.
         reasons: `{variable path: what in the plan decided}`.
+        gathered: the paths of the variables gathered for each call.
     """
 
     def __init__(self, mesh_shape):
@@ -27,11 +28,14 @@ class PlanRecorder:
         self.plan = auto_plan.Plan(self.mesh_shape, "model", "batch")
         self.axes = {}
         self.reasons = {}
+        self.gathered = set()
 
     def get_variable_layout(self, variable):
         axes, reason = self.plan.layout_axes(variable)
         self.axes[variable.path] = axes
         self.reasons[variable.path] = reason
+        if self.plan.gathered_for_call(variable):
+            self.gathered.add(variable.path)
         return None
 
     def share(self, weights):

@@ -144,40 +144,57 @@ class _GroupedQueryAttention(keras.layers.Layer):
         return x
 
 
-def _grouped_query_plan(vocabulary_size=None):
+def _grouped_query_plan(vocabulary_size=None, mesh=None):
     def build():
         if vocabulary_size:
             keras.layers.Embedding(vocabulary_size, 16).build((None,))
         _GroupedQueryAttention()(np.zeros((2, 3, 16), "float32"))
 
-    recorder = _plan(build)
+    recorder = _plan(build, mesh)
     axes = {
         p.split("/")[-2]: a
         for p, a in recorder.axes.items()
         if "embedding" not in p
     }
     reasons = {p.split("/")[-2]: r for p, r in recorder.reasons.items()}
-    return axes, reasons
+    gathered = {p.split("/")[-2] for p in recorder.gathered}
+    return axes, reasons, gathered
 
 
-def test_too_few_key_value_heads_beside_sharded_queries_split_features():
+def test_too_few_key_value_heads_beside_sharded_queries_are_gathered():
     # Alone, the key/value heads are too large a part of the model to
-    # replicate within the budget.
-    axes, reasons = _grouped_query_plan()
-    # The query heads split; the one key/value head computed whole from
-    # split input features; each stored at 1/2.
+    # replicate within the budget: stored sharded (each at 1/2), they are
+    # gathered for each call of the block, where the query heads split.
+    axes, reasons, gathered = _grouped_query_plan()
     assert axes["query"] == ("model", None, None)
     assert axes["key"] == (None, "model", None)
     assert axes["value"] == (None, "model", None)
     assert axes["out"] == ("model", None, None)
-    assert "heads indivisible" in reasons["key"]
+    assert gathered == {"key", "value"}
+    assert "gathered for each call" in reasons["key"]
+
+
+def test_a_block_whose_query_heads_are_indivisible_is_gathered_whole():
+    # Two query heads on four processes: no projection of the block can
+    # split its heads, and every kernel of it is gathered for each call,
+    # stored sharded on a dimension the model axis divides.
+    axes, reasons, gathered = _grouped_query_plan(mesh={"batch": 1, "model": 4})
+    assert gathered == {"query", "key", "value", "out"}
+    assert all("model" in a for a in axes.values())
+    # A mesh with a batch axis gathers kernels along it for each call
+    # already: a second gather per call, along the model axis, would
+    # cost more than splitting input features (row parallel).
+    axes, reasons, gathered = _grouped_query_plan(mesh={"batch": 2, "model": 4})
+    assert not gathered
+    assert "row-parallel over input features" in reasons["query"]
 
 
 def test_key_value_heads_beside_sharded_queries_replicate_within_budget():
     # After a preset-sized embedding (16384 elements), the key/value
     # kernels (128 each, 64 beyond an even share) fit the budget: they are
     # replicated, as Megatron-LM's, and cost no collective.
-    axes, reasons = _grouped_query_plan(vocabulary_size=1024)
+    axes, reasons, gathered = _grouped_query_plan(vocabulary_size=1024)
+    assert not gathered
     assert axes["query"] == ("model", None, None)
     assert axes["key"] == (None, None, None)
     assert axes["value"] == (None, None, None)
@@ -187,10 +204,11 @@ def test_key_value_heads_beside_sharded_queries_replicate_within_budget():
     budget = auto_plan.REPLICATION_BUDGET
     auto_plan.REPLICATION_BUDGET = 0.0
     try:
-        axes, _ = _grouped_query_plan(vocabulary_size=1024)
+        axes, _, gathered = _grouped_query_plan(vocabulary_size=1024)
     finally:
         auto_plan.REPLICATION_BUDGET = budget
     assert axes["key"] == (None, "model", None)
+    assert gathered == {"key", "value"}
 
 
 def _narrow_blocks():

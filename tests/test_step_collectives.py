@@ -568,7 +568,9 @@ def test_class_sharded_outputs_of_other_losses_are_left_sharded():
         assert result["gathered"]["comms"] == result["as_before"]["comms"]
 
 
-def _counted_steps_both_ways(build, module, name, replacement, modes):
+def _counted_steps_both_ways(
+    build, module, name, replacement, modes, shape=(BATCH, DIM)
+):
     """A model's counted step, as it is and with `module.<name>` replaced.
 
     Args:
@@ -577,6 +579,7 @@ def _counted_steps_both_ways(build, module, name, replacement, modes):
         name: the attribute.
         replacement: its value in the second run.
         modes: the names of the two runs' results.
+        shape: the shape of the inputs and targets.
 
     Returns:
         `{mode: {"comms", "ops", "loss", "weights", "placements"}}`.
@@ -587,8 +590,8 @@ def _counted_steps_both_ways(build, module, name, replacement, modes):
     import keras
 
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(BATCH, DIM)).astype("float32")
-    y = rng.normal(size=(BATCH, DIM)).astype("float32")
+    x = rng.normal(size=shape).astype("float32")
+    y = rng.normal(size=shape).astype("float32")
     original = getattr(module, name)
     results = {}
     for mode in modes:
@@ -754,3 +757,46 @@ def test_an_inner_layers_output_returned_as_is_keeps_its_gradient_rule():
         kept = result["inner_layer_decides"]
         _assert_one_collective_fewer(kept, result["outer_hook_too"])
         assert "Shard" not in kept["placements"]["block/k/kernel"]
+
+
+def _indivisible_heads_body(rank, world_size):
+    import keras
+    from keras.src.distribution import auto_plan
+
+    def build():
+        keras.distribution.set_distribution(
+            keras.distribution.AutoModelParallel()
+        )
+        inputs = keras.Input((4, DIM))
+        h = keras.layers.LayerNormalization(name="norm")(inputs)
+        # Two heads on four processes: none can be split head-parallel.
+        h = keras.layers.MultiHeadAttention(2, DIM, name="mha")(h, h)
+        model = keras.Model(inputs, keras.layers.Add()([inputs, h]))
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        return model
+
+    return _counted_steps_both_ways(
+        build,
+        auto_plan.Plan,
+        "_gathers_blocks",
+        lambda self, parent: False,
+        ("gathered", "row_parallel"),
+        shape=(BATCH, 4, DIM),
+    )
+
+
+def test_a_block_with_heads_the_model_axis_does_not_divide_is_gathered():
+    # Its kernels stay sharded in storage and are gathered once for the
+    # block's call: one collective, where splitting their input features
+    # all-reduced the query, key, value and output projections forward
+    # and gathered two input gradients backward. The same numbers.
+    for result in run_on_ranks(_indivisible_heads_body, world_size=4):
+        gathered, row = result["gathered"], result["row_parallel"]
+        assert gathered["comms"] == 1, gathered["ops"]
+        assert row["comms"] == 6, row["ops"]
+        for path in ("mha/query/kernel", "mha/attention_output/kernel"):
+            assert "Shard" in gathered["placements"][path]
+            assert gathered["placements"][path] == row["placements"][path]
+        np.testing.assert_allclose(gathered["loss"], row["loss"], rtol=1e-6)
+        for a, b in zip(gathered["weights"], row["weights"]):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -111,6 +111,22 @@ class AutoModelParallel(ModelParallel):
         self._reasons[variable.path] = AUTO_PREFIX + reason
         return TensorLayout(axes, self.device_mesh)
 
+    def gathered_for_call(self, variable):
+        """Whether the plan stores `variable` sharded over the model axis
+        but has it used whole: gathered for each call of its block.
+
+        The torch backend gathers such weights as FSDP does, one
+        collective per call for all of a block's; under JAX, the layout
+        alone reaches XLA, which places the gathers itself.
+
+        Args:
+            variable: a Keras variable this distribution laid out.
+
+        Returns:
+            A `bool`.
+        """
+        return self._plan.gathered_for_call(variable)
+
     def layout_reason(self, path):
         """What laid out the variable at `path`: a rule, or the plan.
 

@@ -25,12 +25,10 @@ layer around it.
 Keras builds layers in the order data flows through them: a functional or
 `Sequential` model builds each layer when it is called on its symbolic
 inputs, a subclassed model or block builds its sublayers at its first call
-or in its `build`, in call order. Within one enclosing layer, a kernel that
-widens or keeps the stream to width `H` (column parallel: its output
-features sharded) leaves `H` "open"; a later sibling kernel whose input has
-width `H` consumes that output, through whatever elementwise ops
-(activation, gating) lie between, and is row parallel: its input features
-sharded, so the pair needs one all-reduce, after the row layer. Layers
+or in its `build`, in call order. Within one enclosing layer, a kernel
+reading the block's stream is column parallel (its output features
+sharded) and a later one reading that output, through whatever elementwise
+ops lie between, row parallel: one all-reduce per pair (`plan_pairs`). Layers
 explain themselves where they can: an `EinsumDense` equation says which
 kernel dimensions are heads (a dimension of the output that is not its
 feature axis: column parallel over heads; one contracted from the input
@@ -48,19 +46,27 @@ within `REPLICATION_BUDGET` of the model created so far: each process
 computes the key/value heads whole and no collective is added, since
 their gradients, partial sums over the query heads, join the query's.
 Past the budget (a tiny model, whose key/value heads are a sizeable part
-of it), the projection splits its input features, as a row-parallel layer
-does, and the heads are computed whole from an all-reduced output. Any
-other dimension the model axis does not divide gives way to the next
-candidate dimension of the kernel, else the kernel is replicated over the
-model axis.
+of it), the kernel is stored sharded and gathered whole for each call of
+its block (`gathered_for_call`: ZeRO-3, as FSDP gathers a module's
+weights), in one collective with the block's other gathered weights. Query
+heads the axis does not divide make every einsum kernel of their block
+gathered so: none of its projections can split heads, and splitting their
+input features costs an all-reduce each, forward and backward. Where the
+batch axis is longer than one, kernels are gathered along it for each call
+already, and a second gather costs more (measured): there the projection
+splits its input features, as a row-parallel layer does, and the heads are
+computed whole from an all-reduced output. Any other dimension the model
+axis does not divide gives way to the next candidate dimension of the
+kernel, else the kernel is replicated over the model axis.
 
 What every process stores beyond an even share (replicated vectors,
 narrow projections, key/value heads) is kept within `SHARE_BOUND` of the
 model created so far: past it, a weight the plan would replicate over the
 model axis is sharded over it instead, ZeRO-like (each process stores a
-shard, gathered where it is used: a collective or two per use). Only a
-model whose replicated weights are a sizeable part of it (a tiny config,
-width 16) reaches the bound; a preset stays well inside it.
+shard, gathered whole for each call of its layer or block; with a batch
+axis, where it is used: a collective or two per use). Only a model whose
+replicated weights are a sizeable part of it (a tiny config, width 16)
+reaches the bound; a preset stays well inside it.
 
 The plan decides only where data lives, never what is computed: any layout
 gives one process' numbers, so a plan that guesses a pairing wrong costs
@@ -71,11 +77,12 @@ import math
 import weakref
 
 from keras.src.distribution import layer_reading
+from keras.src.distribution import plan_pairs
 from keras.src.distribution import plan_share
 
 # Roles a kernel can take in the plan.
-COLUMN = "column"
-ROW = "row"
+COLUMN = plan_pairs.COLUMN
+ROW = plan_pairs.ROW
 STACK = "stack"
 # A projection to at most this many features that reads a width no column
 # layer left open (a router, a gate, a classifier head) keeps its output
@@ -117,18 +124,20 @@ class Plan:
         )
         self.model_dim_name = model_dim_name
         self.batch_dim_name = batch_dim_name
-        # Widths left open by column-parallel layers, per enclosing layer.
-        self._open = weakref.WeakKeyDictionary()
-        # Widths column-parallel layers read, per enclosing layer.
-        self._stream = weakref.WeakKeyDictionary()
+        # Which kernel reads which: column and row pairs.
+        self._pairs = plan_pairs.Pairs()
         # The role and sharded size of each layer's kernel, for its bias.
         self._roles = weakref.WeakKeyDictionary()
         # Layers with a trainable kernel sharded over the batch axis.
         self._batch_sharded = weakref.WeakSet()
-        # The root of layers created outside any other layer.
-        self._root = _Root()
         # Layers whose attention heads are sharded (a query kernel's).
         self._head_parallel = weakref.WeakSet()
+        # Blocks whose einsum kernels are gathered for each call.
+        self._gathered_blocks = weakref.WeakSet()
+        # The variables gathered for each call, by id (Keras variables
+        # are not hashable): a weak reference to each.
+        self._call_gathered = {}
+        self._gathering = False
         # What each process stores beyond an even share, so far.
         self._share = plan_share.PlanShare(
             model_dim_name, self.model_size, batch_dim_name, self.batch_size
@@ -144,12 +153,21 @@ class Plan:
             `(axes, reason)`: a tuple of mesh axis names (or `None`), one per
             dimension, and a short text saying what decided it.
         """
+        self._gathering = False
         axes, reason = self._layout_axes(variable)
         if _is_float(variable.dtype):
             shape = tuple(variable.shape)
             axes, reason = self._bounded(shape, axes, reason)
             self._share.record(shape, axes)
+        if self._gathering and self.model_dim_name in axes:
+            self._call_gathered[id(variable)] = weakref.ref(variable)
         return axes, reason
+
+    def gathered_for_call(self, variable):
+        """Whether `variable` is stored sharded over the model axis but
+        used whole: gathered for each call of the block holding it."""
+        ref = self._call_gathered.get(id(variable))
+        return ref is not None and ref() is variable
 
     def _layout_axes(self, variable):
         shape = tuple(variable.shape)
@@ -215,13 +233,9 @@ class Plan:
         layers inside) and of its layers are gathered in the block's one
         collective, and a layer's vector in the collective of its own
         batch-sharded kernel."""
-        from keras.src.models.model import Model
-
-        if self.batch_size == 1 or layer is None or isinstance(layer, Model):
+        if self.batch_size == 1 or not _is_block(layer):
             return False
-        if layer in self._batch_sharded:
-            return True
-        if parent is not None and not isinstance(parent, Model):
+        if layer in self._batch_sharded or _is_block(parent):
             return True
         # A block built on its first call creates its layers' weights in
         # its own name scope.
@@ -265,12 +279,14 @@ class Plan:
         heads_out = [c for c in out_only if c != output[-1:]]
         heads_in = [c for c in contracted if c != inputs[-1:]]
         size = {c: shape[kernel.index(c)] for c in kernel}
+        if parent in self._gathered_blocks:
+            return self._gathered_for_call(layer, shape, contracted + out_only)
         if heads_out:
-            self._open_width(parent, math.prod(size[c] for c in out_only))
+            self._pairs.open_width(parent, math.prod(size[c] for c in out_only))
             indivisible = self._indivisible(heads_out, size)
             if (
                 indivisible
-                and self._key(parent) in self._head_parallel
+                and self._pairs.key(parent) in self._head_parallel
                 and self._within_budget(shape)
             ):
                 axes, batch = self._axes(shape, [], str, model=False)
@@ -280,6 +296,10 @@ class Plan:
                     f"({layer.equation}: {''.join(heads_out)})"
                 )
                 return axes, f"{reason}; {batch}" if any(axes) else reason
+            if indivisible and contracted and self._gathers_blocks(parent):
+                if self._pairs.key(parent) not in self._head_parallel:
+                    self._gathered_blocks.add(parent)
+                return self._gathered_for_call(layer, shape, contracted)
             if indivisible and contracted:
                 # Heads the model axis does not divide (Gemma's one
                 # key/value head) are computed whole, from input features
@@ -306,7 +326,7 @@ class Plan:
         else:
             in_width = math.prod(size[c] for c in contracted)
             out_width = math.prod(size[c] for c in out_only)
-            role = self._pair_role(parent, in_width, out_width)
+            role = self._pairs.role(parent, in_width, out_width)
             letters = out_only if role == COLUMN else contracted
             what = f"{role}-parallel"
         order = [kernel.index(c) for c in letters]
@@ -319,8 +339,27 @@ class Plan:
         if sharded:
             self._roles[layer] = (role, size[sharded[0]], sharded[0])
             if role == COLUMN and sharded[0] in heads_out:
-                self._head_parallel.add(self._key(parent))
+                self._head_parallel.add(self._pairs.key(parent))
         return axes, reason
+
+    def _gathered_for_call(self, layer, shape, letters):
+        """Stored sharded on the first of `letters` the model axis divides,
+        gathered whole for each call of its block."""
+        kernel = layer_reading.parse_equation(layer.equation)[1]
+        self._gathering = True
+        return self._axes(
+            shape,
+            [kernel.index(c) for c in letters],
+            lambda d: (
+                f"gathered for each call: its block's heads indivisible "
+                f"by {self.model_size} ({layer.equation}: {kernel[d]})"
+            ),
+        )
+
+    def _gathers_blocks(self, parent):
+        """Whether the kernels of `parent` can be gathered for each call:
+        it is a block, and its kernels are gathered along no other axis."""
+        return self.batch_size == 1 and _is_block(parent)
 
     def _indivisible(self, heads, size):
         return all(size[c] % self.model_size for c in heads)
@@ -347,15 +386,19 @@ class Plan:
         if sharded is None:
             return axes, reason
         dim = sharded.index(self.model_dim_name)
+        # Used whole, as it would have been replicated: gathered with its
+        # layer's call where that is the call's one gather.
+        self._gathering = self.batch_size == 1
+        how = ", gathered for each call" if self._gathering else ""
         return sharded, (
-            f"dimension {dim} over model: replicated weights past "
+            f"dimension {dim} over model{how}: replicated weights past "
             f"{SHARE_BOUND:.0%} of the model ({reason})"
         )
 
     def _matmul_axes(self, layer, scope, parent, shape, kind):
         in_dim, out_dim = len(shape) - 2, len(shape) - 1
         in_width, out_width = shape[in_dim], shape[out_dim]
-        reads = self._reads(in_width, scope, parent)
+        reads = self._pairs.reads(in_width, scope, parent)
         # A narrow projection starting a pair, or one beside the block's
         # column kernels whose output the model axis does not divide (a
         # gate of one feature), keeps its output whole.
@@ -369,7 +412,7 @@ class Plan:
                 f"replicated over model: narrow output ({kind} "
                 f"{in_width}->{out_width})",
             )
-        role = self._pair_role(scope, in_width, out_width, fallback=parent)
+        role = self._pairs.role(scope, in_width, out_width, fallback=parent)
         order = [out_dim, in_dim] if role == COLUMN else [in_dim, out_dim]
         axes, reason = self._axes(
             shape,
@@ -401,46 +444,6 @@ class Plan:
         return axes, reason
 
     # Pairing.
-
-    def _reads(self, in_width, scope, fallback):
-        """`COLUMN` if a kernel of `in_width` reads the block's stream,
-        `ROW` if it reads an open width, else `None` (it starts a pair)."""
-        for key in (scope, fallback):
-            if in_width in self._stream.get(self._key(key), set()):
-                return COLUMN
-            if in_width in self._open.get(self._key(key), set()):
-                return ROW
-        return None
-
-    def _pair_role(self, scope, in_width, out_width, fallback=None):
-        """Column or row parallel, from what a kernel reads.
-
-        A kernel reading the width an earlier column kernel of `scope` read
-        (the block's stream: query, key and value; gate and up) is column
-        parallel too; one reading a width an earlier column kernel left open
-        consumes its output and is row parallel; any other starts a pair.
-        """
-        for key in (scope, fallback):
-            if in_width in self._stream.get(self._key(key), set()):
-                self._open_width(scope, out_width)
-                return COLUMN
-            open_widths = self._open.get(self._key(key), set())
-            if in_width in open_widths:
-                open_widths.discard(in_width)
-                return ROW
-        self._stream.setdefault(self._key(scope), set()).add(in_width)
-        self._open_width(scope, out_width)
-        return COLUMN
-
-    def _open_width(self, scope, width):
-        widths = self._open.setdefault(self._key(scope), set())
-        widths.add(width)
-        # A fused projection split in halves (gate and up) feeds one half.
-        if width % 2 == 0:
-            widths.add(width // 2)
-
-    def _key(self, layer):
-        return self._root if layer is None else layer
 
     # Mesh axes.
 
@@ -481,8 +484,11 @@ class Plan:
         return axes, reason
 
 
-class _Root:
-    """The enclosing "layer" of layers created outside any layer."""
+def _is_block(layer):
+    """Whether `layer` is a layer and not a model."""
+    from keras.src.models.model import Model
+
+    return layer is not None and not isinstance(layer, Model)
 
 
 def _is_narrow(in_width, out_width):

@@ -126,8 +126,9 @@ def eager_reason(model):
         return "some of its variables are sharded unevenly"
     if fsdp.has_gathered_weights(model, runtime.current_distribution()):
         return (
-            "weights sharded over the batch axis are gathered one layer at "
-            "a time and freed after use, which torch.compile cannot trace "
+            "weights sharded over the batch axis (or gathered whole for "
+            "each call by the distribution's plan) are gathered one layer "
+            "at a time and freed after use, which torch.compile cannot trace "
             f"(set {fsdp.GATHER_WEIGHTS_ENV}=off to compile DTensor's own "
             "plan instead)"
         )

@@ -49,7 +49,10 @@ the bytes, and the gradient is reduce-scattered in the compute dtype.
 `KERAS_DISTRIBUTION_GATHER_WEIGHTS` chooses the mesh axes: `"batch"` (the
 default: the distribution's batch axis), `"all"` (every axis a weight is
 sharded on: ZeRO-3 over the model axis too, instead of tensor parallelism)
-or `"off"` (DTensor's own plan).
+or `"off"` (DTensor's own plan). A distribution may also name weights it
+stores sharded over the model axis but has used whole
+(`AutoModelParallel.gathered_for_call`: attention heads the axis does not
+divide): those are gathered along it too, unless `"off"`.
 `KERAS_DISTRIBUTION_RESHARD_AFTER_FORWARD=0` keeps each layer's gathered
 weights from its call until its backward ops have run instead of freeing
 and gathering them again (FSDP2's `reshard_after_forward=False`): fewer
@@ -160,9 +163,24 @@ def has_gathered_weights(model, distribution):
     if mesh_dims == ():
         return False
     return any(
-        gathered_placements(v.value, mesh_dims) is not None
+        gathered_placements(v.value, _mesh_dims_of(v, distribution, mesh_dims))
+        is not None
         for v in model.trainable_variables
     )
+
+
+def _mesh_dims_of(variable, distribution, mesh_dims):
+    """The mesh dimensions `variable` is gathered along for a call: those
+    of every weight, and the model axis for a weight the distribution
+    stores sharded but has used whole (`gathered_for_call`)."""
+    gathered_for_call = getattr(distribution, "gathered_for_call", None)
+    if mesh_dims is None or not (
+        gathered_for_call and gathered_for_call(variable)
+    ):
+        return mesh_dims
+    axis_names = list(distribution.device_mesh.axis_names)
+    model_dim = axis_names.index(distribution.model_dim_name)
+    return tuple(sorted(set(mesh_dims) | {model_dim}))
 
 
 @contextlib.contextmanager
@@ -302,7 +320,9 @@ def _weights_to_gather(layer, distribution):
             # The layer is called inside its own call (a recurrent cell),
             # or inside the call that gathered its weights.
             continue
-        placements = gathered_placements(value, mesh_dims)
+        placements = gathered_placements(
+            value, _mesh_dims_of(variable, distribution, mesh_dims)
+        )
         if placements is not None and not value.is_meta:
             weights.append(fsdp_call.GatheredWeight(variable, placements))
     return weights

@@ -267,6 +267,15 @@ class _FlatGather:
             if placement.is_partial() and placement.reduce_op != "sum":
                 results[index] = grad.redistribute(self.mesh, shard.placements)
                 continue
+            if placement == shard.placements[self.mesh_dim]:
+                # Sharded as the weight already (the call's input was
+                # sharded on the features the weight is stored by): each
+                # process holds its own part, and gathering it to take
+                # that part again would be a collective for nothing.
+                results[index] = grad.redistribute(
+                    self.mesh, shard.placements
+                ).to_local()
+                continue
             wanted = list(target)
             wanted[self.mesh_dim] = placement
             if not (placement.is_partial() or placement.is_replicate()):
