@@ -212,8 +212,7 @@ def _sum_with_shards(args):
                 # Not an average: a shard's chunk in zeros is its term of
                 # a sum, of an average a fraction.
                 if not (
-                    x.placements[axis] == Partial("sum")
-                    or _sole_split(x, axis)
+                    x.placements[axis] == Partial("sum") or _sole_split(x, axis)
                 ):
                     return None
             split = split or not (pa.is_partial() and pb.is_partial())
