@@ -302,7 +302,7 @@ def test_a_blocks_vectors_join_its_gather_over_the_batch_axis():
 def test_one_axis_mesh_shards_kernels_over_it_once():
     # A 1-D mesh: the batch and the model share the axis "x".
     plan = auto_plan.Plan({"x": 2}, "x", "x")
-    axes, _ = plan._axes((4, 6), [1, 0], lambda d: "column")
+    axes, _ = plan._mesh.shard((4, 6), [1, 0], lambda d: "column")
     assert axes == (None, "x")
 
 
@@ -362,3 +362,43 @@ def test_layout_map_rules_override_the_plan():
     assert result["up"] == "rule: up/kernel"
     assert result["down"].startswith("auto: ")
     assert result["nothing"] is None
+
+
+def test_a_kernel_widths_cannot_pair_waits_for_its_first_call():
+    layers = []
+
+    def build():
+        inputs = keras.Input((16,))
+        x = inputs
+        for i in range(3):
+            layers.append(keras.layers.Dense(16, name=f"d{i}"))
+            x = layers[-1](x)
+        keras.layers.Dense(32, name="wide")(x)
+
+    recorder = _plan(build)
+    plan = recorder.plan
+    d0, d1, d2 = layers
+    # d0 reads the input: nothing else it could read. d1 and d2 read a
+    # width d0 both read and left open.
+    assert plan.paired_role(d0) is None
+    assert plan.paired_role(d1) == auto_plan.COLUMN
+    assert plan.paired_role(d2) == auto_plan.COLUMN
+
+    def weights(layer):
+        return [(w, recorder.axes[w.path]) for w in layer.weights]
+
+    relaid = plan.check_pairing(d1, auto_plan.ROW, weights(d1))
+    assert {v.path: axes for v, axes, _ in relaid} == {
+        "d1/kernel": ("model", None),
+        "d1/bias": (None,),
+    }
+    reason = dict((v.path, why) for v, _, why in relaid)["d1/kernel"]
+    assert "row-parallel dense (16->16)" in reason
+    assert "reads a column-parallel output" in reason
+    assert plan.kernel_role(d1) == auto_plan.ROW
+    # Checked once: the call's answer stands.
+    assert plan.paired_role(d1) is None
+    assert plan.check_pairing(d1, auto_plan.COLUMN, weights(d1)) == []
+    # A kernel that reads as its widths said moves nothing.
+    assert plan.check_pairing(d2, auto_plan.COLUMN, weights(d2)) == []
+    assert plan.paired_role(d2) is None

@@ -127,6 +127,58 @@ class AutoModelParallel(ModelParallel):
         """
         return self._plan.gathered_for_call(variable)
 
+    def kernel_role(self, layer):
+        """How the plan shards `layer`'s kernel: `"column"` (its output
+        features or heads), `"row"` (its input's), `"stack"` (whole
+        matrices of a stack), or `None`."""
+        return self._plan.kernel_role(layer)
+
+    def paired_role(self, layer):
+        """The role (`"column"` or `"row"`) `layer`'s kernel got from
+        widths alone, while `check_pairing` has not checked it; else
+        `None`."""
+        return self._plan.paired_role(layer)
+
+    def check_pairing(self, layer, reads_column_output):
+        """Lays `layer`'s kernel (and bias) out again where its first call
+        shows it reads otherwise than its widths paired it.
+
+        The plan pairs kernels by width as they are created; where a
+        feed-forward layer is as wide as its block, a kernel reading a
+        column-parallel kernel's output and one reading the block's stream
+        have the same widths. A backend that follows a block's data
+        through its first symbolic call (torch) says here what each
+        kernel paired by widths reads, before weights are loaded or
+        optimizer slots made; the variables returned are to be laid out
+        anew (their values redistributed). Under JAX nothing calls it and
+        the width pairing stands.
+
+        Args:
+            layer: a layer with a `paired_role`.
+            reads_column_output: whether its call's input is computed from
+                a column-parallel kernel's output (through ops without
+                kernels), which makes it row parallel; else it reads the
+                stream and is column parallel.
+
+        Returns:
+            A list of `(variable, TensorLayout)`.
+        """
+        role = auto_plan.ROW if reads_column_output else auto_plan.COLUMN
+        weights = [
+            (v, v._layout.axes)
+            for v in layer.weights
+            if getattr(v, "_layout", None) is not None
+            and not self._reasons.get(v.path, "").startswith(RULE_PREFIX)
+        ]
+        relaid = []
+        for variable, axes, reason in self._plan.check_pairing(
+            layer, role, weights
+        ):
+            self._reasons[variable.path] = AUTO_PREFIX + reason
+            layout = TensorLayout(axes, self.device_mesh)
+            relaid.append((variable, layout))
+        return relaid
+
     def layout_reason(self, path):
         """What laid out the variable at `path`: a rule, or the plan.
 

@@ -15,9 +15,8 @@ and under torch a variable created replicated and re-laid out later would
 hold the whole model on every process first, and its optimizer slots would
 have to move with it. Deciding at creation keeps every process' memory at
 its share from the start, and optimizer slots inherit their variable's
-layout (`add_variable_from_reference`). Tracing the model first is not
-possible for a model that does not exist yet (a preset's constructor builds
-it), and a trace under torch would not be backend-agnostic.
+layout (`add_variable_from_reference`). A model cannot be traced before it
+exists (a preset's constructor builds it).
 
 What it reads (`layer_reading`): the layer that creates the variable (Keras
 opens a name scope with the layer as its caller around `add_weight`) and the
@@ -28,8 +27,13 @@ inputs, a subclassed model or block builds its sublayers at its first call
 or in its `build`, in call order. Within one enclosing layer, a kernel
 reading the block's stream is column parallel (its output features
 sharded) and a later one reading that output, through whatever elementwise
-ops lie between, row parallel: one all-reduce per pair (`plan_pairs`). Layers
-explain themselves where they can: an `EinsumDense` equation says which
+ops lie between, row parallel: one all-reduce per pair (`plan_pairs`).
+Where widths cannot tell (a feed-forward layer as wide as its block), a
+backend that can follow data through a call checks each kernel widths
+paired at its block's first symbolic call, before weights are loaded or
+optimizer slots made, and lays it out again if it reads otherwise
+(`check_pairing`; torch traces the call on stand-ins). Layers explain
+themselves where they can: an `EinsumDense` equation says which
 kernel dimensions are heads (a dimension of the output that is not its
 feature axis: column parallel over heads; one contracted from the input
 that is not the input's feature axis: row parallel over heads), an
@@ -56,17 +60,14 @@ batch axis is longer than one, kernels are gathered along it for each call
 already, and a second gather costs more (measured): there the projection
 splits its input features, as a row-parallel layer does, and the heads are
 computed whole from an all-reduced output. Any other dimension the model
-axis does not divide gives way to the next candidate dimension of the
-kernel, else the kernel is replicated over the model axis.
+axis does not divide gives way to the kernel's next candidate dimension.
 
 What every process stores beyond an even share (replicated vectors,
 narrow projections, key/value heads) is kept within `SHARE_BOUND` of the
 model created so far: past it, a weight the plan would replicate over the
-model axis is sharded over it instead, ZeRO-like (each process stores a
-shard, gathered whole for each call of its layer or block; with a batch
-axis, where it is used: a collective or two per use). Only a model whose
-replicated weights are a sizeable part of it (a tiny config, width 16)
-reaches the bound; a preset stays well inside it.
+model axis is sharded over it instead, ZeRO-like (gathered whole for each
+call of its layer or block; with a batch axis, where it is used). Only a
+tiny config (width 16) reaches the bound; a preset stays well inside it.
 
 The plan decides only where data lives, never what is computed: any layout
 gives one process' numbers, so a plan that guesses a pairing wrong costs
@@ -77,6 +78,7 @@ import math
 import weakref
 
 from keras.src.distribution import layer_reading
+from keras.src.distribution import plan_axes
 from keras.src.distribution import plan_pairs
 from keras.src.distribution import plan_share
 
@@ -138,10 +140,12 @@ class Plan:
         # are not hashable): a weak reference to each.
         self._call_gathered = {}
         self._gathering = False
-        # What each process stores beyond an even share, so far.
-        self._share = plan_share.PlanShare(
+        # Where the model and batch axes go on a variable's dimensions.
+        self._mesh = plan_axes.MeshAxes(
             model_dim_name, self.model_size, batch_dim_name, self.batch_size
         )
+        # What each process stores beyond an even share, so far.
+        self._share = plan_share.PlanShare(self._mesh)
 
     def layout_axes(self, variable):
         """The mesh axes of each dimension of `variable`, and why.
@@ -157,7 +161,14 @@ class Plan:
         axes, reason = self._layout_axes(variable)
         if _is_float(variable.dtype):
             shape = tuple(variable.shape)
-            axes, reason = self._bounded(shape, axes, reason)
+            # Used whole, as it would have been replicated: gathered with
+            # its layer's call where that is the call's one gather.
+            axes, reason, bound = self._share.bounded(
+                shape, axes, reason, SHARE_BOUND, self.batch_size == 1
+            )
+            self._gathering = self._gathering or (
+                bound and self.batch_size == 1
+            )
             self._share.record(shape, axes)
         if self._gathering and self.model_dim_name in axes:
             self._call_gathered[id(variable)] = weakref.ref(variable)
@@ -169,6 +180,58 @@ class Plan:
         ref = self._call_gathered.get(id(variable))
         return ref is not None and ref() is variable
 
+    def kernel_role(self, layer):
+        """`COLUMN`, `ROW` or `STACK`: how `layer`'s kernel is sharded."""
+        role = self._roles.get(layer) if layer is not None else None
+        return None if role is None else role[0]
+
+    def paired_role(self, layer):
+        """The role widths gave `layer`'s kernel, until checked, or `None`."""
+        pairing = self._pairs.pairing(layer)
+        return None if pairing is None else pairing.role
+
+    def check_pairing(self, layer, role, weights):
+        """Lays `layer`'s weights out as `role`, what its first call shows
+        its kernel to be, where its widths paired it otherwise.
+
+        Args:
+            layer: a layer with a `paired_role`.
+            role: `ROW` if the call reads a column-parallel kernel's output
+                (through elementwise ops), else `COLUMN`.
+            weights: `[(variable, axes)]`: `layer`'s weights as laid out.
+
+        Returns:
+            `[(variable, axes, reason)]` for the weights laid out anew.
+        """
+        pairing = self._pairs.checked(layer)
+        if pairing is None or role == pairing.role:
+            return []
+        dim = pairing.orders[role][0]
+        reads = "a column-parallel output" if role == ROW else "the stream"
+        axes, reason = self._mesh.shard(
+            pairing.shape,
+            pairing.orders[role],
+            lambda d: f"{pairing.describe(role, d)}: its call reads {reads}",
+        )
+        if axes[dim] != self.model_dim_name:
+            return []
+        letter = () if pairing.letters is None else (pairing.letters[dim],)
+        self._roles[layer] = (role, pairing.shape[dim]) + letter
+        relaid = []
+        for variable, old in weights:
+            shape = tuple(variable.shape)
+            if variable.name == "kernel" and shape == pairing.shape:
+                relaid.append((variable, axes, reason))
+            elif variable.name == "bias":
+                new, why = self._vector_axes(variable, layer)
+                if self.batch_dim_name in old:
+                    new, why = self._mesh.with_batch(shape, new, why)
+                if new != tuple(old) and self._share.relaid(
+                    shape, old, new, SHARE_BOUND
+                ):
+                    relaid.append((variable, new, why))
+        return relaid
+
     def _layout_axes(self, variable):
         shape = tuple(variable.shape)
         if not shape:
@@ -179,14 +242,16 @@ class Plan:
         if len(shape) == 1 or variable.name == "bias":
             axes, reason = self._vector_axes(variable, layer)
             if variable.trainable and self._gathered_with_block(layer, parent):
-                return self._batch_axes(shape, axes, reason)
+                return self._mesh.with_batch(shape, axes, reason)
             return axes, reason
         kind = layer_reading.layer_kind(layer)
         if kind == "embedding":
             axes, reason = self._embedding_axes(layer, shape)
         elif kind == "einsum" and variable.name == "kernel":
             axes, reason = self._einsum_axes(layer, parent, shape)
-        elif kind == "layer" and (len(shape) > 2 or self._is_stacked(layer)):
+        elif kind == "layer" and (
+            len(shape) > 2 or self.kernel_role(layer) == STACK
+        ):
             axes, reason = self._stack_axes(layer, shape)
         else:
             # Dense kernels, convolution kernels (the last two dimensions
@@ -217,12 +282,12 @@ class Plan:
             )
         if len(role) > 2:
             axes = layer_reading.einsum_bias_axes(
-                layer, shape, role[2], self._model_axis()
+                layer, shape, role[2], self.model_dim_name
             )
             if axes is not None:
                 return axes, "column-parallel bias (heads)"
         elif shape[-1] == role[1]:
-            return replicated[:-1] + (self._model_axis(),), (
+            return replicated[:-1] + (self.model_dim_name,), (
                 "column-parallel bias"
             )
         return replicated, "replicated: bias"
@@ -241,33 +306,13 @@ class Plan:
         # its own name scope.
         return any(True for _ in layer._flatten_layers(include_self=False))
 
-    def _batch_axes(self, shape, axes, reason):
-        """`axes` with the batch axis on the largest dimension it divides
-        that the model axis leaves whole (FSDP-like, for kernels).
-
-        A vector of a block sharded over the batch axis costs no
-        collective of its own (it joins the block's gather and gradient
-        reduce-scatter) and takes its gradient out of the step's
-        all-reduce buckets; replicated, it would be stored whole by every
-        process (a tiny model's norms are a sizeable part of it).
-        """
-        if self.batch_dim_name in axes:
-            return axes, reason
-        batched = plan_share.on_free_dimension(
-            shape, axes, self.batch_dim_name, self.batch_size
-        )
-        if batched is None:
-            return axes, reason
-        batch = f"dimension {batched.index(self.batch_dim_name)} over batch"
-        return batched, f"{reason}; {batch}" if reason else batch
-
     def _embedding_axes(self, layer, shape):
         vocab_dim = 0 if shape == (layer.input_dim, layer.output_dim) else 1
         order = [vocab_dim, 1 - vocab_dim]
         if shape[1 - vocab_dim] > shape[vocab_dim]:
             order.reverse()
         what = {vocab_dim: "vocabulary", 1 - vocab_dim: "features"}
-        return self._axes(shape, order, lambda d: f"embedding {what[d]}")
+        return self._mesh.shard(shape, order, lambda d: f"embedding {what[d]}")
 
     def _einsum_axes(self, layer, parent, shape):
         parsed = layer_reading.parse_equation(getattr(layer, "equation", ""))
@@ -289,7 +334,7 @@ class Plan:
                 and self._pairs.key(parent) in self._head_parallel
                 and self._within_budget(shape)
             ):
-                axes, batch = self._axes(shape, [], str, model=False)
+                axes, batch = self._mesh.shard(shape, [], str, model=False)
                 reason = (
                     f"replicated over model: heads indivisible by "
                     f"{self.model_size} beside sharded query heads "
@@ -326,16 +371,23 @@ class Plan:
         else:
             in_width = math.prod(size[c] for c in contracted)
             out_width = math.prod(size[c] for c in out_only)
+            ambiguous = self._pairs.ambiguous(in_width, parent)
             role = self._pairs.role(parent, in_width, out_width)
             letters = out_only if role == COLUMN else contracted
             what = f"{role}-parallel"
+            pairing = plan_pairs.einsum_pairing(
+                role, shape, layer.equation, kernel, out_only, contracted
+            )
         order = [kernel.index(c) for c in letters]
-        axes, reason = self._axes(
+        axes, reason = self._mesh.shard(
             shape, order, lambda d: f"{what} ({layer.equation}: {kernel[d]})"
         )
         sharded = [
-            kernel[d] for d, a in enumerate(axes) if a == self._model_axis()
+            kernel[d] for d, a in enumerate(axes) if a == self.model_dim_name
         ]
+        if sharded and not (heads_out or heads_in) and ambiguous:
+            if axes[order[0]] == self.model_dim_name:
+                self._pairs.record(layer, pairing)
         if sharded:
             self._roles[layer] = (role, size[sharded[0]], sharded[0])
             if role == COLUMN and sharded[0] in heads_out:
@@ -347,7 +399,7 @@ class Plan:
         gathered whole for each call of its block."""
         kernel = layer_reading.parse_equation(layer.equation)[1]
         self._gathering = True
-        return self._axes(
+        return self._mesh.shard(
             shape,
             [kernel.index(c) for c in letters],
             lambda d: (
@@ -367,33 +419,8 @@ class Plan:
     def _within_budget(self, shape):
         """Whether replicating a kernel of `shape` over the model axis keeps
         the excess within `REPLICATION_BUDGET` of the model so far."""
-        axes = self._axes(shape, [], lambda d: "", model=False)[0]
+        axes = self._mesh.shard(shape, [], lambda d: "", model=False)[0]
         return self._share.within(shape, axes, REPLICATION_BUDGET)
-
-    def _bounded(self, shape, axes, reason):
-        """`axes`, or a weight replicated over the model axis sharded over
-        it where replicating it would pass `SHARE_BOUND`.
-
-        Not judged before the first variable sharded over the model axis:
-        what precedes a model's first kernel (an input norm) is all the
-        model there is so far, and every such vector would pass the bound.
-        """
-        if not self._share.sharded or self._share.within(
-            shape, axes, SHARE_BOUND
-        ):
-            return axes, reason
-        sharded = self._share.over_model(shape, axes)
-        if sharded is None:
-            return axes, reason
-        dim = sharded.index(self.model_dim_name)
-        # Used whole, as it would have been replicated: gathered with its
-        # layer's call where that is the call's one gather.
-        self._gathering = self.batch_size == 1
-        how = ", gathered for each call" if self._gathering else ""
-        return sharded, (
-            f"dimension {dim} over model{how}: replicated weights past "
-            f"{SHARE_BOUND:.0%} of the model ({reason})"
-        )
 
     def _matmul_axes(self, layer, scope, parent, shape, kind):
         in_dim, out_dim = len(shape) - 2, len(shape) - 1
@@ -408,79 +435,41 @@ class Plan:
             and (reads is None or out_width % self.model_size)
         ):
             return (
-                self._axes(shape, [], lambda d: "", model=False)[0],
+                self._mesh.shard(shape, [], lambda d: "", model=False)[0],
                 f"replicated over model: narrow output ({kind} "
                 f"{in_width}->{out_width})",
             )
+        ambiguous = self._pairs.ambiguous(in_width, scope, parent)
         role = self._pairs.role(scope, in_width, out_width, fallback=parent)
         order = [out_dim, in_dim] if role == COLUMN else [in_dim, out_dim]
-        axes, reason = self._axes(
+        axes, reason = self._mesh.shard(
             shape,
             order,
             lambda d: (
                 f"{role}-parallel {kind} ({shape[in_dim]}->{shape[out_dim]})"
             ),
         )
-        if axes[order[0]] == self._model_axis() and layer is not None:
+        if axes[order[0]] == self.model_dim_name and layer is not None:
             self._roles[layer] = (role, shape[order[0]])
+            if kind in ("dense", "conv") and ambiguous:
+                pairing = plan_pairs.matmul_pairing(role, shape, kind)
+                self._pairs.record(layer, pairing)
         return axes, reason
-
-    def _is_stacked(self, layer):
-        role = self._roles.get(layer) if layer is not None else None
-        return role is not None and role[0] == STACK
 
     def _stack_axes(self, layer, shape):
         """A layer's stack of matrices (experts) is split between processes,
         each multiplying whole matrices: the stacking dimension is sharded,
         for all the layer's weights that share it (biases included)."""
-        role = self._roles.get(layer) if layer is not None else None
-        if role is not None and role[0] == STACK and shape[0] != role[1]:
-            return self._axes(shape, [], lambda d: "")
-        axes, reason = self._axes(
+        if (
+            self.kernel_role(layer) == STACK
+            and shape[0] != self._roles[layer][1]
+        ):
+            return self._mesh.shard(shape, [], lambda d: "")
+        axes, reason = self._mesh.shard(
             shape, [0], lambda d: f"stacked matrices ({shape[0]} experts)"
         )
-        if axes[0] == self._model_axis() and layer is not None:
+        if axes[0] == self.model_dim_name and layer is not None:
             self._roles[layer] = (STACK, shape[0])
-        return axes, reason
-
-    # Pairing.
-
-    # Mesh axes.
-
-    def _model_axis(self):
-        return self.model_dim_name
-
-    def _axes(self, shape, order, describe, model=True):
-        """Shards the first dimension of `order` the model axis divides.
-
-        The batch axis, when longer than one, takes the largest other
-        dimension it divides.
-        """
-        axes = [None] * len(shape)
-        reasons = []
-        model_dim = None
-        if self.model_size > 1 and model and order:
-            candidates = list(order) + [
-                d for d in range(len(shape)) if d not in order
-            ]
-            for d in candidates:
-                if shape[d] % self.model_size == 0:
-                    model_dim = d
-                    break
-            if model_dim is None:
-                reasons.append("replicated over model: no dimension divides")
-            else:
-                axes[model_dim] = self.model_dim_name
-                reasons.append(describe(model_dim))
-                if model_dim != order[0]:
-                    reasons.append(
-                        f"dimension {order[0]} indivisible by {self.model_size}"
-                    )
-        axes, reason = tuple(axes), "; ".join(reasons)
-        if self.batch_size > 1:
-            axes, reason = self._batch_axes(shape, axes, reason)
-        if not reason:
-            reason = describe(order[0]) if order else "replicated"
         return axes, reason
 
 

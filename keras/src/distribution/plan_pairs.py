@@ -8,6 +8,13 @@ and leaves its output width "open"; a later kernel whose input has an open
 width consumes that output, through whatever elementwise ops lie between,
 and is row parallel. `Pairs` keeps, per enclosing layer, the widths
 column-parallel kernels read and the widths they left open.
+
+Widths cannot always tell: where a block's feed-forward layers are as wide
+as the block (a tiny config), a kernel reading a column kernel's output
+has the stream's width too. Each kernel paired by widths keeps its
+`Pairing`, how to lay it out either way, until a backend that can follow
+the block's data to its first call (torch) checks what the kernel reads
+(`AutoModelParallel.check_pairing`).
 """
 
 import weakref
@@ -28,6 +35,8 @@ class Pairs:
         self._stream = weakref.WeakKeyDictionary()
         # The root of layers created outside any other layer.
         self._root = _Root()
+        # The `Pairing` of each kernel paired by widths, until checked.
+        self._pairings = weakref.WeakKeyDictionary()
 
     def key(self, layer):
         """`layer`, or the root standing for "outside any layer"."""
@@ -42,6 +51,14 @@ class Pairs:
             if in_width in self._open.get(self.key(key), set()):
                 return ROW
         return None
+
+    def ambiguous(self, in_width, scope, fallback=None):
+        """Whether widths cannot tell what a kernel of `in_width` reads: an
+        earlier column kernel read that width and another left it open."""
+        keys = [self.key(k) for k in (scope, fallback)]
+        return any(in_width in self._stream.get(k, ()) for k in keys) and any(
+            in_width in self._open.get(k, ()) for k in keys
+        )
 
     def role(self, scope, in_width, out_width, fallback=None):
         """Column or row parallel, from what a kernel reads.
@@ -71,6 +88,68 @@ class Pairs:
         # A fused projection split in halves (gate and up) feeds one half.
         if width % 2 == 0:
             widths.add(width // 2)
+
+    def record(self, layer, pairing):
+        """Keeps how `layer`'s kernel, paired by widths, lays out either
+        way, until a call checks it."""
+        self._pairings[layer] = pairing
+
+    def pairing(self, layer):
+        """`layer`'s unchecked `Pairing`, or `None`."""
+        return self._pairings.get(layer)
+
+    def checked(self, layer):
+        """Forgets `layer`'s `Pairing`: a call has checked it."""
+        return self._pairings.pop(layer, None)
+
+
+class Pairing:
+    """How a kernel paired by widths alone lays out as either role.
+
+    Args:
+        role: the role its widths gave it.
+        shape: the kernel's shape.
+        orders: `{role: dimensions to shard, in order of preference}`.
+        describe: `describe(role, dimension)`, the reason's text.
+        letters: an `EinsumDense` kernel's letters (its bias follows the
+            one sharded), else `None`.
+    """
+
+    def __init__(self, role, shape, orders, describe, letters=None):
+        self.role = role
+        self.shape = shape
+        self.orders = orders
+        self.describe = describe
+        self.letters = letters
+
+
+def matmul_pairing(role, shape, kind):
+    """The `Pairing` of a dense or convolution kernel (input and output
+    features last)."""
+    in_dim, out_dim = len(shape) - 2, len(shape) - 1
+    widths = f"{shape[in_dim]}->{shape[out_dim]}"
+    return Pairing(
+        role,
+        shape,
+        {COLUMN: [out_dim, in_dim], ROW: [in_dim, out_dim]},
+        lambda r, d: f"{r}-parallel {kind} ({widths})",
+    )
+
+
+def einsum_pairing(role, shape, equation, kernel, out_only, contracted):
+    """The `Pairing` of an `EinsumDense` kernel (letters `kernel`) with no
+    head letters: column parallel over the letters only its output has,
+    row parallel over those it contracts."""
+    return Pairing(
+        role,
+        shape,
+        {
+            COLUMN: [kernel.index(c) for c in out_only],
+            ROW: [kernel.index(c) for c in contracted],
+        },
+        lambda r, d: f"{r}-parallel ({equation}: {kernel[d]})",
+        letters=kernel,
+    )
 
 
 class _Root:

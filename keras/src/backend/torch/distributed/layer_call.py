@@ -27,6 +27,7 @@ from keras.src.backend.torch.distributed import fsdp
 from keras.src.backend.torch.distributed import layout_rules
 from keras.src.backend.torch.distributed import layouts
 from keras.src.backend.torch.distributed import local_rows
+from keras.src.backend.torch.distributed import pairing_check
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
 
@@ -88,6 +89,10 @@ def call_layer(call_function, layer, *args, **kwargs):
     # already: dynamo cannot trace the context manager itself.
     if distribution is None or torch.compiler.is_compiling():
         return call_function(layer, *args, **kwargs)
+    trace = pairing_check.active_trace()
+    if trace is not None:
+        # The auto plan's trace of a block, on stand-ins: no layout.
+        return trace.call_layer(call_function, layer, args, kwargs)
     if _replication_depth == 0 and os.environ.get(CHECK_REPLICATION_ENV) == "1":
         check_replicated((args, kwargs), "layer call input")
     if _call_depth() == 0:
@@ -116,6 +121,10 @@ def call_layer(call_function, layer, *args, **kwargs):
         # The outermost call on data (not while a functional model that
         # calls this one is built): a whole model, built by now.
         layout_rules.check_model(layer, distribution)
+    if _calls.depth == 0 and symbolic and _has_keras_tensors((args, kwargs)):
+        # A functional model being built calls `layer`: its weights are
+        # neither loaded nor copied into optimizer slots yet.
+        pairing_check.check_layer(layer, distribution, args, kwargs)
     partial_axes = ()
     if not symbolic and torch.is_grad_enabled():
         partial_axes = _partial_gradient_axes(layer, mesh.ndim, (args, kwargs))
@@ -190,6 +199,10 @@ def _is_symbolic(values):
         or (isinstance(x, torch.Tensor) and x.is_meta)
         for x in tree.flatten(values)
     )
+
+
+def _has_keras_tensors(values):
+    return any(isinstance(x, KerasTensor) for x in tree.flatten(values))
 
 
 def _layer_output(x, partial_axes=()):

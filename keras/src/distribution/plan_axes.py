@@ -1,0 +1,105 @@
+"""Mesh axes for a variable's dimensions, as `AutoModelParallel` plans
+them (`auto_plan`): the model axis on the first dimension of a preferred
+order that it divides, the batch axis (when longer than one) on the
+largest dimension left free."""
+
+
+class MeshAxes:
+    """Places the model and batch axes on a variable's dimensions.
+
+    Args:
+        model_dim_name: the mesh axis tensor parallelism shards over.
+        model_size: its length.
+        batch_dim_name: the mesh axis the batch is split over.
+        batch_size: its length, 1 where kernels are not sharded over it.
+    """
+
+    def __init__(self, model_dim_name, model_size, batch_dim_name, batch_size):
+        self.model_dim_name = model_dim_name
+        self.model_size = model_size
+        self.batch_dim_name = batch_dim_name
+        self.batch_size = batch_size
+
+    def shard(self, shape, order, describe, model=True):
+        """Shards the first dimension of `order` the model axis divides.
+
+        The batch axis, when longer than one, takes the largest other
+        dimension it divides.
+
+        Args:
+            shape: the variable's shape.
+            order: dimensions for the model axis, in order of preference
+                (any other dimension comes after them).
+            describe: `describe(dimension)`, why the model axis is there.
+            model: whether to place the model axis at all.
+
+        Returns:
+            `(axes, reason)`: a tuple of mesh axis names (or `None`), one
+            per dimension, and a short text.
+        """
+        axes = [None] * len(shape)
+        reasons = []
+        if self.model_size > 1 and model and order:
+            candidates = list(order) + [
+                d for d in range(len(shape)) if d not in order
+            ]
+            divided = [d for d in candidates if shape[d] % self.model_size == 0]
+            if not divided:
+                reasons.append("replicated over model: no dimension divides")
+            else:
+                axes[divided[0]] = self.model_dim_name
+                reasons.append(describe(divided[0]))
+                if divided[0] != order[0]:
+                    reasons.append(
+                        f"dimension {order[0]} indivisible by {self.model_size}"
+                    )
+        axes, reason = tuple(axes), "; ".join(reasons)
+        if self.batch_size > 1:
+            axes, reason = self.with_batch(shape, axes, reason)
+        if not reason:
+            reason = describe(order[0]) if order else "replicated"
+        return axes, reason
+
+    def with_batch(self, shape, axes, reason):
+        """`axes` with the batch axis on the largest dimension it divides
+        that the model axis leaves whole (FSDP-like, for kernels).
+
+        A vector of a block sharded over the batch axis costs no
+        collective of its own (it joins the block's gather and gradient
+        reduce-scatter) and takes its gradient out of the step's
+        all-reduce buckets; replicated, it would be stored whole by every
+        process (a tiny model's norms are a sizeable part of it).
+        """
+        if self.batch_dim_name in axes:
+            return axes, reason
+        batched = on_free_dimension(
+            shape, axes, self.batch_dim_name, self.batch_size
+        )
+        if batched is None:
+            return axes, reason
+        batch = f"dimension {batched.index(self.batch_dim_name)} over batch"
+        return batched, f"{reason}; {batch}" if reason else batch
+
+
+def on_free_dimension(shape, axes, axis_name, axis_size):
+    """`axes` with `axis_name` on the largest dimension of `shape` that no
+    axis shards and `axis_size` divides, or `None` if none.
+
+    Args:
+        shape: the variable's shape.
+        axes: the mesh axis of each dimension (or `None`).
+        axis_name: the mesh axis to add.
+        axis_size: its length.
+
+    Returns:
+        A tuple of mesh axis names (or `None`), or `None`.
+    """
+    free = sorted(
+        (d for d, a in enumerate(axes) if a is None), key=lambda d: -shape[d]
+    )
+    for d in free:
+        if shape[d] % axis_size == 0:
+            placed = list(axes)
+            placed[d] = axis_name
+            return tuple(placed)
+    return None
