@@ -49,6 +49,8 @@ else:  # pragma: no cover - torch without DTensor has no distribution.
 # A dimension of unknown size (batch, sequence) is traced at this size:
 # small, since a block the meta device cannot run is run on zeros.
 UNKNOWN_DIMENSION = 8
+# The roles of `keras/src/distribution/plan_pairs.py` (not imported: the
+# backend is imported before `keras.src.distribution`).
 COLUMN = "column"
 ROW = "row"
 
