@@ -81,11 +81,11 @@ def check_layer(layer, distribution, args, kwargs):
         reads = bool(inputs) and _graph_reads_column(inputs[0], distribution)
         _check(layer, distribution, reads)
         return
-    paired = [
+    roles = (
         (inner, distribution.paired_role(inner))
         for inner in layer._flatten_layers(include_self=False)
-        if distribution.paired_role(inner) is not None
-    ]
+    )
+    paired = [(inner, role) for inner, role in roles if role is not None]
     if not paired:
         return
     trace = _Trace(distribution)
