@@ -62,14 +62,20 @@ def _run_upstream_tests(root, pythonpath, junit):
         timeout=TIMEOUT,
     )
     assert Path(junit).exists(), result.stdout[-3000:] + result.stderr[-3000:]
-    outcomes = {}
+    outcomes, failures = {}, {}
     for case in ElementTree.parse(junit).iter("testcase"):
         name = f"{case.get('classname')}::{case.get('name')}"
-        failed = case.find("failure") is not None
-        failed = failed or case.find("error") is not None
+        failure = case.find("failure")
+        failure = case.find("error") if failure is None else failure
         skipped = case.find("skipped") is not None
-        outcomes[name] = "failed" if failed else "skipped" if skipped else "ok"
-    return outcomes, result.stdout
+        if failure is not None:
+            failures[name] = (failure.text or failure.get("message", ""))[
+                -1500:
+            ]
+        outcomes[name] = (
+            "failed" if failure is not None else "skipped" if skipped else "ok"
+        )
+    return outcomes, failures
 
 
 def test_upstream_tests_of_changed_files_pass_as_on_pristine_keras(tmp_path):
@@ -90,9 +96,11 @@ def test_upstream_tests_of_changed_files_pass_as_on_pristine_keras(tmp_path):
             [pristine, shim],
             tmp_path / "pristine.xml",
         )
-        (ours, _), (theirs, _) = ours.result(), theirs.result()
+        (ours, failures), (theirs, _) = ours.result(), theirs.result()
     passing_upstream = {t for t, o in theirs.items() if o == "ok"}
     assert len(passing_upstream) > 300, "upstream's tests did not run"
     assert set(ours) == set(theirs)
     broken = sorted(t for t in passing_upstream if ours[t] != "ok")
-    assert not broken, f"{len(broken)} upstream tests broken: {broken[:20]}"
+    assert not broken, f"{len(broken)} upstream tests broken:\n" + "\n".join(
+        f"{t}:\n{failures.get(t, ours[t])}" for t in broken[:5]
+    )
