@@ -69,9 +69,8 @@ def _run_upstream_tests(root, pythonpath, junit):
         failure = case.find("error") if failure is None else failure
         skipped = case.find("skipped") is not None
         if failure is not None:
-            failures[name] = (failure.text or failure.get("message", ""))[
-                -1500:
-            ]
+            text = failure.text or failure.get("message", "")
+            failures[name] = text[-1500:]
         outcomes[name] = (
             "failed" if failure is not None else "skipped" if skipped else "ok"
         )
