@@ -29,6 +29,10 @@ code calls; the torch backend's own files hook into these modules directly:
   process reported by name instead of a transport error.
 - `agreement`: processes that disagree (model, number of batches) stopped
   with a `ValueError` before they can hang.
+- `call_agreement`: collective calls a user makes (reading a sharded
+  value, `fit`, saving) agreed in the job's store, so that a call made on
+  some processes only stops them with a `ValueError` instead of pairing
+  with another collective.
 - `layout_rules`: which `LayoutMap` rule lays out each variable; a warning
   for rules that lay out none.
 """

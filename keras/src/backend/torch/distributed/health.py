@@ -43,7 +43,13 @@ _STORE_PREFIX = "keras_distribution_health"
 # traceback (the public API and DTensor's functional collectives).
 _COLLECTIVE_FILES = ("distributed_c10d.py", "_functional_collectives.py")
 
-_state = {"started": False, "steps": {}, "coordinator": None, "written": []}
+_state = {
+    "started": False,
+    "steps": {},
+    "running": None,
+    "coordinator": None,
+    "written": [],
+}
 # Not `runtime.log_debug`: the runtime imports this module.
 _logger = logging.getLogger("keras.distribution")
 
@@ -158,6 +164,7 @@ def guarded_step(kind, all_groups):
         # (its caller caught the error): what it reported then is no
         # longer true, and must not name an old error in a later failure.
         _clear_own_reports()
+    _state["running"] = kind
     try:
         yield
     except JobFailedError:
@@ -167,10 +174,34 @@ def guarded_step(kind, all_groups):
             report_failure(error)
             raise
         raise _job_error(error, f"{kind} step {step}") from None
+    finally:
+        _state["running"] = None
     if not _state["started"]:
         _state["started"] = True
         bound_groups(all_groups())
         _logger.debug("collectives bounded by %s s", step_timeout())
+
+
+def running_step():
+    """The kind of step (`"train"`, ...) this process runs now, or `None`."""
+    return _state["running"]
+
+
+def step_counts():
+    """How many steps of each kind this process has started.
+
+    Returns:
+        A dict such as `{"train": 12, "test": 3}`.
+    """
+    return dict(_state["steps"])
+
+
+def connect_store():
+    """A new client of the job's store (its own connection), or `None`.
+
+    `None` in a job of one process, or when the store cannot be reached.
+    """
+    return _connect_store()
 
 
 def report_failure(error):

@@ -10,6 +10,7 @@ import tempfile
 
 import torch.distributed as dist
 
+from keras.src.backend.torch.distributed import call_agreement
 from keras.src.backend.torch.distributed import runtime
 
 LOG_ALL_PROCESSES_ENV = "KERAS_DISTRIBUTION_LOG_ALL_PROCESSES"
@@ -61,6 +62,11 @@ def save_from_one_process(save_function, model, filepath, *args, **kwargs):
     if runtime.world_size() == 1 or not _is_local_file(filepath):
         return save_function(model, filepath, *args, **kwargs)
     filepath = os.fspath(filepath)
+    with call_agreement.collective_call("saving a model to one file"):
+        _save_on_process_0(save_function, model, filepath, *args, **kwargs)
+
+
+def _save_on_process_0(save_function, model, filepath, *args, **kwargs):
     directory, name = os.path.split(os.path.abspath(filepath))
     if runtime.rank() == 0:
         scratch = tempfile.mkdtemp(prefix=f".{name}.", dir=directory)

@@ -34,6 +34,7 @@ import functools
 import torch
 
 from keras.src import tree
+from keras.src.backend.torch.distributed import call_agreement
 from keras.src.backend.torch.distributed import compiled_step
 from keras.src.backend.torch.distributed import data_input
 from keras.src.backend.torch.distributed import fallback
@@ -123,6 +124,7 @@ class DistributedStep:
         distribution = runtime.current_distribution()
         if distribution is None:
             return self.step_function(data)
+        call_agreement.start()
         with health.guarded_step(self.kind, layouts.all_process_groups):
             with self._running():
                 return self._run(data, distribution)

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from keras.src.backend.torch.distributed import agreement
+from keras.src.backend.torch.distributed import call_agreement
 from keras.src.backend.torch.distributed import layouts
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
@@ -52,9 +53,12 @@ def initialize_variable(variable):
         tuple(sharded.shape),
         tuple(sharded.to_local().shape),
     )
-    return torch.nn.Parameter(
+    parameter = torch.nn.Parameter(
         sharded, requires_grad=value.requires_grad and variable.trainable
     )
+    # Named in the error of a read that some processes do not make.
+    parameter.keras_variable_path = variable.path
+    return parameter
 
 
 def distribute_variable(value, layout):
@@ -199,7 +203,14 @@ def to_global_value(x):
         return x
     if all(p.is_replicate() for p in x.placements):
         return x.to_local()
-    return x.full_tensor()
+    with call_agreement.collective_call(_read_description(x)):
+        return x.full_tensor()
+
+
+def _read_description(x):
+    path = getattr(x, "keras_variable_path", None)
+    what = f"variable '{path}'" if path else f"a tensor of shape {x.shape}"
+    return f"a read of the global value of {what}, laid out as {x.placements}"
 
 
 def rebind_module_parameter(module, name, parameter):
