@@ -483,7 +483,8 @@ def train_and_generate(name, mode):
         `tokens_one_prompt` of the first prompt alone; the `fallbacks`
         (`{op: (calls, bytes, reason)}`) of the first train step and of
         the whole `fit` (distributed modes);
-        `layer_classes` (none: `layer_catalogue.compare` skips it).
+        `layer_classes` (none: `layer_catalogue.compare` skips it); the
+        `path` of the train step (see `train_path`).
     """
     import keras
 
@@ -537,7 +538,19 @@ def train_and_generate(name, mode):
         "tokens_one_prompt": np.asarray(generated_one["token_ids"]),
         "fallbacks": fallbacks,
         "parameter_bytes": parameter_bytes(lm),
+        "path": "" if mode == "single" else train_path(lm),
     }
+
+
+def train_path(model):
+    """`"local"` if the train step called `model` on each process' rows,
+    `"dtensor: <why>"` if through DTensor, `""` without a probe."""
+    from keras.src.backend.torch.distributed import step
+
+    verdict = step.call_verdict(model, "train", training=True)
+    if verdict is None:
+        return ""
+    return "local" if verdict.per_sample else f"dtensor: {verdict.reason}"
 
 
 def expected_placements(model, layout_map):

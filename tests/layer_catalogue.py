@@ -851,7 +851,23 @@ def run_case(name, mode, num_samples=NUM_SAMPLES):
         "rules": rules,
         "layer_classes": _exported_classes_in(model),
         "devices": variable_devices(model.weights),
+        # Pristine Keras (the reference) has no probe.
+        "path": "" if mode == "single" else train_path(model),
     }
+
+
+def train_path(model):
+    """Which path the train step called `model` on, as text.
+
+    `"local"` (each process' rows, as plain tensors), `"dtensor: <why>"`
+    (the probe's reason), or `""` without a data-parallel probe.
+    """
+    from keras.src.backend.torch.distributed import step
+
+    verdict = step.call_verdict(model, "train", training=True)
+    if verdict is None:
+        return ""
+    return "local" if verdict.per_sample else f"dtensor: {verdict.reason}"
 
 
 def variable_devices(variables):

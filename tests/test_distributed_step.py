@@ -42,6 +42,9 @@ ALLOWED_MODULE_STATE = {
     ("layer_call", "_calls"),
     # Per thread: the local call's context, for `batch_moments`.
     ("local_rows", "_local_call"),
+    # Per layer, weakly: the probe's verdicts on calls outside a step (a
+    # step keeps its own).
+    ("local_rows", "_verdicts"),
     # Per thread: the layer calls whose gathered values stand for their
     # variables now, and those variables (a layer called inside its own
     # call, or inside the call that gathered them, keeps them).
@@ -191,21 +194,24 @@ def test_data_parallel_per_sample_model_runs_on_local_rows():
 
 
 def test_a_step_that_draws_random_numbers_runs_through_dtensor():
-    # The train step's dropout draws: that step function goes through
-    # DTensor; the test step (inference) draws nothing.
+    # The train step's dropout draws (found by the probe's call on the
+    # local rows): that step function goes through DTensor; the test step
+    # (inference) draws nothing.
     d = _decisions("dp", "dropout")
     assert d["draws"] == [True, False]
     assert d["local"] == [False, True]
-    assert d["leaves"] == 4  # Taken in the first step's local attempt.
+    assert d["leaves"] == 0  # The probe takes none.
 
 
 def test_custom_train_step_and_user_code_decide_otherwise():
     d = _decisions("dp", "custom_step")
     assert d["overlaps"] == [False, False]
     assert d["leaves"] == 0
+    # A `Lambda` of elementwise ops is per-sample (the probe decides, not
+    # the layer's class): the local rows, with the weights as leaves.
     d = _decisions("dp", "lambda")
-    assert d["local"] == [False, False]
-    assert d["leaves"] == 0
+    assert d["local"] == [True, True]
+    assert d["leaves"] == 4
 
 
 def test_model_parallel_runs_through_dtensor():
@@ -233,7 +239,7 @@ def _lazy_model_steps(setting):
     """Train steps of a `Sequential` built by its first step, a weight made
     untrainable after two; the losses, and what the step decided when.
 
-    Counts the walks of the model's layers (`local_rows._per_sample`), the
+    Counts the probes of the model's calls (`local_rows._probe`), the
     bucketings of its weights (`step_reduction._reverse_buckets`) and the
     calls on the local rows, after the first step and after the others.
     """
@@ -254,10 +260,10 @@ def _lazy_model_steps(setting):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(8, 6)).astype("float32")
     y = rng.normal(size=(8, 2)).astype("float32")
-    counts = {"walks": 0, "bucketings": 0, "local": 0}
-    per_sample = local_rows._per_sample
+    counts = {"probes": 0, "bucketings": 0, "local": 0}
+    probe = local_rows._probe
     reverse_buckets = step_reduction._reverse_buckets
-    call = local_rows.call
+    call = local_rows._call_locally
 
     def counting(name, function):
         def counted(*args):
@@ -267,9 +273,9 @@ def _lazy_model_steps(setting):
 
         return counted
 
-    local_rows._per_sample = counting("walks", per_sample)
+    local_rows._probe = counting("probes", probe)
     step_reduction._reverse_buckets = counting("bucketings", reverse_buckets)
-    local_rows.call = counting("local", call)
+    local_rows._call_locally = counting("local", call)
     losses, snapshots = [], []
     try:
         for i in range(5):
@@ -279,9 +285,9 @@ def _lazy_model_steps(setting):
             losses.append(float(model.train_on_batch(x, y)))
             snapshots.append(dict(counts))
     finally:
-        local_rows._per_sample = per_sample
+        local_rows._probe = probe
         step_reduction._reverse_buckets = reverse_buckets
-        local_rows.call = call
+        local_rows._call_locally = call
         keras.distribution.set_distribution(None)
     return {"losses": losses, "counts": snapshots}
 
@@ -302,12 +308,10 @@ def test_the_step_classifies_and_buckets_its_model_once():
             result["losses"], reference["losses"], rtol=1e-5
         )
         first, third, fourth, last = [result["counts"][i] for i in (0, 2, 3, 4)]
-        # Every step ran on the local rows.
-        assert [c["local"] for c in result["counts"]] == [1, 2, 3, 4, 5]
-        # Built by the first step: classified in it (before the call,
-        # unbuilt, and again in the call), never after.
-        assert first["walks"] >= 1
-        assert last["walks"] == first["walks"]
+        # Built by the first step, whose call is the probe's; every later
+        # step ran on the local rows.
+        assert [c["local"] for c in result["counts"]] == [0, 1, 2, 3, 4]
+        assert first["probes"] == last["probes"] == 1
         # Bucketed once for the first three steps, once more when fc1's
         # weights stopped training, then kept.
         assert first["bucketings"] == third["bucketings"] == 1

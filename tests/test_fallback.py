@@ -574,3 +574,59 @@ def test_a_value_sharded_along_two_mesh_axes_is_gathered_at_once():
                 continue
             np.testing.assert_array_equal(whole, expected, err_msg=name)
             assert collectives == 1, (name, collectives)
+
+
+def _out_of_memory_body(rank, world_size):
+    """An op DTensor computes, whose kernel runs out of memory."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.experimental import register_sharding
+
+    @torch.library.custom_op("keras_test::out_of_memory", mutates_args=())
+    def out_of_memory(x: torch.Tensor) -> torch.Tensor:
+        raise torch.cuda.OutOfMemoryError("allocation of 1 TiB failed")
+
+    # DTensor's sharding propagation runs the op on fake tensors.
+    out_of_memory.register_fake(torch.empty_like)
+
+    @register_sharding(torch.ops.keras_test.out_of_memory.default)
+    def _(x):
+        return [([Shard(0)], [Shard(0)])]
+
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    fallback = _fallback()
+    x = distribute_tensor(_pool_input(), _mesh(), [Shard(0)])
+    try:
+        with CommDebugMode() as comms, fallback.dtensor_fallback():
+            torch.ops.keras_test.out_of_memory(x)
+    except torch.cuda.OutOfMemoryError as error:
+        raised = str(error)
+    return raised, comms.get_total_counts()
+
+
+def test_an_out_of_memory_error_is_not_retried_on_global_values():
+    # Retrying on global values would gather the operand on every process
+    # (more memory, where memory just ran out), then fail again.
+    for raised, collectives in run_on_ranks(_out_of_memory_body, world_size=2):
+        assert "allocation of 1 TiB failed" in raised
+        assert collectives == 0
+
+
+def test_only_dtensors_own_assertions_are_refusals():
+    from keras.src.backend.torch.distributed import fallback
+
+    def raised(code, filename):
+        try:
+            exec(compile(code, filename, "exec"), {})
+        except Exception as error:
+            return error
+        raise AssertionError(f"{code!r} raised nothing")
+
+    dtensor_file = "/site-packages/torch/distributed/tensor/_sharding_prop.py"
+    assert fallback.is_refusal(raised("assert False", dtensor_file))
+    assert not fallback.is_refusal(raised("assert False", "/home/me/layer.py"))
+    assert fallback.is_refusal(raised("raise NotImplementedError", "x.py"))
+    assert not fallback.is_refusal(
+        raised("import torch; raise torch.cuda.OutOfMemoryError()", "x.py")
+    )

@@ -120,6 +120,37 @@ class KnownFailure(AssertionError):
     """The case failed the way `KNOWN_FAILURES` says it does."""
 
 
+# Under DataParallel every case runs on each process' rows (the probe of
+# `batch_coupling` finds it per-sample), but these, which run through
+# DTensor for the reason given (the start of the probe's reason).
+_DRAWS = "draws random numbers"
+DATA_PARALLEL_ON_DTENSOR = {
+    # Random draws: one process' numbers for the global batch.
+    **{
+        name: _DRAWS
+        for name in (
+            "Dropout Dropout-unseeded SpatialDropout1D SpatialDropout2D "
+            "SpatialDropout3D GaussianNoise GaussianDropout AlphaDropout "
+            "Pipeline RandomFlip RandomRotation RandomZoom RandomTranslation "
+            "RandomCrop RandomShear RandomPerspective RandomElasticTransform "
+            "RandomContrast RandomBrightness RandomErasing RandomGaussianBlur "
+            "RandomGrayscale RandomHue RandomSaturation RandomSharpness "
+            "RandomInvert RandomPosterization RandomColorDegeneration "
+            "RandomColorJitter Solarization AugMix RandAugment CutMix MixUp"
+        ).split()
+    },
+    # A loss summed over the global batch.
+    "ActivityRegularization": "sums over the batch",
+    "Dense-activity_regularizer": "sums over the batch",
+    # Its normalized kernel is written in the call, then differentiated.
+    "SpectralNormalization": "assigns a trainable variable",
+    # A histogram of the whole batch.
+    "Equalization": "its outputs on the local rows differ",
+    # The wrapped module computes with its own (replicated) parameters.
+    "TorchModuleWrapper": "its outputs on the local rows are not plain",
+}
+
+
 # --------------------------------------------------------------------------
 # The catalogue itself (no processes)
 # --------------------------------------------------------------------------
@@ -316,6 +347,28 @@ def _params():
     return lc.known_failure_params(
         pairs, KNOWN_FAILURES, RUN_TIMEOUT, KnownFailure
     )
+
+
+def _data_parallel_params():
+    return [
+        (run, name)
+        for run, names in RUNS.items()
+        if lc.RUNS[run][0] == "dp"
+        for name in names
+    ]
+
+
+@pytest.mark.timeout(RUN_TIMEOUT)
+@pytest.mark.parametrize("run, name", _data_parallel_params())
+def test_data_parallel_path(run, name, run_results):
+    """Each case's train step on the local rows, or why not."""
+    expected = DATA_PARALLEL_ON_DTENSOR.get(name)
+    for result in run_results(run)[name]:
+        path = result.get("path", result.get("error"))
+        if expected is None:
+            assert path == "local", path
+        else:
+            assert path.startswith(f"dtensor: {expected}"), path
 
 
 @pytest.mark.parametrize("run, name", _params())

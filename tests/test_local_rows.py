@@ -1,11 +1,12 @@
 """Data-parallel models of per-sample layers called on the local rows.
 
-Under `DataParallel`, a model made only of per-sample layers runs its
-forward and backward passes on each process' rows as plain tensors
-(`local_rows`); everything that reduces over the batch (the loss, the
+Under `DataParallel`, a model whose calls are per-sample runs its forward
+and backward passes on each process' rows as plain tensors (`local_rows`),
+whatever the classes of its layers (the probe of its first call,
+`batch_coupling`); everything that reduces over the batch (the loss, the
 metrics) keeps the global batch, and batch normalization's moments are
-all-reduced. These tests check
-which models take that path and that they train as one process does.
+all-reduced. These tests check which models take that path, why the
+others do not, and that they train as one process does.
 """
 
 from tests import parity_models as pm
@@ -13,22 +14,26 @@ from tests.harness import run_on_ranks
 
 
 def _counting_local_calls(function, *args):
-    """`(function(*args), number of model calls made on the local rows)`."""
+    """`(function(*args), number of model calls made on the local rows)`.
+
+    The probe's first call of each step function runs through DTensor: it
+    is not counted.
+    """
     from keras.src.backend.torch.distributed import local_rows
 
     calls = []
-    call = local_rows.call
+    call = local_rows._call_locally
 
     def counting_call(*call_args):
         outputs = call(*call_args)
         calls.append(outputs is not None)
         return outputs
 
-    local_rows.call = counting_call
+    local_rows._call_locally = counting_call
     try:
         result = function(*args)
     finally:
-        local_rows.call = call
+        local_rows._call_locally = call
     return result, sum(calls)
 
 
@@ -93,16 +98,16 @@ def _dropout_body(rank, world_size):
 
 
 def test_models_drawing_random_numbers_run_on_dtensor():
-    # A dropout mask is drawn over the global batch. The first call on the
-    # local rows advances the seed generator: it is dropped and the train
-    # step runs through DTensor from then on. The test step, in inference,
-    # draws nothing: it runs on the local rows (the decision is the step
-    # function's). Parity with one process is checked in
-    # test_training_parity.
+    # A dropout mask is drawn over the global batch. The probe's call on
+    # the local rows advances the seed generator: the train step runs
+    # through DTensor. The test step, in inference, draws nothing: after
+    # its probe (the first of its 3 batches) it runs on the local rows
+    # (the decision is the step function's). Parity with one process is
+    # checked in test_training_parity.
     per_rank = run_on_ranks(_dropout_body, world_size=2)
     for fit_calls, evaluate_calls in per_rank:
         assert fit_calls == 0, fit_calls
-        assert evaluate_calls == 3, evaluate_calls
+        assert evaluate_calls == 2, evaluate_calls
 
 
 def _batch_centered_fit(rank=None, world_size=None):
@@ -244,3 +249,105 @@ def test_batch_moments_of_a_dtensor_batch_are_reduced_once():
             result["variance"], variance.detach(), rtol=1e-5
         )
         np.testing.assert_allclose(result["grad"], x.grad, rtol=1e-4, atol=1e-6)
+
+
+# Models whose path the probe decides; `(per-sample?, reason)` expected.
+_PROBED = {
+    # A user's layer (`matmul(x, w) + b`, relu), defined outside Keras.
+    "own_layer": (True, ""),
+    # A `Lambda` of an elementwise function.
+    "lambda": (True, ""),
+    # DTensor refuses the recurrent loop's op on a batch-split sequence
+    # (computed on global values in the probe): per-sample all the same.
+    "lstm": (True, ""),
+    # A layer that divides by the batch size: DTensor issues no
+    # collective, but its values on the local rows differ.
+    "batch_size_as_number": (False, "differ from DTensor's"),
+    # An activity regularizer's loss: a sum over the global batch.
+    "activity_regularizer": (False, "sums over the batch"),
+    # A mean over the batch, between two layers.
+    "batch_centered": (False, "sums over the batch"),
+}
+
+
+def _probed_model(kind):
+    import keras
+    from keras import ops
+
+    class OwnDense(keras.layers.Layer):
+        def __init__(self, units, **kwargs):
+            super().__init__(**kwargs)
+            self.units = units
+
+        def build(self, shape):
+            self.w = self.add_weight((shape[-1], self.units))
+            self.b = self.add_weight((self.units,), initializer="zeros")
+
+        def call(self, x):
+            return ops.relu(ops.matmul(x, self.w) + self.b)
+
+    class OverBatchSize(keras.layers.Layer):
+        def call(self, x):
+            return x / ops.cast(ops.shape(x)[0], x.dtype)
+
+    keras.utils.set_random_seed(pm.SEED)
+    inputs = keras.Input((8,))
+    x = keras.layers.Dense(8)(inputs)
+    if kind == "own_layer":
+        x = OwnDense(6)(OwnDense(6)(x))
+    elif kind == "lambda":
+        x = keras.layers.Lambda(lambda t: t * 2.0 + 1.0)(x)
+    elif kind == "lstm":
+        x = keras.layers.LSTM(4)(keras.layers.Reshape((2, 4))(x))
+    elif kind == "batch_size_as_number":
+        x = OverBatchSize()(x)
+    elif kind == "activity_regularizer":
+        x = keras.layers.Dense(6, activity_regularizer="l2")(x)
+    elif kind == "batch_centered":
+        x = x - ops.mean(x, axis=0, keepdims=True)
+    model = keras.Model(inputs, keras.layers.Dense(2)(x))
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def _probed_fit(kind, distributed=False):
+    import numpy as np
+
+    from keras.src.backend.torch.distributed import step
+    from tests import distributions
+
+    distributions.use_setting("dp" if distributed else "single")
+    model = _probed_model(kind)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 8)).astype("float32")
+    y = rng.normal(size=(16, 2)).astype("float32")
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    result = {
+        "loss": history.history["loss"],
+        "weights": [np.array(w) for w in model.get_weights()],
+    }
+    verdict = step.call_verdict(model, "train", training=True)
+    return result, verdict
+
+
+def _probed_body(rank, world_size):
+    out = {}
+    for kind in _PROBED:
+        (result, verdict), calls = _counting_local_calls(
+            _probed_fit, kind, True
+        )
+        out[kind] = (result, verdict.per_sample, verdict.reason, calls)
+    return out
+
+
+def test_the_probe_decides_the_path_whatever_the_layers_classes():
+    per_rank = run_on_ranks(_probed_body, world_size=2)
+    for kind, (per_sample, reason) in _PROBED.items():
+        reference, _ = pm.run_single(_probed_fit, kind)
+        for rank, results in enumerate(per_rank):
+            result, got_per_sample, got_reason, calls = results[kind]
+            assert (got_per_sample, kind) == (per_sample, kind), got_reason
+            assert reason in got_reason, (kind, got_reason)
+            # 2 epochs of 2 train steps, the first one the probe's.
+            assert calls == (3 if per_sample else 0), (kind, calls)
+            pm.assert_close(result, reference, f"{kind}, rank {rank}")

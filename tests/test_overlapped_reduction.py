@@ -61,6 +61,10 @@ def _launch_order_body(rank, world_size):
     rng = np.random.RandomState(0)
     x = rng.rand(8, 8).astype("float32")
     y = rng.rand(8, 4).astype("float32")
+    # The first step's call is the probe's, through DTensor (see
+    # `local_rows.call`); the second runs on the local rows. The buckets
+    # are made in the first.
+    _with_one_variable_buckets(model.train_on_batch, x, y)
     events = []
     backward = torch.Tensor.backward
 

@@ -15,6 +15,8 @@ code calls; the torch backend's own files hook into these modules directly:
   shards, where they split as tensor parallelism splits them.
 - `fallback`: ops DTensor refuses, computed on global values.
 - `local_rows`: data-parallel models called on each process' own rows.
+- `batch_coupling`: whether a call couples the samples of a batch (the
+  probe of its first call), which decides that path.
 - `data_input`: global batches assembled from each process' rows.
 - `data_sources`: `DataLoader`s and `PyDataset`s read one process' share.
 - `collectives`: `all_reduce` / `all_gather` over a named mesh axis.

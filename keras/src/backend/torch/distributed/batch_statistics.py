@@ -13,6 +13,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from keras.src.backend.torch.distributed import batch_coupling
 from keras.src.backend.torch.distributed import local_rows
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
@@ -53,11 +54,13 @@ def batch_moments(function):
         axes = tuple(axes) if isinstance(axes, (list, tuple)) else (axes,)
         if 0 not in [a % x.ndim for a in axes]:
             return function(x, axes, keepdims, synchronized)
-        if group is not None:
-            return _global_moments(x, axes, keepdims, group=group)
-        if _batch_sharded(x):
-            return _packed_moments(x, axes, keepdims)
-        return function(x, axes, keepdims, synchronized)
+        # What couples samples on purpose: not evidence for the probe.
+        with batch_coupling.explained():
+            if group is not None:
+                return _global_moments(x, axes, keepdims, group=group)
+            if _batch_sharded(x):
+                return _packed_moments(x, axes, keepdims)
+            return function(x, axes, keepdims, synchronized)
 
     return moments
 

@@ -40,7 +40,9 @@ order, and the gathers pair up.
 
 import contextlib
 import functools
+import os
 import threading
+import traceback
 
 import torch
 
@@ -73,7 +75,7 @@ else:  # pragma: no cover - torch without DTensor has no distribution.
 # got: no strategy (`NotImplementedError`), a refused placement
 # (`RuntimeError`, `ValueError`), an assertion in its propagation, and a
 # crash of its redistribution planner (`IndexError`: torch 2.11, a padding
-# of a tensor sharded on the padded dimension).
+# of a tensor sharded on the padded dimension). See `is_refusal`.
 _REFUSALS = (
     NotImplementedError,
     RuntimeError,
@@ -81,6 +83,7 @@ _REFUSALS = (
     AssertionError,
     IndexError,
 )
+_DTENSOR_PACKAGE = os.path.join("torch", "distributed", "tensor", "")
 
 _state = threading.local()
 
@@ -220,6 +223,8 @@ class _FallbackMode(TorchDispatchMode):
         except torch.distributed.DistError:
             raise
         except _REFUSALS as e:
+            if not is_refusal(e):
+                raise
             refusal = e
         else:
             if mutated:
@@ -238,6 +243,25 @@ class _FallbackMode(TorchDispatchMode):
         return global_values.on_global_values(
             func, args, kwargs, refusal, str(func), mutated
         )
+
+
+def is_refusal(error):
+    """Whether `error` is DTensor refusing an op on these placements.
+
+    An out-of-memory error is not (computing on global values needs more
+    memory), nor an assertion that fails outside DTensor's own code (a bug
+    of the code that runs the op, which a retry would hide).
+    """
+    cause = error
+    while cause is not None:
+        # DTensor's dispatch may re-raise a kernel's error as its cause.
+        if isinstance(cause, torch.cuda.OutOfMemoryError):
+            return False
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(error, AssertionError):
+        frames = traceback.extract_tb(error.__traceback__)
+        return bool(frames) and _DTENSOR_PACKAGE in frames[-1].filename
+    return True
 
 
 class _InPlaceViewRefused(RuntimeError):

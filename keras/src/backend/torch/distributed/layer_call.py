@@ -96,11 +96,21 @@ def call_layer(call_function, layer, *args, **kwargs):
     if _replication_depth == 0 and os.environ.get(CHECK_REPLICATION_ENV) == "1":
         check_replicated((args, kwargs), "layer call input")
     if _call_depth() == 0:
-        # A model of per-sample layers under data parallelism.
-        outputs = local_rows.call(call_function, layer, args, kwargs)
+        # A per-sample model under data parallelism.
+        through_dtensor = functools.partial(
+            _call_with_dtensors, call_function, layer, distribution
+        )
+        outputs = local_rows.call(
+            call_function, layer, args, kwargs, through_dtensor
+        )
         if outputs is not None:
             layout_rules.check_model(layer, distribution)
             return outputs
+    return _call_with_dtensors(call_function, layer, distribution, args, kwargs)
+
+
+def _call_with_dtensors(call_function, layer, distribution, args, kwargs):
+    """`call_layer`'s call of `layer` on `DTensor`s."""
     mesh = distribution.device_mesh.backend_mesh
     args, kwargs = tree.map_structure(
         functools.partial(layouts.replicate, mesh=mesh), (args, kwargs)

@@ -1,37 +1,37 @@
 """Data-parallel model calls on each process' own rows, as plain tensors.
 
-When every weight is replicated and the batch is sharded, a layer whose
-call treats each sample on its own (a Dense or convolution layer, pooling,
-a recurrent layer, attention within a sample) computes on a process' rows
-exactly what DTensor computes on them, without DTensor's dispatch on every
-op. A model made only of Keras' own layers is called on the local rows as
-plain tensors: the weights enter as their local values with partial-sum
-gradients (torch's `local_map`), and the outputs leave as batch-sharded
-DTensors, so the loss, the metrics and anything else that reduces over the
-batch still see the global batch and keep one process' numbers.
+When every weight is replicated and the batch is sharded, a call that
+treats each sample on its own computes on a process' rows exactly what
+DTensor computes on them, without DTensor's dispatch on every op. Which
+calls do is measured on the first one (`batch_coupling`'s probe: DTensor's
+own collectives, then the same call on the local rows compared), whatever
+the classes of the layers. A per-sample model is then called on the local
+rows as plain tensors: the weights enter as their local values with
+partial-sum gradients (torch's `local_map`), and the outputs leave as
+batch-sharded DTensors, so the loss, the metrics and anything else that
+reduces over the batch still see the global batch and keep one process'
+numbers.
 
 What couples the samples of a batch inside the model is made global by
 one mechanism each:
 
 - moments over the batch axis (`BatchNormalization` in training) are
   computed from sums all-reduced across processes
-  (`batch_statistics.batch_moments`), as
-  torch's `SyncBatchNorm` does; the moving statistics a layer updates are
-  written back to its variables;
+  (`batch_statistics.batch_moments`), as torch's `SyncBatchNorm` does; the
+  moving statistics a layer updates are written back to its variables;
 - a model whose call draws random numbers (it advances a layer's
-  `SeedGenerator`: dropout, noise, augmentation) runs through DTensor from
-  its first such call on, which draws one process' numbers for the
-  global batch (in that step function: its train step draws, its test
-  step, in inference, may not; the step remembers); so does a model whose
-  call assigns a trainable variable (`SpectralNormalization`), a model
-  with a layer that adds an activity regularization loss (taken over the
-  global batch), or runs code the project cannot classify (a `Lambda`, a
-  wrapped torch module, a class defined outside Keras).
+  `SeedGenerator`: dropout, noise, augmentation), assigns a trainable
+  variable (`SpectralNormalization`), adds a loss (an activity
+  regularizer's, taken over the global batch), reduces over the batch, or
+  computes anything else on its local rows than on the global batch, runs
+  through DTensor (in that step function: its train step draws, its test
+  step, in inference, may not; the step remembers).
 """
 
 import contextlib
 import random
 import threading
+import weakref
 
 import numpy as np
 import torch
@@ -39,6 +39,8 @@ import torch
 from keras.src import tree
 from keras.src.backend.common.masking import get_keras_mask
 from keras.src.backend.common.masking import set_keras_mask
+from keras.src.backend.torch.distributed import batch_coupling
+from keras.src.backend.torch.distributed import fallback
 from keras.src.backend.torch.distributed import layouts
 from keras.src.backend.torch.distributed import local_state
 from keras.src.backend.torch.distributed import runtime
@@ -49,42 +51,18 @@ if runtime.DTENSOR_AVAILABLE:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor import Shard
 
-# Layers of Keras' own that run code of the user's.
-_USER_CODE_CLASS_NAMES = (
-    "keras.src.layers.core.lambda_layer.Lambda",
-    "keras.src.utils.torch_utils.TorchModuleWrapper",
-)
 # The attribute of a model on which its step function sets the running
 # `step.DistributedStep` (see `running_step`).
 STEP_ATTRIBUTE = "_distributed_step"
-# Operations other than layers that a functional model may run (`x + y`).
-_ELEMENTWISE_OPERATION_NAMES = (
-    "keras.src.ops.numpy.Add",
-    "keras.src.ops.numpy.Subtract",
-    "keras.src.ops.numpy.Multiply",
-    "keras.src.ops.numpy.Divide",
-    "keras.src.ops.numpy.TrueDivide",
-    "keras.src.ops.numpy.Maximum",
-    "keras.src.ops.numpy.Minimum",
-    "keras.src.ops.numpy.Negative",
-    "keras.src.ops.numpy.Absolute",
-    "keras.src.ops.numpy.Square",
-    "keras.src.ops.numpy.Exp",
-    "keras.src.ops.numpy.Tanh",
-    "keras.src.ops.numpy.NotEqual",
-    "keras.src.ops.numpy.Equal",
-    "keras.src.ops.numpy.Greater",
-    "keras.src.ops.numpy.Less",
-    "keras.src.ops.numpy.LogicalAnd",
-    "keras.src.ops.numpy.LogicalOr",
-    "keras.src.ops.numpy.LogicalNot",
-)
 # The local call running in this thread: `(process group, global rows)`,
 # for `batch_moments`, which the call reaches through the backend's
 # `moments` with no model or step at hand. A call's context, not a step's:
 # a call runs in the thread that makes it (its backward pass, which may run
 # elsewhere, reads nothing here).
 _local_call = threading.local()
+# What the probe found of calls outside a step: `{layer: {training:
+# batch_coupling.Verdict}}` (a step keeps its own, `step.verdicts`).
+_verdicts = weakref.WeakKeyDictionary()
 
 
 def running_step(model):
@@ -99,7 +77,7 @@ def running_step(model):
     return getattr(model, STEP_ATTRIBUTE, None)
 
 
-def call(call_function, layer, args, kwargs):
+def call(call_function, layer, args, kwargs, through_dtensor):
     """Calls `layer` on the local rows if that gives DTensor's numbers.
 
     Args:
@@ -107,19 +85,20 @@ def call(call_function, layer, args, kwargs):
         layer: the outermost layer called (usually the model).
         args: the positional arguments, batch-sharded `DTensor`s.
         kwargs: the keyword arguments.
+        through_dtensor: `through_dtensor(args, kwargs)` calls it on
+            `DTensor`s: the probe's first call.
 
     Returns:
-        The outputs, batch-sharded `DTensor`s; `None` where the call cannot
-        be shown to be per-sample (the caller then calls it with DTensors).
-        Within a step of `layer` (see `running_step`), the step keeps each
-        output's local tensor, and learns whether the call must run
-        through DTensor.
+        The outputs, batch-sharded `DTensor`s; `None` where the call is not
+        per-sample (the caller then calls it with DTensors). Within a step
+        of `layer` (see `running_step`), the step keeps each output's local
+        tensor, and learns whether the call must run through DTensor.
     """
     step = running_step(layer)
     sharding = _batch_sharding((args, kwargs))
     if sharding is None or (step is not None and step.runs_through_dtensor):
         return None
-    mesh, global_rows, local_rows, placements = sharding
+    mesh = sharding[0]
     # A step decides once, for its step function (`step.local_variables`).
     if step is not None:
         variables = step.local_variables(mesh)
@@ -127,13 +106,143 @@ def call(call_function, layer, args, kwargs):
         variables = local_variables(layer, mesh)
     if variables is None:
         return None
+    # A step keeps the verdicts on its model's calls; calls outside a step
+    # are remembered per layer.
+    verdicts = (
+        _verdicts.setdefault(layer, {}) if step is None else step.verdicts
+    )
+    training = bool(kwargs.get("training"))
+    verdict = verdicts.get(training)
+    if verdict is None:
+        if not classification_final(layer):
+            return None
+        outputs, verdict = _probe(
+            call_function, layer, args, kwargs, through_dtensor, variables
+        )
+        if verdict is None:
+            return outputs
+        verdicts[training] = verdict
+        if step is not None and not verdict.per_sample:
+            step.runs_through_dtensor = True
+        runtime.log_debug("%s: %s", layer.name, verdict)
+        return outputs
+    if not verdict.per_sample:
+        return None
+    return _call_locally(call_function, layer, args, kwargs, variables, step)
+
+
+def verdict(layer, training=False):
+    """What the probe found of `layer`'s calls outside a step, or `None`.
+
+    Args:
+        layer: the outermost layer of a call (usually a model).
+        training: the call's `training` argument.
+
+    Returns:
+        A `batch_coupling.Verdict`, or `None` before a probe.
+    """
+    return _verdicts.get(layer, {}).get(bool(training))
+
+
+def _probe(call_function, layer, args, kwargs, through_dtensor, variables):
+    """Calls `layer` through DTensor, then checks its call on local rows.
+
+    Returns:
+        `(outputs of the DTensor call, batch_coupling.Verdict)`; no verdict
+        (`None`) if the call built a layer (its variables are not all known
+        yet: the next call probes again).
+    """
+    mesh, global_rows, local_rows, placements = _batch_sharding((args, kwargs))
+    watch = batch_coupling.PartialWatch()
+    # The fallback's modes first: within a step they stay on to its end
+    # (its backward pass), past the watch.
+    with fallback.dtensor_fallback(), watch:
+        outputs = through_dtensor(args, kwargs)
+    if len(layer.variables) != len(variables):
+        return outputs, None
+    rows = [
+        _own_rows(x, mesh, global_rows, placements)
+        for x in tree.flatten(outputs)
+        if x is not None
+    ]
+    split = all(x is not None for x in rows)
+    local_leaves, reason = None, None
+    if split and not watch.reductions:
+        local_leaves, reason = _checking_call(
+            call_function, layer, args, kwargs, variables, local_rows
+        )
+    return outputs, batch_coupling.verdict_of(
+        watch, rows if split else None, local_leaves, reason
+    )
+
+
+def _own_rows(x, mesh, global_rows, placements):
+    """This process' rows of a probe's output, or `None` if it has none.
+
+    An output split as the inputs are is its local tensor; one left whole
+    (an op DTensor refused, computed on global values) is cut.
+    """
+    if not (
+        isinstance(x, DTensor)
+        and x.device_mesh is mesh
+        and x.ndim > 0
+        and x.shape[0] == global_rows
+    ):
+        return None
+    if tuple(x.placements) == placements:
+        return x.to_local()
+    if all(p.is_replicate() for p in x.placements):
+        start, stop = layouts.chunk_bounds(
+            global_rows, mesh.size(), mesh.get_local_rank()
+        )
+        return x.to_local()[start:stop]
+    return None
+
+
+def _checking_call(call_function, layer, args, kwargs, variables, rows):
+    """The probe's call on the local rows: no gradient, nothing kept.
+
+    Returns:
+        `(output leaves, None)`, or `(None, why the call is not
+        per-sample)`.
+    """
+    mesh, global_rows = _batch_sharding((args, kwargs))[:2]
+    local_args, local_kwargs = tree.map_structure(_to_local, (args, kwargs))
+    mapping = [(v, v.value.to_local()) for v in variables]
+    rng_states = _rng_states()
+    with torch.no_grad(), runtime.distribution_suspended():
+        with _in_local_call(mesh, global_rows):
+            with local_state.stateless_scope(mapping, True) as scope:
+                entered = dict(scope.state_mapping)
+                outputs = call_function(layer, *local_args, **local_kwargs)
+    updated = [
+        v for v in variables if scope.get_current_value(v) is not entered[id(v)]
+    ]
+    drew = _drew_random_numbers(layer, updated) or _rng_advanced(rng_states)
+    _restore_rng_states(rng_states)
+    if drew:
+        return None, "draws random numbers"
+    if any(v.trainable for v in updated):
+        return None, "assigns a trainable variable"
+    if scope.losses:
+        return None, "adds a loss (taken over the global batch)"
+    leaves = [x for x in tree.flatten(outputs) if x is not None]
+    if not all(_is_local_batch(x, rows) for x in leaves):
+        return None, "its outputs on the local rows are not plain rows"
+    return leaves, None
+
+
+def _call_locally(call_function, layer, args, kwargs, variables, step):
+    """Calls `layer` on the local rows; `None` if the call must run
+    through DTensor after all (then nothing it did is kept)."""
+    mesh, global_rows, local_rows, placements = _batch_sharding((args, kwargs))
     local_args, local_kwargs = tree.map_structure(_to_local, (args, kwargs))
     mapping = [(v, _local_weight(v, step)) for v in variables]
     # Unseeded random ops draw from torch's generators: a call dropped
     # below must leave them as it found them.
     rng_states = _rng_states()
     with runtime.distribution_suspended(), _in_local_call(mesh, global_rows):
-        with local_state.stateless_scope(mapping) as scope:
+        with local_state.stateless_scope(mapping, True) as scope:
             entered = dict(scope.state_mapping)
             outputs = call_function(layer, *local_args, **local_kwargs)
     leaves = [x for x in tree.flatten(outputs) if x is not None]
@@ -150,13 +259,12 @@ def call(call_function, layer, args, kwargs):
         _drew_random_numbers(layer, updated_variables)
         or _rng_advanced(rng_states)
         or any(v.trainable for v in updated_variables)
+        or scope.losses
     ):
-        # Random numbers drawn for the local rows, not as one process
-        # draws them for the global batch; or a trainable variable
-        # assigned in the call (`SpectralNormalization` writes its
-        # normalized kernel, which one process then differentiates as a
-        # leaf): the call runs again through DTensor, this time and from
-        # now on in this step function. Nothing the call updated is kept.
+        # What the probe did not see in its call (a call that draws, or
+        # adds a loss, only now and then): the call runs again through
+        # DTensor, this time and from now on in this step function.
+        # Nothing the call updated is kept.
         if step is not None:
             step.runs_through_dtensor = True
         _restore_rng_states(rng_states)
@@ -200,12 +308,10 @@ def local_variables(model, mesh):
         mesh: the (1-D) mesh its batch is sharded over.
 
     Returns:
-        The list of the model's variables if every layer in it is one of
-        Keras' own per-sample layers (see `_per_sample`) and every variable
-        is replicated on `mesh`, else `None`.
+        The list of the model's variables if every one is replicated on
+        `mesh`, else `None`. Whether its calls are per-sample is the
+        probe's (see `call`).
     """
-    if not _per_sample(model):
-        return None
     variables = list(model.variables)
     if not all(_replicated_on(v.value, mesh) for v in variables):
         return None
@@ -270,43 +376,6 @@ def _batch_placements(mesh):
     return ((Shard(0),),)
 
 
-def _per_sample(layer):
-    """Whether every layer in `layer` treats each sample on its own, or
-    couples samples only through moments over the batch axis."""
-    # Imported here: the layers import the backend, which imports this.
-    from keras.src.layers import BatchNormalization
-    from keras.src.layers import Layer
-
-    sublayers = list(layer._flatten_layers(include_self=True, recursive=True))
-    for sublayer in sublayers:
-        if not _keras_own(sublayer) or not sublayer.built:
-            return False
-        # Their losses are taken over the global batch.
-        if sublayer.activity_regularizer is not None:
-            return False
-        # A functional graph also runs ops that are not layers (`x + y`,
-        # or a mean over the batch).
-        for operation in getattr(sublayer, "operations", ()):
-            if not isinstance(operation, Layer) and (
-                _class_name(operation) not in _ELEMENTWISE_OPERATION_NAMES
-            ):
-                return False
-    # Batch normalization's masked moments are sums over the local rows.
-    return not any(
-        isinstance(x, BatchNormalization) and _gets_a_mask(x) for x in sublayers
-    )
-
-
-def _gets_a_mask(layer):
-    """Whether a mask reaches `layer` in a functional graph (a mask made
-    upstream, e.g. by `Masking` or `Embedding(mask_zero=True)`)."""
-    return any(
-        get_keras_mask(x) is not None
-        for node in layer._inbound_nodes
-        for x in node.input_tensors
-    )
-
-
 def _rng_states():
     """The global generators a layer may draw from without a seed generator.
 
@@ -363,20 +432,6 @@ def _drew_random_numbers(layer, updated_variables):
         for generator in sublayer._seed_generators
     }
     return any(id(v) in states for v in updated_variables)
-
-
-def _keras_own(layer):
-    """Whether `layer`'s class, and all the code its call runs, is Keras'."""
-    module = type(layer).__module__
-    return (
-        module.startswith("keras.src.")
-        and _class_name(layer) not in _USER_CODE_CLASS_NAMES
-    )
-
-
-def _class_name(x):
-    cls = type(x)
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _replicated_on(value, mesh):

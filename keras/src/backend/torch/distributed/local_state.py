@@ -29,7 +29,7 @@ def all_replicated(values):
     return True
 
 
-def stateless_scope(mapping):
+def stateless_scope(mapping, collect_losses=False):
     """A `StatelessScope` in which each variable reads the value given.
 
     `StatelessScope(state_mapping=...)` converts and checks each value (a
@@ -40,11 +40,13 @@ def stateless_scope(mapping):
 
     Args:
         mapping: pairs `(variable, its local tensor)`.
+        collect_losses: whether the losses layers add in the scope are
+            kept in its `losses` (else they are dropped).
 
     Returns:
         The scope, not entered.
     """
-    scope = StatelessScope()
+    scope = StatelessScope(collect_losses=collect_losses)
     for variable, value in mapping:
         scope.add_update((variable, value))
     return scope

@@ -70,7 +70,9 @@ def reshape(x, newshape):
         return torch.reshape(x, newshape)
     try:
         return torch.reshape(x, newshape)
-    except RuntimeError:
+    except RuntimeError as error:
+        if not fallback.is_refusal(error):
+            raise
         with fallback.dtensor_fallback():
             return torch.reshape(x, newshape)
 

@@ -103,6 +103,9 @@ class DistributedStep:
             model
         )
         self.runs_through_dtensor = False
+        # What the probe found of the model's calls in this step function
+        # (`local_rows.call`): `{training: batch_coupling.Verdict}`.
+        self.verdicts = {}
         # `(mesh, variables)`: what `local_rows.local_variables` said of the
         # model once it was built (see `local_variables`).
         self._local_variables = None
@@ -275,6 +278,24 @@ class DistributedStep:
         return step_reduction.reduce_with_loss(
             self._reduction, self.model.optimizer, gradients, loss
         )
+
+
+def call_verdict(model, kind=None, training=False):
+    """What the probe found of `model`'s calls (see `local_rows.call`).
+
+    Args:
+        model: the model.
+        kind: the step function whose calls (`"train"`, `"test"`,
+            `"predict"`), or `None` for calls outside a step.
+        training: the calls' `training` argument.
+
+    Returns:
+        A `batch_coupling.Verdict`, or `None` before a probe.
+    """
+    if kind is None:
+        return local_rows.verdict(model, training)
+    step = model_step(model, kind)
+    return None if step is None else step.verdicts.get(bool(training))
 
 
 def model_step(model, kind):

@@ -1,0 +1,254 @@
+"""Weak scaling of data parallelism: rows per process fixed, 1, 2, 4 processes.
+
+    python benchmarks/bench_weak_scaling.py                 # every model
+    python benchmarks/bench_weak_scaling.py --models dense own_layer \\
+        --procs 1 2 --rows 32 --steps 12
+
+For each model and number of processes, two torchrun jobs train the same
+Keras model on the same global batch (`--rows` rows per process):
+
+* ``keras_dp``: Keras `DataParallel`, `train_on_batch` on the global batch;
+* ``keras_ddp``: the same Keras model, without a distribution, wrapped in
+  `torch.nn.parallel.DistributedDataParallel` and trained on each
+  process' rows with Keras' loss and optimizer (what a user of Keras on
+  DDP writes; Keras master's torch trainer does the same).
+
+Each job measures, per process, the peak resident memory added by its
+steps (VmHWM, reset after the first steps) and the median step time, and
+prints a JSON line; this driver prints, per model, a table over the
+numbers of processes with `keras_dp / keras_ddp` ratios. A step's time is
+the slowest process'. Each job also says which path the model took
+(`local`: on each process' rows; `dtensor` and why).
+
+Models, on (rows, 32, 256) sequences: ``dense`` (Dense(256) x 4),
+``dense_dropout`` (each followed by Dropout(0.1)), ``lstm_dropout``
+(LSTM(64) x 2 with dropout between), ``conv_dropout`` (Conv1D(128, 3) x 4
+with SpatialDropout1D), ``own_layer`` (a user's Dense-like layer x 3).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+MODELS = ("dense", "dense_dropout", "lstm_dropout", "conv_dropout", "own_layer")
+IMPLS = ("keras_dp", "keras_ddp")
+SEQUENCE, FEATURES = 32, 256
+MIB = 1024 * 1024
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", default=list(MODELS))
+    p.add_argument("--procs", nargs="+", type=int, default=[1, 2, 4])
+    p.add_argument("--rows", type=int, default=32, help="rows per process")
+    p.add_argument("--steps", type=int, default=12, help="timed steps")
+    p.add_argument("--worker", nargs=2, metavar=("IMPL", "MODEL"))
+    return p.parse_args()
+
+
+def _model(kind):
+    import keras
+    from keras import layers
+    from keras import ops
+
+    class OwnDense(layers.Layer):
+        """A user's per-sample layer: `relu(x @ w + b)`."""
+
+        def __init__(self, units, **kwargs):
+            super().__init__(**kwargs)
+            self.units = units
+
+        def build(self, shape):
+            self.w = self.add_weight((shape[-1], self.units))
+            self.b = self.add_weight((self.units,), initializer="zeros")
+
+        def call(self, x):
+            return ops.relu(ops.matmul(x, self.w) + self.b)
+
+    keras.utils.set_random_seed(0)
+    stack = []
+    if kind in ("dense", "dense_dropout"):
+        for _ in range(4):
+            stack.append(layers.Dense(FEATURES, activation="relu"))
+            if kind == "dense_dropout":
+                stack.append(layers.Dropout(0.1))
+    elif kind == "lstm_dropout":
+        stack += [
+            layers.LSTM(64, return_sequences=True),
+            layers.Dropout(0.1),
+            layers.LSTM(64, return_sequences=True),
+            layers.Dropout(0.1),
+        ]
+    elif kind == "conv_dropout":
+        for _ in range(4):
+            stack.append(layers.Conv1D(128, 3, padding="same"))
+            stack.append(layers.SpatialDropout1D(0.1))
+    elif kind == "own_layer":
+        stack += [OwnDense(FEATURES) for _ in range(3)]
+    else:
+        raise ValueError(f"Unknown model {kind!r}; choose from {MODELS}.")
+    stack.append(layers.Dense(8))
+    model = keras.Sequential([keras.Input((SEQUENCE, FEATURES))] + stack)
+    model.compile(optimizer="adam", loss="mse")
+    return model
+
+
+def _peak_kib():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    return 0
+
+
+def _reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def worker(impl, kind, args):
+    """One process of one job; prints `RESULT <json>` on process 0."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    import keras
+    from keras import distribution as kd
+    from keras.src.backend.torch.distributed import step as step_lib
+
+    torch.set_num_threads(1)
+    kd.initialize()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    if impl == "keras_dp":
+        kd.set_distribution(kd.DataParallel())
+    model = _model(kind)
+    rng = np.random.default_rng(0)
+    rows = args.rows * size
+    x = rng.normal(size=(rows, SEQUENCE, FEATURES)).astype("float32")
+    y = rng.normal(size=(rows, SEQUENCE, 8)).astype("float32")
+    if impl == "keras_dp":
+
+        def step():
+            model.train_on_batch(x, y)
+
+    else:
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        part = slice(rank * args.rows, (rank + 1) * args.rows)
+        local_x, local_y = torch.from_numpy(x[part]), torch.from_numpy(y[part])
+        loss_fn = keras.losses.MeanSquaredError()
+        optimizer = model.optimizer
+        optimizer.build(model.trainable_variables)
+
+        def step():
+            model.zero_grad()
+            loss = loss_fn(local_y, ddp(local_x, training=True))
+            loss.backward()
+            variables = model.trainable_variables
+            grads = [v.value.grad for v in variables]
+            with torch.no_grad():
+                optimizer.apply(grads, variables)
+
+    for _ in range(3):
+        step()
+    _reset_peak()
+    before = _peak_kib()
+    times = []
+    for _ in range(args.steps):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    peak = (_peak_kib() - before) * 1024
+    per_step = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(per_step, op=dist.ReduceOp.MAX)
+    peaks = [None] * size
+    dist.all_gather_object(peaks, peak)
+    path = ""
+    if impl == "keras_dp":
+        verdict = step_lib.call_verdict(model, "train", training=True)
+        path = "local" if verdict.per_sample else f"dtensor: {verdict.reason}"
+    if rank == 0:
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "impl": impl,
+                    "model": kind,
+                    "procs": size,
+                    "step_ms": statistics.median(per_step.tolist()) * 1e3,
+                    "peak_mib": max(peaks) / MIB,
+                    "path": path,
+                }
+            ),
+            flush=True,
+        )
+
+
+def _job(impl, kind, nproc, args):
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        os.path.abspath(__file__),
+        "--worker",
+        impl,
+        kind,
+        "--rows",
+        str(args.rows),
+        "--steps",
+        str(args.steps),
+    ]
+    env = dict(os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1")
+    out = subprocess.run(
+        command, capture_output=True, text=True, env=env, timeout=1200
+    )
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    raise RuntimeError(
+        f"{impl} {kind} on {nproc} processes printed no result:\n"
+        f"{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
+    )
+
+
+def main():
+    args = parse_args()
+    if args.worker:
+        return worker(*args.worker, args)
+    print(
+        f"rows per process {args.rows}, sequences {SEQUENCE} x {FEATURES}, "
+        f"{args.steps} timed steps (median of the slowest process')"
+    )
+    for kind in args.models:
+        results = {
+            (impl, n): _job(impl, kind, n, args)
+            for n in args.procs
+            for impl in IMPLS
+        }
+        print(
+            f"\n{kind} (DataParallel path: "
+            f"{results[('keras_dp', args.procs[-1])]['path']})"
+        )
+        print(
+            f"{'procs':>5} {'dp step ms':>11} {'ddp step ms':>12} "
+            f"{'ratio':>6} {'dp peak MiB':>12} {'ddp peak MiB':>13} "
+            f"{'ratio':>6}"
+        )
+        for n in args.procs:
+            dp, ddp = results[("keras_dp", n)], results[("keras_ddp", n)]
+            print(
+                f"{n:>5} {dp['step_ms']:>11.1f} {ddp['step_ms']:>12.1f} "
+                f"{dp['step_ms'] / ddp['step_ms']:>6.2f} "
+                f"{dp['peak_mib']:>12.1f} {ddp['peak_mib']:>13.1f} "
+                f"{dp['peak_mib'] / max(ddp['peak_mib'], 1e-3):>6.2f}"
+            )
+
+
+if __name__ == "__main__":
+    main()

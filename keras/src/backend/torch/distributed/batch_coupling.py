@@ -1,0 +1,135 @@
+"""Whether a model call couples the samples of a batch, from one probe.
+
+Under data parallelism a call that treats each sample on its own computes
+on a process' rows exactly what it computes on the global batch; such a
+call runs on the local rows as plain tensors (`local_rows`). Which calls
+do is not read from the classes of the layers (a user's layer, a keras-hub
+backbone, a functional graph of any ops are per-sample as often as
+Keras' own layers), but measured on the first call, the probe:
+
+1. the call runs through DTensor on the batch-sharded inputs, while a
+   torch function mode looks at what each function returns. A partial sum
+   (`Partial`) is a value summed over the batch axis: the call couples the
+   samples. What the explicit mechanisms for coupled samples compute
+   (batch moments, an op DTensor refuses computed on global values) is
+   not looked at (`explained()`);
+2. the call runs again on the local rows, without gradients, its updates
+   and random draws discarded, and its outputs are compared with this
+   process' rows of the probe's: a call that uses the batch size as a
+   number, or gathers and mixes samples, computes other values there.
+
+A call is per-sample when neither step finds coupling, its outputs are
+batches of the global rows, and it adds no loss (a loss over the batch).
+"""
+
+import contextlib
+import dataclasses
+import threading
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+# Outputs equal to float32 rounding: the same kernels on the same rows.
+RTOL = 1e-5
+ATOL = 1e-6
+
+_explained = threading.local()
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What the probe found of a call.
+
+    Attributes:
+        per_sample: whether the call may run on the local rows.
+        reason: why not, for the sharding summary and the catalogues.
+    """
+
+    per_sample: bool
+    reason: str = ""
+
+
+@contextlib.contextmanager
+def explained():
+    """What the block computes is not evidence of coupling.
+
+    For the mechanisms that keep one process' numbers on purpose: batch
+    moments summed over the batch, an op DTensor refuses computed on global
+    values.
+    """
+    _explained.depth = getattr(_explained, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _explained.depth -= 1
+
+
+class PartialWatch(TorchFunctionMode):
+    """Notes the torch functions that return a partial sum (`Partial`).
+
+    Entered above the fallback's modes: it sees each function's result as
+    the code that called it does.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.reductions = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if not _is_explained() and _has_partial(result):
+            self.reductions.append(getattr(func, "__name__", str(func)))
+        return result
+
+
+def _has_partial(result):
+    from torch.distributed.tensor import DTensor
+
+    values = result if isinstance(result, (tuple, list)) else (result,)
+    return any(
+        isinstance(x, DTensor) and any(p.is_partial() for p in x.placements)
+        for x in values
+    )
+
+
+def _is_explained():
+    return getattr(_explained, "depth", 0) > 0
+
+
+def verdict_of(watch, outputs, local_outputs, reason=None):
+    """The verdict on a call from its probe.
+
+    Args:
+        watch: the `PartialWatch` active during the DTensor call.
+        outputs: this process' rows of the DTensor call's output leaves,
+            or `None` if one is not a batch of the global rows.
+        local_outputs: the leaves of the same call on the local rows, or
+            `None` if that call could not give them.
+        reason: why the local call is ruled out, if it is.
+
+    Returns:
+        A `Verdict`.
+    """
+    if watch.reductions:
+        return Verdict(False, f"sums over the batch ({watch.reductions[0]})")
+    if outputs is None:
+        return Verdict(False, "an output is not a batch of rows")
+    if reason is not None:
+        return Verdict(False, reason)
+    if local_outputs is None or len(local_outputs) != len(outputs):
+        return Verdict(False, "its outputs on the local rows differ in shape")
+    for output, local in zip(outputs, local_outputs):
+        if not _same(output, local):
+            return Verdict(
+                False, "its outputs on the local rows differ from DTensor's"
+            )
+    return Verdict(True)
+
+
+def _same(a, b):
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    a, b = a.detach(), b.detach()
+    if not (a.is_floating_point() or a.is_complex()):
+        return torch.equal(a, b)
+    return torch.allclose(a, b, rtol=RTOL, atol=ATOL, equal_nan=True)
