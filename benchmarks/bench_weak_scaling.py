@@ -23,7 +23,10 @@ the slowest process'. Each job also says which path the model took
 Models, on (rows, 32, 256) sequences: ``dense`` (Dense(256) x 4),
 ``dense_dropout`` (each followed by Dropout(0.1)), ``lstm_dropout``
 (LSTM(64) x 2 with dropout between), ``conv_dropout`` (Conv1D(128, 3) x 4
-with SpatialDropout1D), ``own_layer`` (a user's Dense-like layer x 3).
+with SpatialDropout1D), ``own_layer`` (a user's Dense-like layer x 3);
+``llama`` and ``llama_dropout``: a keras-hub `LlamaCausalLM` (2 layers,
+hidden 256, 8 query and 4 key/value heads, 128 tokens a row; its
+backbone's `dropout` 0 or 0.1; keras-hub must be installed).
 """
 
 import argparse
@@ -34,7 +37,17 @@ import subprocess
 import sys
 import time
 
-MODELS = ("dense", "dense_dropout", "lstm_dropout", "conv_dropout", "own_layer")
+MODELS = (
+    "dense",
+    "dense_dropout",
+    "lstm_dropout",
+    "conv_dropout",
+    "own_layer",
+    "llama",
+    "llama_dropout",
+)
+# The keras-hub causal LMs: tokens per row, vocabulary.
+LM_SEQUENCE, LM_VOCAB = 128, 1000
 IMPLS = ("keras_dp", "keras_ddp")
 SEQUENCE, FEATURES = 32, 256
 MIB = 1024 * 1024
@@ -70,6 +83,8 @@ def _model(kind):
             return ops.relu(ops.matmul(x, self.w) + self.b)
 
     keras.utils.set_random_seed(0)
+    if kind.startswith("llama"):
+        return _llama(dropout=0.1 if kind == "llama_dropout" else 0.0)
     stack = []
     if kind in ("dense", "dense_dropout"):
         for _ in range(4):
@@ -95,6 +110,39 @@ def _model(kind):
     model = keras.Sequential([keras.Input((SEQUENCE, FEATURES))] + stack)
     model.compile(optimizer="adam", loss="mse")
     return model
+
+
+def _llama(dropout):
+    import keras_hub
+
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=LM_VOCAB,
+        num_layers=2,
+        num_query_heads=8,
+        num_key_value_heads=4,
+        hidden_dim=256,
+        intermediate_dim=512,
+        dropout=dropout,
+    )
+    model = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+    model.compile(optimizer="adam")
+    return model
+
+
+def _data(kind, rows):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    if kind.startswith("llama"):
+        tokens = rng.integers(1, LM_VOCAB, size=(rows, LM_SEQUENCE + 1))
+        x = {
+            "token_ids": tokens[:, :-1].astype("int32"),
+            "padding_mask": np.ones((rows, LM_SEQUENCE), "bool"),
+        }
+        return x, tokens[:, 1:].astype("int32")
+    x = rng.normal(size=(rows, SEQUENCE, FEATURES)).astype("float32")
+    y = rng.normal(size=(rows, SEQUENCE, 8)).astype("float32")
+    return x, y
 
 
 def _peak_kib():
@@ -126,20 +174,22 @@ def worker(impl, kind, args):
     if impl == "keras_dp":
         kd.set_distribution(kd.DataParallel())
     model = _model(kind)
-    rng = np.random.default_rng(0)
-    rows = args.rows * size
-    x = rng.normal(size=(rows, SEQUENCE, FEATURES)).astype("float32")
-    y = rng.normal(size=(rows, SEQUENCE, 8)).astype("float32")
+    x, y = _data(kind, args.rows * size)
     if impl == "keras_dp":
 
         def step():
             model.train_on_batch(x, y)
 
     else:
+        # A functional model's variables become torch parameters here.
+        model._track_variables()
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         part = slice(rank * args.rows, (rank + 1) * args.rows)
-        local_x, local_y = torch.from_numpy(x[part]), torch.from_numpy(y[part])
-        loss_fn = keras.losses.MeanSquaredError()
+        local_x = keras.tree.map_structure(
+            lambda a: torch.from_numpy(np.asarray(a[part])), x
+        )
+        local_y = torch.from_numpy(y[part])
+        loss_fn = keras.losses.get(model.loss)
         optimizer = model.optimizer
         optimizer.build(model.trainable_variables)
 
