@@ -189,7 +189,9 @@ def worker(impl, kind, args):
             lambda a: torch.from_numpy(np.asarray(a[part])), x
         )
         local_y = torch.from_numpy(y[part])
-        loss_fn = keras.losses.get(model.loss)
+        loss_fn = model.loss
+        if not isinstance(loss_fn, keras.losses.Loss):
+            loss_fn = keras.losses.MeanSquaredError()
         optimizer = model.optimizer
         optimizer.build(model.trainable_variables)
 

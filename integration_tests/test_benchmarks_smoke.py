@@ -220,3 +220,52 @@ def test_bench_fsdp_compares_the_same_work(tmp_path):
     for impl in impls:
         assert f"| 2 | {impl} |" in result.stdout
         assert rows[impl]["peak_mib"] > 0 and rows[impl]["ideal_mib"] > 0
+
+
+def test_bench_weak_scaling_prints_both_sides_and_the_path():
+    # A driver: one torchrun job per side and number of processes.
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "bench_weak_scaling.py"),
+            "--models",
+            "own_layer",
+            "--procs",
+            "2",
+            "--rows",
+            "4",
+            "--steps",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, **CPU_ENV, KERAS_BACKEND="torch"),
+        timeout=600,
+        check=True,
+    ).stdout
+    # A user's layer is per-sample: the local rows.
+    assert "own_layer (DataParallel path: local)" in out, out
+    row = re.search(r"^\s+2\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", out, re.M)
+    assert row is not None, out
+    dp, ddp, ratio = map(float, row.groups())
+    # The ratio of the unrounded times; each time printed to 0.05 ms.
+    slack = ratio * (0.05 / dp + 0.05 / ddp) + 0.005
+    assert dp > 0 and ddp > 0 and abs(ratio - dp / ddp) <= slack
+
+
+def test_bench_call_agreement_prints_the_step_and_read_costs():
+    result = run_torchrun(
+        BENCHMARKS / "bench_call_agreement.py",
+        2,
+        ["--dim", "16", "--rounds", "1", "--steps", "2", "--reads", "2"],
+        timeout=300,
+        env=CPU_ENV,
+    )
+    for line in (
+        "processes: 2",
+        "train step, watcher running:",
+        "train step, watcher stopped:",
+        "read: Keras (announced)",
+        "read: full_tensor()",
+    ):
+        assert line in result.stdout, result.stdout
