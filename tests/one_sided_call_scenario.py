@@ -2,7 +2,7 @@
 
 Run by `tests/test_one_sided_calls.py` under torchrun:
 
-    python tests/one_sided_call_scenario.py SCENARIO
+    python tests/one_sided_call_scenario.py SCENARIO OUT_DIR
 
 Scenarios (`ModelParallel`, kernels split over the `model` axis):
 - `read_then_exit`: process 0 reads `model.get_weights()`; the others
@@ -14,12 +14,13 @@ Scenarios (`ModelParallel`, kernels split over the `model` axis):
 - `read_while_busy`: process 0 reads; the others compute for 20 s (no
   collective) and exit: process 0 waits for the job's timeout.
 - `read_everywhere`: every process reads the weights (in a callback during
-  `fit` too), saves them, predicts and reads a metric: prints
-  `RESULT <json>` with what it read.
+  `fit` too), saves them, predicts and reads a metric, and writes what it
+  read to `OUT_DIR/result.rank<N>.json`.
 
-Each process prints `READY <rank> <time>` when its scenario starts,
-`RAISED <rank> <type> after <seconds> s: <message>` for an error that ends
-it, and `DONE <rank> <seconds>` when its scenario completes.
+Each process says (prints, and writes to `OUT_DIR/outcome.rank<N>.txt`)
+`READY <rank> <time>` when its scenario starts, `RAISED <rank> <type> after
+<seconds> s: <message>` for an error that ends it, and `DONE <rank>
+<seconds>` when its scenario completes.
 """
 
 import json
@@ -108,9 +109,11 @@ def read_everywhere(model):
             os.makedirs(directory, exist_ok=True)
         model.save_weights(path)
     prediction = model.predict(_data()[0][:16], verbose=0)
-    print(
-        "RESULT "
-        + json.dumps(
+    # A file per process: long lines of several processes sharing one
+    # pipe can interleave.
+    path = os.path.join(sys.argv[2], f"result.rank{RANK}.json")
+    with open(path, "w") as f:
+        json.dump(
             {
                 "rank": RANK,
                 "before": before,
@@ -122,29 +125,36 @@ def read_everywhere(model):
                     k: float(v) for k, v in model.get_metrics_result().items()
                 },
                 "prediction": prediction.tolist(),
-            }
-        ),
-        flush=True,
-    )
+            },
+            f,
+        )
+
+
+def _say(line):
+    """Prints `line`, and appends it to this process' outcome file (the
+    lines of several processes sharing one pipe can interleave)."""
+    print(line, flush=True)
+    path = os.path.join(sys.argv[2], f"outcome.rank{RANK}.txt")
+    with open(path, "a") as f:
+        f.write(line + "\n")
 
 
 def main():
     scenario = globals()[sys.argv[1]]
     kd.initialize()
     model = _model()
-    print(f"READY {RANK} {time.time()}", flush=True)
+    _say(f"READY {RANK} {time.time()}")
     start = time.monotonic()
     try:
         scenario(model)
     except Exception as error:
         message = " ".join(str(error).split())
-        print(
+        _say(
             f"RAISED {RANK} {type(error).__name__} after "
-            f"{time.monotonic() - start:.1f} s: {message}",
-            flush=True,
+            f"{time.monotonic() - start:.1f} s: {message}"
         )
         raise
-    print(f"DONE {RANK} {time.monotonic() - start:.1f}", flush=True)
+    _say(f"DONE {RANK} {time.monotonic() - start:.1f}")
 
 
 if __name__ == "__main__":
