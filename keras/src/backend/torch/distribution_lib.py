@@ -12,14 +12,12 @@ This module is the interface generic Keras code calls; the work is done in
 """
 
 import functools
-import inspect
 import weakref
 
 import numpy as np
 import torch
 
 from keras.src import tree
-from keras.src.backend.torch.distributed import agreement
 from keras.src.backend.torch.distributed import call_agreement
 from keras.src.backend.torch.distributed import collectives
 from keras.src.backend.torch.distributed import data_input
@@ -43,6 +41,7 @@ run_on_one_process = process_io.run_on_one_process
 save_from_one_process = process_io.save_from_one_process
 mesh_info = summary.mesh_info
 sharding_summary = summary.sharding_summary
+check_same_num_batches = call_agreement.check_same_num_batches
 # The distribution in effect, also on threads that never set it.
 current_distribution = runtime.current_distribution
 # Collectives over a named mesh axis, as `jax.lax.psum` / `all_gather`.
@@ -163,36 +162,6 @@ def initialize(job_addresses=None, num_processes=None, process_id=None):
     """
     runtime.initialize_job(job_addresses, num_processes, process_id)
     call_agreement.start()
-
-
-def check_same_num_batches(num_batches):
-    """Starts iterating over a dataset in `fit`, `evaluate` or `predict`.
-
-    Their steps are collectives, so starting one is agreed like any
-    collective call a user makes (`call_agreement`); processes that each
-    read their own data also agree on its number of batches.
-
-    Args:
-        num_batches: the number of batches of this process' data (or the
-            `steps_per_epoch` it was given), or `None`.
-    """
-    if runtime.current_distribution() is None:
-        return
-    with call_agreement.collective_call(_iterating_method()):
-        agreement.check_same_num_batches(num_batches)
-
-
-def _iterating_method():
-    """Names the trainer method that starts iterating, for errors."""
-    frame = inspect.currentframe()
-    while frame is not None:
-        name = frame.f_code.co_name
-        if name in ("fit", "evaluate", "predict") and "trainer" in (
-            frame.f_code.co_filename
-        ):
-            return f"the start of `{name}`"
-        frame = frame.f_back
-    return "the start of iterating over a dataset"
 
 
 def num_processes():

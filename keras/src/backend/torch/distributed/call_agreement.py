@@ -26,6 +26,7 @@ is announced per step: a step costs nothing more.
 import atexit
 import contextlib
 import datetime
+import inspect
 import os
 import threading
 import time
@@ -33,6 +34,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from keras.src.backend.torch.distributed import agreement
 from keras.src.backend.torch.distributed import health
 from keras.src.backend.torch.distributed import runtime
 
@@ -155,6 +157,36 @@ def collective_call(description):
         yield
     finally:
         _state["depth"] -= 1
+
+
+def check_same_num_batches(num_batches):
+    """Starts iterating over a dataset in `fit`, `evaluate` or `predict`.
+
+    Their steps are collectives, so starting one is agreed like any
+    collective call a user makes (`collective_call`); processes that each
+    read their own data also agree on its number of batches.
+
+    Args:
+        num_batches: the number of batches of this process' data (or the
+            `steps_per_epoch` it was given), or `None`.
+    """
+    if runtime.current_distribution() is None:
+        return
+    with collective_call(_iterating_method()):
+        agreement.check_same_num_batches(num_batches)
+
+
+def _iterating_method():
+    """Names the trainer method that starts iterating, for errors."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        name = frame.f_code.co_name
+        if name in ("fit", "evaluate", "predict") and "trainer" in (
+            frame.f_code.co_filename
+        ):
+            return f"the start of `{name}`"
+        frame = frame.f_back
+    return "the start of iterating over a dataset"
 
 
 def _announces():
