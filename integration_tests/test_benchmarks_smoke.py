@@ -188,8 +188,9 @@ def test_bench_memory_fails_above_the_bound():
 def test_bench_fsdp_compares_the_same_work(tmp_path):
     # bench_fsdp.py launches its own torchrun per implementation.
     path = tmp_path / "fsdp.json"
-    # torch's FSDP2 (`native_fsdp2`) runs beside them by hand (README): a
-    # third torchrun here would cost CI 10 s for code that is torch's.
+    # torch's FSDP2 (`native_fsdp2`) runs beside them by hand (see
+    # benchmarks/README.md): a third torchrun here would cost CI 10 s for
+    # code that is torch's.
     impls = ["keras_fsdp", "keras_fsdp_dtensor"]
     result = subprocess.run(
         [
@@ -222,12 +223,24 @@ def test_bench_fsdp_compares_the_same_work(tmp_path):
         assert rows[impl]["peak_mib"] > 0 and rows[impl]["ideal_mib"] > 0
 
 
+def _run_script(name, arguments, timeout):
+    """A benchmark run as a plain script (a driver, or one process) on
+    CPU; its standard output."""
+    return subprocess.run(
+        [sys.executable, str(BENCHMARKS / name), *arguments],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, **CPU_ENV, KERAS_BACKEND="torch"),
+        timeout=timeout,
+        check=True,
+    ).stdout
+
+
 def test_bench_weak_scaling_prints_both_sides_and_the_path():
     # A driver: one torchrun job per side and number of processes.
-    out = subprocess.run(
+    out = _run_script(
+        "bench_weak_scaling.py",
         [
-            sys.executable,
-            str(BENCHMARKS / "bench_weak_scaling.py"),
             "--models",
             "own_layer",
             "--procs",
@@ -237,12 +250,8 @@ def test_bench_weak_scaling_prints_both_sides_and_the_path():
             "--steps",
             "2",
         ],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, **CPU_ENV, KERAS_BACKEND="torch"),
         timeout=600,
-        check=True,
-    ).stdout
+    )
     # A user's layer is per-sample: the local rows.
     assert "own_layer (DataParallel path: local)" in out, out
     row = re.search(r"^\s+2\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", out, re.M)
@@ -269,3 +278,20 @@ def test_bench_call_agreement_prints_the_step_and_read_costs():
         "read: full_tensor()",
     ):
         assert line in result.stdout, result.stdout
+
+
+def test_bench_random_draws_prints_each_draw_against_torch():
+    out = _run_script(
+        "bench_random_draws.py",
+        ["--sizes", "1000", "--rounds", "1", "--repeats", "2"],
+        timeout=300,
+    )
+    for name in ("dropout", "uniform", "normal"):
+        match = re.search(
+            rf"^{name} 1000: by position ([\d.]+) ms, torch ([\d.]+) ms, "
+            r"ratio ([\d.]+)x$",
+            out,
+            re.M,
+        )
+        assert match is not None, out
+        assert float(match.group(1)) > 0 and float(match.group(2)) > 0

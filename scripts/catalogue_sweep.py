@@ -72,10 +72,11 @@ def main(argv=None):
         flush=True,
     )
     start = time.monotonic()
-    reference = lc.compute_reference(names, num_samples=args.samples)["results"]
+    reference = lc.full_reference(names, num_samples=args.samples)["results"]
     seconds = {"reference": time.monotonic() - start}
     print(
-        "reference (one process, pristine Keras): "
+        "reference (one process: pristine Keras; random cases: this build "
+        "under DataParallel): "
         f"{seconds['reference']:.0f} s",
         flush=True,
     )

@@ -43,6 +43,7 @@ result differs from one process'. `python -m tests.hub_catalogue` runs
 the sweep and prints the table (see `main`).
 """
 
+import contextlib
 import os
 import pickle
 import re
@@ -60,7 +61,7 @@ EPOCHS = 2
 # Prompts for `generate`: the first `PROMPT_LEN` tokens, the rest padding.
 PROMPT_LEN = 5
 # As many as the processes of the largest mode: each holds a prompt (with
-# fewer prompts than processes, `generate` fails, see README).
+# fewer prompts than processes, `generate` fails, see docs/usage.md).
 NUM_PROMPTS = 4
 # Tolerances of "equal to one process".
 LOSS_RTOL = 1e-4
@@ -493,21 +494,25 @@ def train_and_generate(name, mode):
     lm = build_causal_lm(name)
     x, y, sample_weight = make_data(name)
     callbacks = []
+    counter = None
     if mode != "single":
         from keras.src.backend.torch.distributed import fallback
 
         fallback.reset_fallback_counts()
         callbacks.append(_first_step_recorder())
-    history = lm.fit(
-        x,
-        y,
-        sample_weight=sample_weight,
-        batch_size=BATCH,
-        epochs=EPOCHS,
-        shuffle=False,
-        verbose=0,
-        callbacks=callbacks,
-    )
+        counter = _layer_catalogue().gather_counter()
+        callbacks.append(counter.callback())
+    with counter or contextlib.nullcontext():
+        history = lm.fit(
+            x,
+            y,
+            sample_weight=sample_weight,
+            batch_size=BATCH,
+            epochs=EPOCHS,
+            shuffle=False,
+            verbose=0,
+            callbacks=callbacks,
+        )
     fallbacks = None
     if callbacks:
         fallbacks = {"first_step": callbacks[0].counts}
@@ -539,6 +544,8 @@ def train_and_generate(name, mode):
         "fallbacks": fallbacks,
         "parameter_bytes": parameter_bytes(lm),
         "path": "" if mode == "single" else train_path(lm),
+        # Bytes all-gathered in each train step (a list, one per step).
+        "gathered_bytes": [] if counter is None else counter.per_step,
     }
 
 

@@ -832,14 +832,17 @@ def run_case(name, mode, num_samples=NUM_SAMPLES):
         jit_compile=False,
     )
     x, y = make_data(name, num_samples)
-    history = model.fit(
-        x,
-        y,
-        batch_size=BATCH_SIZE,
-        epochs=EPOCHS,
-        shuffle=False,
-        verbose=0,
-    )
+    counter = None if mode == "single" else gather_counter()
+    with counter or _no_counter():
+        history = model.fit(
+            x,
+            y,
+            batch_size=BATCH_SIZE,
+            epochs=EPOCHS,
+            shuffle=False,
+            verbose=0,
+            callbacks=[] if counter is None else [counter.callback()],
+        )
     return {
         "losses": [float(value) for value in history.history["loss"]],
         "weights": [np.array(w) for w in model.get_weights()],
@@ -853,7 +856,79 @@ def run_case(name, mode, num_samples=NUM_SAMPLES):
         "devices": variable_devices(model.weights),
         # Pristine Keras (the reference) has no probe.
         "path": "" if mode == "single" else train_path(model),
+        # Bytes all-gathered in each train step (a list, one per step).
+        "gathered_bytes": [] if counter is None else counter.per_step,
     }
+
+
+def _no_counter():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+# The collectives that gather (c10d's and the functional ones DTensor
+# issues), by the op's name without its namespace.
+_GATHER_OPS = frozenset(
+    (
+        "all_gather_into_tensor",
+        "all_gather_into_tensor_coalesced",
+        "allgather_",
+        "_allgather_base_",
+        "allgather_coalesced_",
+        "allgather_into_tensor_coalesced_",
+    )
+)
+
+
+def gather_counter():
+    """A torch dispatch mode adding up the bytes each all-gather returns.
+
+    Entered around `fit`; its `callback()` records the bytes of each train
+    step in `per_step`. Under a 1-D mesh (`DataParallel`) every gather is
+    over the batch axis.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import keras
+
+    class GatherCounter(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.total = 0
+            self.per_step = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            if func.name().split("::")[-1].split(".")[0] in _GATHER_OPS:
+                self.total += sum(
+                    x.numel() * x.element_size() for x in _tensors_in(result)
+                )
+            return result
+
+        def callback(self):
+            counter = self
+
+            class PerStep(keras.callbacks.Callback):
+                def on_train_batch_begin(self, batch, logs=None):
+                    self.start = counter.total
+
+                def on_train_batch_end(self, batch, logs=None):
+                    counter.per_step.append(counter.total - self.start)
+
+            return PerStep()
+
+    return GatherCounter()
+
+
+def _tensors_in(value):
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [x for item in value for x in _tensors_in(item)]
+    return []
 
 
 def train_path(model):
@@ -1244,6 +1319,57 @@ def _resume_after(failure, remaining, results, out_dir, world_size):
 # --------------------------------------------------------------------------
 # The reference: one process, pristine upstream Keras
 # --------------------------------------------------------------------------
+
+# The cases that draw random numbers in training. Under a distribution the
+# torch backend draws by position (`random_draws`), not from torch's
+# generators: their reference is the same case on one process under
+# `DataParallel` (`one_process_reference`), whose numbers any layout must
+# give.
+RANDOM_CASES = tuple(
+    (
+        "Dropout Dropout-unseeded SpatialDropout1D SpatialDropout2D "
+        "SpatialDropout3D GaussianNoise GaussianDropout AlphaDropout "
+        "Pipeline RandomFlip RandomRotation RandomZoom RandomTranslation "
+        "RandomCrop RandomShear RandomPerspective RandomElasticTransform "
+        "RandomContrast RandomBrightness RandomErasing RandomGaussianBlur "
+        "RandomGrayscale RandomHue RandomSaturation RandomSharpness "
+        "RandomInvert RandomPosterization RandomColorDegeneration "
+        "RandomColorJitter Solarization AugMix RandAugment CutMix MixUp"
+    ).split()
+)
+
+
+def one_process_reference(names, num_samples=NUM_SAMPLES):
+    """Cases `names` on one process under `DataParallel`, this build.
+
+    Returns:
+        `{name: result}`, as `compute_reference`'s "results".
+    """
+    results = run_mode("dp", 1, names, num_samples=num_samples)
+    return {name: per_rank[0] for name, per_rank in results.items()}
+
+
+def full_reference(names, num_samples=NUM_SAMPLES):
+    """The reference of each case: pristine Keras on one process, and for
+    `RANDOM_CASES` this build on one process under `DataParallel`.
+
+    Returns:
+        `compute_reference`'s dict, with `"one_process_cases"` added: the
+        names whose results come from `one_process_reference`.
+    """
+    random_names = [n for n in names if n in RANDOM_CASES]
+    others = [n for n in names if n not in RANDOM_CASES]
+    if others:
+        reference = compute_reference(others, num_samples=num_samples)
+    else:
+        reference = {"results": {}}
+    if random_names:
+        reference["results"].update(
+            one_process_reference(random_names, num_samples)
+        )
+    reference["one_process_cases"] = random_names
+    return reference
+
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

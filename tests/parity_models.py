@@ -41,6 +41,9 @@ SEED = 1234
 # The kinds of the parity zoo (all settings); "binary",
 # "unseeded_dropout" and "embedding" serve single tests.
 MODEL_KINDS = ("mlp", "cnn", "attention", "lstm", "batchnorm", "dropout")
+# The kinds that draw random numbers in training: under a distribution
+# drawn by position, their reference is one process under `DataParallel`.
+RANDOM_KINDS = ("dropout", "unseeded_dropout")
 NUM_CLASSES = 3
 RTOL = 1e-4
 ATOL = 1e-6

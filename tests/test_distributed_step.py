@@ -193,14 +193,15 @@ def test_data_parallel_per_sample_model_runs_on_local_rows():
     assert d["leaves"] == 4
 
 
-def test_a_step_that_draws_random_numbers_runs_through_dtensor():
-    # The train step's dropout draws (found by the probe's call on the
-    # local rows): that step function goes through DTensor; the test step
-    # (inference) draws nothing.
+def test_a_step_that_draws_random_numbers_runs_on_local_rows():
+    # The train step's dropout mask is drawn by position: each process
+    # draws its own rows of the global batch's mask, so the probe finds the
+    # call per-sample and both step functions stay on the local rows (the
+    # second train step with the weights as leaves).
     d = _decisions("dp", "dropout")
-    assert d["draws"] == [True, False]
-    assert d["local"] == [False, True]
-    assert d["leaves"] == 0  # The probe takes none.
+    assert d["draws"] == [False, False]
+    assert d["local"] == [True, True]
+    assert d["leaves"] == 4
 
 
 def test_custom_train_step_and_user_code_decide_otherwise():

@@ -306,3 +306,52 @@ def test_replicated_key_value_heads_equal_one_process(
         replicated += 1
     # Each mesh replicates some model's key/value heads.
     assert replicated, mode
+
+
+# Under `DataParallel` every model runs on each process' rows (the probe
+# of `batch_coupling` finds it per-sample), but these: the model's path
+# (`hub_catalogue.train_path`) starts with the text given.
+HUB_DATA_PARALLEL_PATHS = {
+    # The experts' auxiliary loss sums over the batch.
+    **{
+        name: "dtensor: sums over the batch"
+        for name in ("Mixtral", "Qwen3Moe", "Qwen3_5Moe", "QwenMoe")
+    },
+    # A rotary layer built by none of its calls: the model is never
+    # final for the probe, which leaves it to DTensor.
+    "SmolLM": "",
+    "SmolLM3": "",
+}
+
+
+@pytest.mark.parametrize(
+    "mode, name",
+    [
+        (m, n)
+        for m, names in CASES.items()
+        if hc.MODES[m][1] == "data_parallel"
+        for n in names
+    ],
+)
+def test_data_parallel_path(mode, name, mode_results):
+    """Each model's train step on the local rows, gathering nothing over
+    the batch axis after the probe's step, or why not."""
+    expected = HUB_DATA_PARALLEL_PATHS.get(name, "local")
+    # The rows of each step: a last batch of fewer rows than processes
+    # leaves some without any, and runs through DTensor.
+    rows = [
+        min(hc.BATCH, hc.NUM_SAMPLES - start)
+        for start in range(0, hc.NUM_SAMPLES, hc.BATCH)
+    ] * hc.EPOCHS
+    split = [n >= hc.world_size(mode) for n in rows]
+    for result in mode_results(mode)[name]:
+        path = result.get("path", result.get("error"))
+        if expected == "local":
+            assert path == "local", path
+            gathered = result["gathered_bytes"]
+            assert len(gathered) == len(rows), gathered
+            assert not any(g for g, s in zip(gathered[1:], split[1:]) if s), (
+                gathered
+            )
+        else:
+            assert path.startswith(expected), path

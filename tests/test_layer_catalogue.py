@@ -3,7 +3,10 @@
 The cases are those of `tests/layer_catalogue.py`: one tiny model per
 class `keras.layers` exports (or a reason in `NOT_CASES`), trained for 2
 epochs with a ragged last batch. The reference is every case trained in
-one fresh interpreter with pristine Keras 3.15.1 (no project code); each
+one fresh interpreter with pristine Keras 3.15.1 (no project code), and
+for the cases that draw random numbers (drawn by position under a
+distribution, not from torch's generators) the same case on one process
+under `DataParallel`, whose numbers every layout must give; each
 distributed run (see `layer_catalogue.RUNS`) trains every case in one
 process group, and each (run, case) is one test here: per-epoch losses
 (rtol 1e-4, atol 1e-6) and final weights (rtol 1e-3, atol 1e-5) equal the
@@ -121,33 +124,33 @@ class KnownFailure(AssertionError):
 
 
 # Under DataParallel every case runs on each process' rows (the probe of
-# `batch_coupling` finds it per-sample), but these, which run through
-# DTensor for the reason given (the start of the probe's reason).
-_DRAWS = "draws random numbers"
+# `batch_coupling` finds it per-sample; random draws by position included),
+# but these, which run through DTensor for the reason given (the start of
+# the probe's reason).
+_DIFFER = "its outputs on"
 DATA_PARALLEL_ON_DTENSOR = {
-    # Random draws: one process' numbers for the global batch.
-    **{
-        name: _DRAWS
-        for name in (
-            "Dropout Dropout-unseeded SpatialDropout1D SpatialDropout2D "
-            "SpatialDropout3D GaussianNoise GaussianDropout AlphaDropout "
-            "Pipeline RandomFlip RandomRotation RandomZoom RandomTranslation "
-            "RandomCrop RandomShear RandomPerspective RandomElasticTransform "
-            "RandomContrast RandomBrightness RandomErasing RandomGaussianBlur "
-            "RandomGrayscale RandomHue RandomSaturation RandomSharpness "
-            "RandomInvert RandomPosterization RandomColorDegeneration "
-            "RandomColorJitter Solarization AugMix RandAugment CutMix MixUp"
-        ).split()
-    },
+    # Samples mixed with other samples of the batch.
+    "CutMix": _DIFFER,
+    "MixUp": _DIFFER,
+    # Its displacement noise comes from torch's generator (the backend's
+    # `elastic_transform`), not from a draw by position.
+    "RandomElasticTransform": _DIFFER,
     # A loss summed over the global batch.
     "ActivityRegularization": "sums over the batch",
     "Dense-activity_regularizer": "sums over the batch",
     # Its normalized kernel is written in the call, then differentiated.
     "SpectralNormalization": "assigns a trainable variable",
     # A histogram of the whole batch.
-    "Equalization": "its outputs on the local rows differ",
+    "Equalization": _DIFFER,
     # The wrapped module computes with its own (replicated) parameters.
     "TorchModuleWrapper": "its outputs on the local rows are not plain",
+}
+# Per run: a draw of a fixed shape whose first dimension is the number of
+# each process' rows (2 of the 8 on 4 processes) is taken for rows: the
+# probe finds the call's outputs differ (`RandomGaussianBlur`'s 2 blur
+# factors, `RandAugment`'s), and the model runs through DTensor.
+DATA_PARALLEL_ON_DTENSOR_IN_RUN = {
+    "dp4": {"RandomGaussianBlur": _DIFFER, "RandAugment": _DIFFER},
 }
 
 
@@ -310,8 +313,9 @@ def test_a_hanging_case_fails_alone():
 
 @pytest.fixture(scope="module")
 def reference():
-    """`{name: result}` of the cases in one process, pristine Keras."""
-    return lc.compute_reference(list(CASES))
+    """`{name: result}` of the cases in one process: pristine Keras, and
+    for the random cases this build under `DataParallel`."""
+    return lc.full_reference(list(CASES))
 
 
 @pytest.fixture(scope="module")
@@ -330,8 +334,12 @@ def run_results():
 
 @pytest.mark.timeout(RUN_TIMEOUT)
 def test_reference_is_pristine_keras_and_trains(reference):
-    """The reference ran upstream Keras 3.15.1, and every case trained."""
+    """The reference ran upstream Keras 3.15.1 (this build on one process
+    for the random cases), and every case trained."""
     assert reference["keras_version"] == "3.15.1"
+    assert sorted(reference["one_process_cases"]) == sorted(
+        set(CASES) & set(lc.RANDOM_CASES)
+    )
     assert sorted(reference["results"]) == sorted(CASES)
     for name, result in reference["results"].items():
         assert "error" not in result, (name, result.get("traceback"))
@@ -361,12 +369,19 @@ def _data_parallel_params():
 @pytest.mark.timeout(RUN_TIMEOUT)
 @pytest.mark.parametrize("run, name", _data_parallel_params())
 def test_data_parallel_path(run, name, run_results):
-    """Each case's train step on the local rows, or why not."""
-    expected = DATA_PARALLEL_ON_DTENSOR.get(name)
+    """Each case's train step on the local rows, gathering nothing over
+    the batch axis, or why not."""
+    expected = DATA_PARALLEL_ON_DTENSOR_IN_RUN.get(run, {}).get(
+        name, DATA_PARALLEL_ON_DTENSOR.get(name)
+    )
     for result in run_results(run)[name]:
         path = result.get("path", result.get("error"))
         if expected is None:
             assert path == "local", path
+            # Nothing gathered over the batch axis after the probe's step
+            # (whose DTensor call may gather what DTensor refuses).
+            gathered = result["gathered_bytes"]
+            assert len(gathered) == 6 and not any(gathered[1:]), gathered
         else:
             assert path.startswith(f"dtensor: {expected}"), path
 

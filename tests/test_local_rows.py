@@ -97,16 +97,15 @@ def _dropout_body(rank, world_size):
     return fit_calls, evaluate_calls
 
 
-def test_models_drawing_random_numbers_run_on_dtensor():
-    # A dropout mask is drawn over the global batch. The probe's call on
-    # the local rows advances the seed generator: the train step runs
-    # through DTensor. The test step, in inference, draws nothing: after
-    # its probe (the first of its 3 batches) it runs on the local rows
-    # (the decision is the step function's). Parity with one process is
+def test_models_drawing_random_numbers_run_on_local_rows():
+    # A dropout mask is drawn by position: each process draws its rows of
+    # the global batch's mask. After each step function's probe (its first
+    # batch) the train steps (6 batches) and the test steps (3) run on the
+    # local rows. Parity with one process under the same distribution is
     # checked in test_training_parity.
     per_rank = run_on_ranks(_dropout_body, world_size=2)
     for fit_calls, evaluate_calls in per_rank:
-        assert fit_calls == 0, fit_calls
+        assert fit_calls == 5, fit_calls
         assert evaluate_calls == 2, evaluate_calls
 
 

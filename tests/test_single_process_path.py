@@ -53,7 +53,7 @@ ALLOWED_DISTRIBUTION_FRAMES = {
     "variables.py:operand_like",
     "variables.py:to_global_value",
     "ops.py:conv_operands",
-    "ops.py:dropout",
+    "random_draws.py:by_position",
     "ops.py:divide_no_nan_local",
     "ops.py:reshape",
     "shard_local.py:einsum",

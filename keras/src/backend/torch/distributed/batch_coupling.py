@@ -29,6 +29,9 @@ import threading
 import torch
 from torch.overrides import TorchFunctionMode
 
+from keras.src.backend.torch.distributed import collectives
+from keras.src.backend.torch.distributed import generator_states
+
 # Outputs equal to float32 rounding: the same kernels on the same rows.
 RTOL = 1e-5
 ATOL = 1e-6
@@ -43,10 +46,13 @@ class Verdict:
     Attributes:
         per_sample: whether the call may run on the local rows.
         reason: why not, for the sharding summary and the catalogues.
+        draws: a per-sample call's `random_draws.DrawPlan`: how it draws
+            random numbers on the local rows.
     """
 
     per_sample: bool
     reason: str = ""
+    draws: object = None
 
 
 @contextlib.contextmanager
@@ -124,6 +130,54 @@ def verdict_of(watch, outputs, local_outputs, reason=None):
                 False, "its outputs on the local rows differ from DTensor's"
             )
     return Verdict(True)
+
+
+def agreed(verdict, mesh):
+    """`verdict` if every process of `mesh` reached it, else not per-sample.
+
+    A call can give DTensor's rows on some processes only (one that reads
+    the first row of the batch, a draw not over the batch): every process
+    must take the same path. One collective, on the probe only.
+    """
+    if mesh.size() == 1:
+        return verdict
+    differs = collectives.any_process(not verdict.per_sample, mesh.get_group())
+    if verdict.per_sample and differs:
+        return Verdict(
+            False, "its outputs on another process' rows differ from DTensor's"
+        )
+    return verdict
+
+
+def assigned_outside(scope, entered):
+    """Whether a call in `scope` assigned a variable it was not given (a
+    seed generator outside the model: its update would be lost)."""
+    return any(key not in entered for key in scope.state_mapping)
+
+
+def unseen_by_probe(plan, rng_states, scope, entered, updated):
+    """What a call on the local rows did that its probe did not find, as
+    text (empty if nothing)."""
+    if plan.broken:
+        return "a random draw of another shape than the probe's"
+    if generator_states.advanced(rng_states, plan.unseeded, plan.python_draws):
+        return "a draw from a global generator"
+    if assigned_outside(scope, entered):
+        return "an assignment of a variable outside the model"
+    if any(v.trainable for v, _ in updated):
+        return "an assignment of a trainable variable"
+    if scope.losses:
+        return "an added loss"
+    return ""
+
+
+def agreed_unseen(unseen, mesh):
+    """`unseen`, or why another process of `mesh` leaves the local rows."""
+    if mesh.size() == 1:
+        return unseen
+    if not collectives.any_process(unseen, mesh.get_group()) or unseen:
+        return unseen
+    return "another process' call did what the probe did not find"
 
 
 def _same(a, b):

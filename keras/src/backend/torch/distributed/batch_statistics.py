@@ -37,9 +37,7 @@ def batch_moments(function):
       through DTensor, compiled steps included), the two sums are packed
       into one partial sum that DTensor all-reduces once. Upstream's
       `mean(x)` and `mean(x * x)` are two partial values, each reduced on
-      its own, and their gradients again (`tests/test_local_rows.py`
-      counts 4 collectives against 1; a compiled step of
-      `bench_data_parallel.py`'s CNN issued 16 a step, 8 packed).
+      its own, and their gradients again: 4 collectives against 1.
 
     Args:
         function: the backend's `moments(x, axes, keepdims, synchronized)`.

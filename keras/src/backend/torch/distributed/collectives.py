@@ -90,6 +90,20 @@ def all_gather_ints(values, group):
     return [[int(n) for n in p.tolist()] for p in parts]
 
 
+def any_process(flag, group):
+    """Whether `flag` is true on any process of `group` (one all-reduce of
+    one number).
+
+    Returns:
+        A Python bool, the same on every process.
+    """
+    value = torch.tensor(
+        [1 if flag else 0], dtype=torch.int32, device=runtime.comm_device()
+    )
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())
+
+
 def as_local_tensor(x):
     """This process' own data of `x`, on the Keras device, as a tensor."""
     if isinstance(x, DTensor):

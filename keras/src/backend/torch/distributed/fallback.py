@@ -304,8 +304,8 @@ def _without_strided_shards(x, name):
     a shard with a stride, neither `Shard` nor `Replicate`. DTensor
     computes on it, but then plans every later op on it with a graph
     search over the placements of all mesh axes: on a 2-D mesh, minutes
-    for a model's first step (keras-hub's Qwen3.5: 6 minutes, 12 seconds
-    with this). Gathered along those axes, it plans as any other value.
+    for a model's first step. Gathered along those axes, it plans as any
+    other value.
 
     Args:
         x: an op's output.

@@ -14,7 +14,7 @@ replicated on every process (a model-parallel model's, after its
 row-parallel layer) with replicated targets are computed on as plain
 tensors too: each process computes the whole loss. Anything else (a custom
 or batch-wide loss, several outputs, masks, regularization losses, an
-overridden `compute_loss`) runs through DTensor as before.
+overridden `compute_loss`) runs through DTensor.
 """
 
 from keras.src import tree

@@ -19,21 +19,23 @@ one mechanism each:
   computed from sums all-reduced across processes
   (`batch_statistics.batch_moments`), as torch's `SyncBatchNorm` does; the
   moving statistics a layer updates are written back to its variables;
-- a model whose call draws random numbers (it advances a layer's
-  `SeedGenerator`: dropout, noise, augmentation), assigns a trainable
-  variable (`SpectralNormalization`), adds a loss (an activity
-  regularizer's, taken over the global batch), reduces over the batch, or
-  computes anything else on its local rows than on the global batch, runs
-  through DTensor (in that step function: its train step draws, its test
-  step, in inference, may not; the step remembers).
+- random numbers are drawn by position (`random_draws`): a draw over the
+  batch draws this process' rows of the global batch's draw, the same
+  numbers whatever the number of processes;
+- a model whose call assigns a trainable variable
+  (`SpectralNormalization`), adds a loss (an activity regularizer's,
+  taken over the global batch), reduces over the batch, or computes
+  anything else on its local rows than on the global batch (a draw not
+  over the batch's rows included), runs through DTensor (in that step
+  function: its train step may, its test step, in inference, may not;
+  the step remembers).
 """
 
 import contextlib
-import random
+import dataclasses
 import threading
 import weakref
 
-import numpy as np
 import torch
 
 from keras.src import tree
@@ -41,8 +43,10 @@ from keras.src.backend.common.masking import get_keras_mask
 from keras.src.backend.common.masking import set_keras_mask
 from keras.src.backend.torch.distributed import batch_coupling
 from keras.src.backend.torch.distributed import fallback
+from keras.src.backend.torch.distributed import generator_states
 from keras.src.backend.torch.distributed import layouts
 from keras.src.backend.torch.distributed import local_state
+from keras.src.backend.torch.distributed import random_draws
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
 
@@ -128,7 +132,9 @@ def call(call_function, layer, args, kwargs, through_dtensor):
         return outputs
     if not verdict.per_sample:
         return None
-    return _call_locally(call_function, layer, args, kwargs, variables, step)
+    return _call_locally(
+        call_function, layer, args, kwargs, variables, verdict.draws, step
+    )
 
 
 def verdict(layer, training=False):
@@ -147,12 +153,18 @@ def verdict(layer, training=False):
 def _probe(call_function, layer, args, kwargs, through_dtensor, variables):
     """Calls `layer` through DTensor, then checks its call on local rows.
 
+    The check draws what the DTensor call drew (random numbers are drawn
+    by position, `random_draws`): from the same seed generator states and
+    torch generator state, on this process' rows.
+
     Returns:
         `(outputs of the DTensor call, batch_coupling.Verdict)`; no verdict
         (`None`) if the call built a layer (its variables are not all known
         yet: the next call probes again).
     """
     mesh, global_rows, local_rows, placements = _batch_sharding((args, kwargs))
+    before = [(v, v.value.to_local().clone()) for v in variables]
+    rng_states = generator_states.take()
     watch = batch_coupling.PartialWatch()
     # The fallback's modes first: within a step they stay on to its end
     # (its backward pass), past the watch.
@@ -166,14 +178,31 @@ def _probe(call_function, layer, args, kwargs, through_dtensor, variables):
         if x is not None
     ]
     split = all(x is not None for x in rows)
-    local_leaves, reason = None, None
+    local_leaves, reason, plan = None, None, None
     if split and not watch.reductions:
-        local_leaves, reason = _checking_call(
-            call_function, layer, args, kwargs, variables, local_rows
+        after = generator_states.take()
+        generator_states.restore(rng_states)
+        local_leaves, reason, plan = _checking_call(
+            call_function, layer, args, kwargs, before, local_rows
         )
-    return outputs, batch_coupling.verdict_of(
+        if reason is None:
+            # Draws from a global generator (Python's picking operations,
+            # torch's for an op of its own) must take from it what the
+            # DTensor call took, else the processes' generators leave the
+            # sequence of one process.
+            if generator_states.differ(after, generator_states.take()):
+                reason = "draws from a global generator otherwise on its rows"
+            plan.python_draws = generator_states.python_advanced(
+                rng_states, after
+            )
+        generator_states.restore(after)
+    verdict = batch_coupling.verdict_of(
         watch, rows if split else None, local_leaves, reason
     )
+    verdict = batch_coupling.agreed(verdict, mesh)
+    if verdict.per_sample:
+        verdict = dataclasses.replace(verdict, draws=plan)
+    return outputs, verdict
 
 
 def _own_rows(x, mesh, global_rows, placements):
@@ -199,80 +228,88 @@ def _own_rows(x, mesh, global_rows, placements):
     return None
 
 
-def _checking_call(call_function, layer, args, kwargs, variables, rows):
+def _checking_call(call_function, layer, args, kwargs, mapping, rows):
     """The probe's call on the local rows: no gradient, nothing kept.
 
+    Args:
+        mapping: pairs `(variable, local value)`: the values the DTensor
+            call started from.
+
     Returns:
-        `(output leaves, None)`, or `(None, why the call is not
-        per-sample)`.
+        `(output leaves, None, random_draws.DrawPlan)`, or `(None, why the
+        call is not per-sample, None)`.
     """
     mesh, global_rows = _batch_sharding((args, kwargs))[:2]
     local_args, local_kwargs = tree.map_structure(_to_local, (args, kwargs))
-    mapping = [(v, v.value.to_local()) for v in variables]
-    rng_states = _rng_states()
+    plan = random_draws.DrawPlan()
     with torch.no_grad(), runtime.distribution_suspended():
-        with _in_local_call(mesh, global_rows):
+        with _in_local_call(mesh, global_rows, rows, plan):
             with local_state.stateless_scope(mapping, True) as scope:
                 entered = dict(scope.state_mapping)
                 outputs = call_function(layer, *local_args, **local_kwargs)
+    variables = [v for v, _ in mapping]
     updated = [
         v for v in variables if scope.get_current_value(v) is not entered[id(v)]
     ]
-    drew = _drew_random_numbers(layer, updated) or _rng_advanced(rng_states)
-    _restore_rng_states(rng_states)
-    if drew:
-        return None, "draws random numbers"
+    if batch_coupling.assigned_outside(scope, entered):
+        return None, "assigns a variable outside the model", None
     if any(v.trainable for v in updated):
-        return None, "assigns a trainable variable"
+        return None, "assigns a trainable variable", None
     if scope.losses:
-        return None, "adds a loss (taken over the global batch)"
+        return None, "adds a loss (taken over the global batch)", None
     leaves = [x for x in tree.flatten(outputs) if x is not None]
     if not all(_is_local_batch(x, rows) for x in leaves):
-        return None, "its outputs on the local rows are not plain rows"
-    return leaves, None
+        return None, "its outputs on the local rows are not plain rows", None
+    return leaves, None, plan
 
 
-def _call_locally(call_function, layer, args, kwargs, variables, step):
+def _call_locally(call_function, layer, args, kwargs, variables, draws, step):
     """Calls `layer` on the local rows; `None` if the call must run
     through DTensor after all (then nothing it did is kept)."""
     mesh, global_rows, local_rows, placements = _batch_sharding((args, kwargs))
     local_args, local_kwargs = tree.map_structure(_to_local, (args, kwargs))
     mapping = [(v, _local_weight(v, step)) for v in variables]
-    # Unseeded random ops draw from torch's generators: a call dropped
-    # below must leave them as it found them.
-    rng_states = _rng_states()
-    with runtime.distribution_suspended(), _in_local_call(mesh, global_rows):
-        with local_state.stateless_scope(mapping, True) as scope:
-            entered = dict(scope.state_mapping)
-            outputs = call_function(layer, *local_args, **local_kwargs)
+    # A call dropped below must leave the generators as it found them.
+    rng_states = generator_states.take()
+    plan = draws.following()
+    with runtime.distribution_suspended():
+        with _in_local_call(mesh, global_rows, local_rows, plan):
+            with local_state.stateless_scope(mapping, True) as scope:
+                entered = dict(scope.state_mapping)
+                outputs = call_function(layer, *local_args, **local_kwargs)
     leaves = [x for x in tree.flatten(outputs) if x is not None]
-    if not all(_is_local_batch(x, local_rows) for x in leaves):
-        _restore_rng_states(rng_states)
-        return None
     updated = [
         (v, scope.get_current_value(v))
         for v in variables
         if scope.get_current_value(v) is not entered[id(v)]
     ]
-    updated_variables = [v for v, _ in updated]
-    if (
-        _drew_random_numbers(layer, updated_variables)
-        or _rng_advanced(rng_states)
-        or any(v.trainable for v in updated_variables)
-        or scope.losses
-    ):
-        # What the probe did not see in its call (a call that draws, or
-        # adds a loss, only now and then): the call runs again through
+    if not all(_is_local_batch(x, local_rows) for x in leaves):
+        unseen = "outputs that are not this process' rows"
+    else:
+        unseen = batch_coupling.unseen_by_probe(
+            plan, rng_states, scope, entered, updated
+        )
+    if plan.draws or plan.python_draws:
+        # Whether a draw fits the plan can depend on a process' number of
+        # rows: every process must leave the local rows alike.
+        unseen = batch_coupling.agreed_unseen(unseen, mesh)
+    if unseen:
+        # What the probe did not see in its call (a draw of another shape,
+        # a loss added only now and then): the call runs again through
         # DTensor, this time and from now on in this step function.
         # Nothing the call updated is kept.
+        runtime.log_debug(
+            "%s: through DTensor from now on: %s", layer.name, unseen
+        )
         if step is not None:
             step.runs_through_dtensor = True
-        _restore_rng_states(rng_states)
+        generator_states.restore(rng_states)
         return None
     with torch.no_grad():
         for variable, value in updated:
-            # Moving statistics: the same on every process (global
-            # moments), written into the replicated local values.
+            # Moving statistics (the same on every process: global moments)
+            # and seed generator states, written into the replicated local
+            # values.
             variable.value.to_local().copy_(value)
 
     def to_global(x):
@@ -285,10 +322,16 @@ def _call_locally(call_function, layer, args, kwargs, variables, step):
 
 
 @contextlib.contextmanager
-def _in_local_call(mesh, global_rows):
+def _in_local_call(mesh, global_rows, local_rows, plan):
+    start = layouts.chunk_bounds(
+        global_rows, mesh.size(), mesh.get_local_rank()
+    )[0]
     _local_call.current = (mesh.get_group(), global_rows)
     try:
-        yield
+        with random_draws.local_rows_scope(
+            start, local_rows, global_rows, plan
+        ):
+            yield
     finally:
         _local_call.current = None
 
@@ -374,64 +417,6 @@ def _batch_placements(mesh):
     if mesh.size() == 1:
         return ((Shard(0),), (Replicate(),))
     return ((Shard(0),),)
-
-
-def _rng_states():
-    """The global generators a layer may draw from without a seed generator.
-
-    Besides torch's, Python's `random` (`AugMix` picks its operations with
-    it) and NumPy's global generator.
-    """
-    states = {
-        "cpu": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": np.random.get_state(legacy=False),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def _rng_advanced(states):
-    """Whether an unseeded random op drew from a global generator."""
-    if not torch.equal(states["cpu"], torch.get_rng_state()):
-        return True
-    if states["python"] != random.getstate():
-        return True
-    if not _same_numpy_state(states["numpy"], np.random.get_state(False)):
-        return True
-    return "cuda" in states and any(
-        not torch.equal(a, b)
-        for a, b in zip(states["cuda"], torch.cuda.get_rng_state_all())
-    )
-
-
-def _same_numpy_state(a, b):
-    # The Mersenne Twister state holds an array: `==` on it is ambiguous.
-    return (
-        a["state"]["pos"] == b["state"]["pos"]
-        and a["has_gauss"] == b["has_gauss"]
-        and a["gauss"] == b["gauss"]
-        and np.array_equal(a["state"]["key"], b["state"]["key"])
-    )
-
-
-def _restore_rng_states(states):
-    torch.set_rng_state(states["cpu"])
-    random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
-    if "cuda" in states:
-        torch.cuda.set_rng_state_all(states["cuda"])
-
-
-def _drew_random_numbers(layer, updated_variables):
-    """Whether a call of `layer` advanced one of its seed generators."""
-    states = {
-        id(generator.state)
-        for sublayer in layer._flatten_layers(include_self=True)
-        for generator in sublayer._seed_generators
-    }
-    return any(id(v) in states for v in updated_variables)
 
 
 def _replicated_on(value, mesh):

@@ -87,7 +87,7 @@ def local_metric_state(metric):
 
     Meant for values every process holds whole (the loss after its
     reduction): a `DTensor` still sharded or partial that reaches the
-    update is computed on by DTensor as before, and its result written
+    update is computed on by DTensor, and its result written
     back whole. Without a distribution, or with state that is not
     replicated, the block runs as it is.
 

@@ -1,8 +1,8 @@
 """Ops that DTensor alone would not compute as one process does.
 
-DTensor convolves a sharded kernel wrongly, mis-reduces a sharded lookup
-with sharded indices, and draws random numbers per shard: the torch
-backend's convolution, `take` and dropout hand their operands here first.
+DTensor convolves a sharded kernel wrongly and mis-reduces a sharded lookup
+with sharded indices: the torch backend's convolution and `take` hand their
+operands here first.
 Where DTensor refuses an op, `fallback` computes it on global values
 (`slice_update` on a sharded prompt included). Einsum gathers only its
 unevenly sharded dimensions (a single key/value head), so that the query's
@@ -137,34 +137,6 @@ def take_operands(x, indices):
         for p, table in zip(indices.placements, x.placements)
     ]
     return x, layouts.redistribute(indices, indices.device_mesh, placements)
-
-
-def dropout(inputs, rate):
-    """`torch.nn.functional.dropout`, global for a `DTensor`.
-
-    DTensor's own random ops draw per shard (and, on CPU meshes, from each
-    process' generator). Here the noise of the whole tensor is drawn the way
-    torch's dropout draws it, on every process, from the generator state of
-    process 0 (broadcast first: processes may have been seeded differently),
-    so all copies of the tensor agree and the result equals that of one
-    process with the same torch seed.
-
-    Args:
-        inputs: a tensor.
-        rate: the probability of dropping an element.
-
-    Returns:
-        The tensor with dropout applied.
-    """
-    if not isinstance(inputs, DTensor):
-        return torch.nn.functional.dropout(inputs, p=rate, training=True)
-    runtime.sync_torch_rng()
-    # Torch's dropout of ones is its scaled mask, drawn as its dropout of a
-    # tensor of this shape and dtype draws it: its CUDA kernel draws in its
-    # own pattern, unlike `bernoulli_`.
-    ones = torch.ones(inputs.shape, dtype=inputs.dtype, device=inputs.device)
-    noise = torch.nn.functional.dropout(ones, p=rate, training=True)
-    return inputs * layouts.replicate(noise, inputs.device_mesh)
 
 
 def divide_no_nan_local(numerator, divisor):

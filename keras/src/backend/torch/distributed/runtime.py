@@ -339,8 +339,8 @@ def _launcher_store(timeout):
 
     torchrun restarts the job (`--max-restarts`) with the same store; the
     `env://` rendezvous then finds the addresses of the last attempt's
-    dead processes (measured with torch 2.13: gloo "connectFullMesh ...
-    Connection refused" on every restart).
+    dead processes (gloo: "connectFullMesh ... Connection refused" on every
+    restart).
     """
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
@@ -357,17 +357,13 @@ def _destroy_process_group():
         dist.destroy_process_group()
         # Reference cycles (device meshes, DTensors) still hold the groups:
         # freed now, not at interpreter shutdown, where gloo's threads can
-        # abort the process (measured with torch 2.13: 1 exit in 6 without
-        # this collection, none in 40 with it).
+        # abort the process.
         gc.collect()
         # A group that a live device mesh still holds keeps its gloo worker
         # threads. One that drops the last reference to a tensor once the
         # interpreter is shutting down takes the GIL and aborts the process
         # ("terminate called without an active exception", pytorch#190489).
-        # Sleeping hands them the GIL to finish what they hold first
-        # (measured with torch 2.13, 200 collectives issued at once and the
-        # last one waited for: 4 aborts in 30 exits without it, none in 30
-        # with it).
+        # Sleeping hands them the GIL to finish what they hold first.
         time.sleep(_GLOO_DRAIN_SECONDS)
 
 

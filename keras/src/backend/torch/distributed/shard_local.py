@@ -120,9 +120,9 @@ def _shard_local_einsum(subscripts, operands):
         `(mesh, output placements, local operands)`.
     """
     if torch.compiler.is_compiling():
-        # Compiled steps trace DTensor's own einsum, as before: dynamo
-        # failed on this path in a compiled MultiHeadAttention step
-        # (`InternalTorchDynamoError`, `tests/test_jit_compile.py`).
+        # Compiled steps trace DTensor's own einsum: dynamo fails on this
+        # path in a compiled MultiHeadAttention step
+        # (`InternalTorchDynamoError`).
         return None
     projection = any(isinstance(x, KerasVariable) for x in operands)
     operands = [

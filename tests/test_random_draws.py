@@ -1,0 +1,243 @@
+"""Random numbers drawn by position under a distribution.
+
+`random_draws` draws each element from its position in the global tensor
+(SplitMix64's output function of a key and the position), so that a
+process draws only its part and any layout draws the same numbers. These
+tests check the generator against SplitMix64's definition, that any part
+of a draw is the same part of the whole draw, the distributions' moments,
+and, on real processes, that `keras.random` under `DataParallel` on 1, 2
+and 4 processes and on a (2, 2) mesh gives the same numbers, drawing only
+each process' share.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from keras.src.backend.torch.distributed import random_draws
+from tests.harness import run_on_ranks
+
+_MASK = (1 << 64) - 1
+
+
+def _splitmix64(key, index):
+    """SplitMix64's output for counter `index` (Python integers)."""
+    z = (key + (index + 1) * 0x9E3779B97F4A7C15) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+def test_bits_are_splitmix64():
+    """The 64 bits of each position are SplitMix64's, for any key."""
+    for key in (0, 1, 123456789, (1 << 63) + 5):
+        signed = key - (1 << 64) if key >= 1 << 63 else key
+        index = torch.arange(50, dtype=torch.int64) * 1_000_003
+        bits = random_draws.random_bits(torch.tensor(signed), index.clone())
+        got = [int(b) & _MASK for b in bits]
+        assert got == [_splitmix64(key, int(i)) for i in index], key
+    # The generator's published first output for seed 0.
+    first = random_draws.random_bits(torch.tensor(0), torch.tensor([0]))
+    assert int(first) & _MASK == 0xE220A8397B1DCDAF
+
+
+_BOXES = [
+    ((3, 0, 0), (500, 30, 7)),  # rows from an odd position
+    ((1, 0, 0), (3, 30, 7)),
+    ((10, 5, 1), (50, 20, 5)),  # a box cut on every dimension
+    ((0, 0, 0), (1, 1, 1)),
+    ((999, 29, 6), (1, 1, 1)),  # the last element
+]
+
+
+@pytest.mark.parametrize("draw", ["uniform", "normal", "keep", "uniform64"])
+def test_any_part_is_that_part_of_the_whole(draw):
+    """A box of a draw has the values of the same box of the whole draw."""
+    key = torch.tensor(7)
+    shape = (1000, 30, 7)
+
+    def drawn(offsets, local_shape):
+        box = (shape, offsets, local_shape)
+        if draw == "uniform":
+            return random_draws.unit_uniform(key, box, "cpu", torch.float32)
+        if draw == "uniform64":
+            return random_draws.unit_uniform(key, box, "cpu", torch.float64)
+        if draw == "normal":
+            return random_draws.standard_normal(key, box, "cpu", torch.float32)
+        return random_draws.keep_mask(key, box, "cpu", 0.7)
+
+    whole = drawn((0, 0, 0), shape)
+    assert tuple(whole.shape) == shape
+    for offsets, local_shape in _BOXES:
+        part = drawn(offsets, local_shape)
+        where = tuple(slice(o, o + n) for o, n in zip(offsets, local_shape))
+        assert torch.equal(part, whole[where]), (offsets, local_shape)
+
+
+def test_moments():
+    """Uniform, normal and Bernoulli numbers with their distributions'
+    moments (within 6 standard errors of a million draws)."""
+    n = 1 << 20
+    box = ((n,), (0,), (n,))
+    bound = 6 / n**0.5
+    for dtype in (torch.float32, torch.float64):
+        u = random_draws.unit_uniform(torch.tensor(3), box, "cpu", dtype)
+        assert u.dtype == dtype
+        assert 0 <= float(u.min()) and float(u.max()) < 1
+        assert abs(float(u.mean()) - 0.5) < bound * 0.29
+        assert abs(float(u.var()) - 1 / 12) < bound * 0.09
+    z = random_draws.standard_normal(torch.tensor(4), box, "cpu", torch.float32)
+    assert abs(float(z.mean())) < bound
+    assert abs(float(z.std()) - 1) < bound
+    # Neighbours (a pair of one counter's bits) are not correlated.
+    assert abs(float((z[1:] * z[:-1]).mean())) < bound
+    assert abs(float((z.abs() > 2).float().mean()) - 0.0455) < 0.002
+    mask = random_draws.keep_mask(torch.tensor(5), box, "cpu", 0.9)
+    assert abs(float(mask.float().mean()) - 0.9) < bound * 0.3
+    # Different keys, different numbers.
+    other = random_draws.standard_normal(
+        torch.tensor(5), box, "cpu", torch.float32
+    )
+    assert abs(float(torch.corrcoef(torch.stack([z, other]))[0, 1])) < bound
+
+
+def test_no_distribution_draws_as_upstream():
+    """Without a distribution the backend draws from torch's generators."""
+    import keras
+
+    keras.distribution.set_distribution(None)
+    assert not random_draws.by_position()
+    keras.utils.set_random_seed(1)
+    first = keras.random.uniform((4, 3), seed=11)
+    generator = torch.Generator().manual_seed(int(11 + 0) & 0xFFFFFFFF)
+    assert torch.equal(first.cpu(), torch.rand((4, 3), generator=generator))
+
+
+def test_draw_plan_follows_the_probe():
+    """Later calls draw whole or as rows what the probe drew so; a shape
+    that fits neither, or both, breaks the plan."""
+    probe = random_draws.DrawPlan()
+    assert probe.decide((4, 3), local_rows=4)  # the batch's rows
+    assert not probe.decide((3,), local_rows=4)  # a constant shape
+    assert probe.draws == [("rows", (3,)), ("whole", (3,))]
+
+    later = probe.following()
+    # Another order, another number of rows (a ragged last batch).
+    assert not later.decide((3,), local_rows=2)
+    assert later.decide((2, 3), local_rows=2)
+    assert not later.broken
+
+    unknown = probe.following()
+    unknown.decide((2, 5), local_rows=2)
+    assert unknown.broken
+    # Rows of a process that holds 3: the probe's whole (3,) or rows (3,)?
+    ambiguous = random_draws.DrawPlan()
+    ambiguous.decide((4,), local_rows=4)
+    ambiguous.decide((3,), local_rows=4)
+    ambiguous = ambiguous.following()
+    ambiguous.decide((3,), local_rows=3)
+    assert ambiguous.broken
+
+
+# --------------------------------------------------------------------------
+# Real processes: the same numbers on any mesh
+# --------------------------------------------------------------------------
+
+
+def _distribution(mesh_shape):
+    import keras
+
+    devices = keras.distribution.list_devices()
+    if len(mesh_shape) == 1:
+        return keras.distribution.DataParallel(devices=devices)
+    mesh = keras.distribution.DeviceMesh(
+        mesh_shape, ["batch", "model"], devices
+    )
+    layout_map = keras.distribution.LayoutMap(mesh)
+    return keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="batch"
+    )
+
+
+def _draws_body(rank, world_size, mesh_shape):
+    """Draws of `keras.random` under a distribution, and what was drawn."""
+    import keras
+
+    torch.manual_seed(rank)  # Unseeded draws must still agree.
+    distribution = _distribution(mesh_shape)
+    keras.distribution.set_distribution(distribution)
+    numpy = keras.ops.convert_to_numpy
+    generator = keras.random.SeedGenerator(7)
+    out = {
+        "uniform": numpy(keras.random.uniform((6, 5), seed=generator)),
+        "normal": numpy(keras.random.normal((6, 5), seed=generator)),
+        "truncated": numpy(
+            keras.random.truncated_normal((6, 5), seed=generator)
+        ),
+        "randint": numpy(keras.random.randint((6, 5), 0, 10, seed=11)),
+    }
+    x = np.arange(1, 8 * 6 + 1, dtype="float32").reshape(8, 6)
+    x = keras.distribution.distribute_tensor(
+        torch.tensor(x), distribution.get_data_layout(x.shape)
+    )
+    drawn = []
+    random_bits = random_draws.random_bits
+
+    def counting(key, index):
+        drawn.append(index.numel())
+        return random_bits(key, index)
+
+    random_draws.random_bits = counting
+    try:
+        seeded = keras.random.dropout(
+            x, 0.5, seed=keras.random.SeedGenerator(3)
+        )
+        out["drawn"] = list(drawn)
+        unseeded = keras.random.dropout(x, 0.5)
+        spatial = keras.random.dropout(x, 0.5, noise_shape=(None, 1), seed=5)
+    finally:
+        random_draws.random_bits = random_bits
+    out["local_rows"] = int(seeded.to_local().shape[0])
+    out["dropout"] = numpy(seeded)
+    out["unseeded"] = numpy(unseeded)
+    out["spatial"] = numpy(spatial)
+    keras.distribution.set_distribution(None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    """The draws on one process under `DataParallel`."""
+    (result,) = run_on_ranks(_draws_body, world_size=1, args=((1,),))
+    return result
+
+
+@pytest.mark.parametrize(
+    "world_size, mesh_shape", [(2, (2,)), (4, (4,)), (4, (2, 2))]
+)
+def test_same_numbers_on_any_mesh(world_size, mesh_shape, one_process):
+    """Every process of 2 and 4 and of a (2, 2) mesh draws one process'
+    numbers, each drawing only the mask of its own rows."""
+    per_rank = run_on_ranks(
+        _draws_body, world_size=world_size, args=(mesh_shape,)
+    )
+    batch_parts = mesh_shape[0]
+    for rank, result in enumerate(per_rank):
+        for name in ("uniform", "normal", "truncated", "randint", "dropout"):
+            np.testing.assert_array_equal(
+                result[name], one_process[name], err_msg=f"{name}, {rank}"
+            )
+        np.testing.assert_array_equal(
+            result["unseeded"], one_process["unseeded"]
+        )
+        np.testing.assert_array_equal(result["spatial"], one_process["spatial"])
+        # The seeded dropout's mask: this process' rows (8 / parts), one
+        # counter for two elements.
+        assert result["local_rows"] == 8 // batch_parts
+        assert result["drawn"] == [8 // batch_parts * 6 // 2], result["drawn"]
+    assert one_process["drawn"] == [8 * 6 // 2]
+    kept = one_process["dropout"] != 0
+    assert 0 < kept.mean() < 1
+    # Each noise row of the spatial dropout keeps or drops a whole row.
+    spatial_kept = one_process["spatial"] != 0
+    assert (spatial_kept == spatial_kept[:, :1]).all()
