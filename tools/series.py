@@ -18,7 +18,7 @@ data file ``tools/export_plan.toml``:
   its tests (``tests/`` paths, exported in that step); ``check`` optionally
   names the subset of them ``check-series`` runs.
 
-Choices (also in README, "Exporting the change"):
+Choices (also in tools/README.md, "Exporting the change"):
 
 * An upstream file changed for several reasons (the trainer's hooks, say)
   goes whole to one step, the first that needs it: its diff is small (at
