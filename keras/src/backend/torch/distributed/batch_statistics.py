@@ -15,12 +15,9 @@ import torch.distributed as dist
 
 from keras.src.backend.torch.distributed import batch_coupling
 from keras.src.backend.torch.distributed import local_rows
-from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
-
-if runtime.DTENSOR_AVAILABLE:
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor import Shard
+from keras.src.backend.torch.distributed.runtime import Replicate
+from keras.src.backend.torch.distributed.runtime import Shard
 
 
 def batch_moments(function):

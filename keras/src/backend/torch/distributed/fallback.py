@@ -45,12 +45,17 @@ import threading
 import traceback
 
 import torch
+from torch.overrides import TorchFunctionMode
+
+# The documented base class of torch dispatch modes ("Extending PyTorch:
+# Extending all torch API with Modes").
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from keras.src.backend.torch.distributed import global_values
 from keras.src.backend.torch.distributed import linear_partials
-from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed import sharded_positions
 from keras.src.backend.torch.distributed.runtime import DTensor
+from keras.src.backend.torch.distributed.runtime import Replicate
 
 _LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default
 # Reductions that return positions: a shard's own `argmax` is a position in
@@ -61,15 +66,6 @@ _POSITION_REDUCTIONS = (
     torch.ops.aten.argmin.default,
 )
 
-if runtime.DTENSOR_AVAILABLE:
-    from torch.distributed.tensor import Replicate
-    from torch.overrides import TorchFunctionMode
-
-    # The documented base class of torch dispatch modes ("Extending
-    # PyTorch: Extending all torch API with Modes").
-    from torch.utils._python_dispatch import TorchDispatchMode
-else:  # pragma: no cover - torch without DTensor has no distribution.
-    TorchDispatchMode = TorchFunctionMode = object
 
 # Errors DTensor raises when it cannot compute an op on the placements it
 # got: no strategy (`NotImplementedError`), a refused placement

@@ -68,11 +68,8 @@ import torch
 from keras.src import tree
 from keras.src.backend.torch.distributed import fsdp_call
 from keras.src.backend.torch.distributed import fsdp_schedule
-from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
-
-if runtime.DTENSOR_AVAILABLE:
-    from torch.distributed.tensor import Replicate
+from keras.src.backend.torch.distributed.runtime import Replicate
 
 GATHER_WEIGHTS_ENV = "KERAS_DISTRIBUTION_GATHER_WEIGHTS"
 _GATHER_CHOICES = ("batch", "all", "off")

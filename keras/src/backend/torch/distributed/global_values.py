@@ -18,10 +18,8 @@ import torch
 
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
-
-if runtime.DTENSOR_AVAILABLE:
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor import Shard
+from keras.src.backend.torch.distributed.runtime import Replicate
+from keras.src.backend.torch.distributed.runtime import Shard
 
 
 @dataclasses.dataclass

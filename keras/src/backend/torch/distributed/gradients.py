@@ -19,9 +19,7 @@ from keras.src.backend.torch.distributed import layouts
 from keras.src.backend.torch.distributed import local_state
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
-
-if runtime.DTENSOR_AVAILABLE:
-    from torch.distributed.tensor import Partial
+from keras.src.backend.torch.distributed.runtime import Partial
 
 BUCKET_BYTES = 25 * 1024 * 1024
 # The first bucket of an overlapped reduction is small, as DDP's (1 MiB):

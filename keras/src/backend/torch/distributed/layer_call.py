@@ -17,6 +17,8 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from torch.nn.attention import SDPBackend
+from torch.nn.attention import sdpa_kernel
 
 from keras.src import tree
 from keras.src.backend.common.keras_tensor import KerasTensor
@@ -30,11 +32,7 @@ from keras.src.backend.torch.distributed import local_rows
 from keras.src.backend.torch.distributed import pairing_check
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
-
-if runtime.DTENSOR_AVAILABLE:
-    from torch.distributed.tensor.experimental import implicit_replication
-    from torch.nn.attention import SDPBackend
-    from torch.nn.attention import sdpa_kernel
+from keras.src.backend.torch.distributed.runtime import implicit_replication
 
 CHECK_REPLICATION_ENV = "KERAS_DISTRIBUTION_CHECK_REPLICATION"
 # Marks a layer output whose gradient a layer call has hooked.

@@ -15,11 +15,9 @@ import torch.distributed as dist
 from keras.src.backend.torch.distributed import health
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
-
-if runtime.DTENSOR_AVAILABLE:
-    from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor import Shard
+from keras.src.backend.torch.distributed.runtime import Replicate
+from keras.src.backend.torch.distributed.runtime import Shard
+from keras.src.backend.torch.distributed.runtime import TorchDeviceMesh
 
 TorchLayout = collections.namedtuple(
     "TorchLayout", ["device_mesh", "placements", "ndim"]

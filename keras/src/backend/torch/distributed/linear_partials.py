@@ -38,13 +38,10 @@ collectives where the one all-reduce of the whole gradient does.
 import torch
 
 from keras.src.backend.torch.distributed import layouts
-from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
-
-if runtime.DTENSOR_AVAILABLE:
-    from torch.distributed.tensor import Partial
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor import Shard
+from keras.src.backend.torch.distributed.runtime import Partial
+from keras.src.backend.torch.distributed.runtime import Replicate
+from keras.src.backend.torch.distributed.runtime import Shard
 
 _aten = torch.ops.aten
 

@@ -21,11 +21,9 @@ from keras.src import tree
 from keras.src.backend.common.masking import get_keras_mask
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
-
-if runtime.DTENSOR_AVAILABLE:
-    from torch.distributed.tensor import Partial
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor import Shard
+from keras.src.backend.torch.distributed.runtime import Partial
+from keras.src.backend.torch.distributed.runtime import Replicate
+from keras.src.backend.torch.distributed.runtime import Shard
 
 # Built-in loss functions that reduce each sample over its own (last) axes
 # only: `keras.src.losses.losses.<name>`.

@@ -49,11 +49,9 @@ from keras.src.backend.torch.distributed import local_state
 from keras.src.backend.torch.distributed import random_draws
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
-
-if runtime.DTENSOR_AVAILABLE:
-    from torch.distributed.tensor import Partial
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor import Shard
+from keras.src.backend.torch.distributed.runtime import Partial
+from keras.src.backend.torch.distributed.runtime import Replicate
+from keras.src.backend.torch.distributed.runtime import Shard
 
 # The attribute of a model on which its step function sets the running
 # `step.DistributedStep` (see `running_step`).

@@ -16,9 +16,7 @@ from keras.src.backend.torch.distributed import fallback
 from keras.src.backend.torch.distributed import layouts
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
-
-if runtime.DTENSOR_AVAILABLE:
-    from torch.distributed.tensor import Replicate
+from keras.src.backend.torch.distributed.runtime import Replicate
 
 
 def conv_operands(inputs, kernel):

@@ -32,6 +32,7 @@ import threading
 import weakref
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from keras.src import tree
 from keras.src.backend.common.keras_tensor import KerasTensor
@@ -39,12 +40,7 @@ from keras.src.backend.common.stateless_scope import StatelessScope
 from keras.src.backend.torch.distributed import layouts
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
-
-if runtime.DTENSOR_AVAILABLE:
-    from torch.distributed.tensor import Replicate
-    from torch.overrides import TorchFunctionMode
-else:  # pragma: no cover - torch without DTensor has no distribution.
-    TorchFunctionMode = object
+from keras.src.backend.torch.distributed.runtime import Replicate
 
 # A dimension of unknown size (batch, sequence) is traced at this size:
 # small, since a block the meta device cannot run is run on zeros.

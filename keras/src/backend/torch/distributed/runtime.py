@@ -19,12 +19,23 @@ from packaging.version import parse
 from keras.src.backend.common import global_state
 from keras.src.backend.torch.distributed import health
 
+# The one place that imports DTensor's names: the other modules take them
+# from here, so that Keras still imports where torch has no DTensor (torch
+# < 2.5, or a build without torch.distributed), where
+# `check_torch_version` refuses a distribution.
 try:
+    from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.experimental import implicit_replication
 
     DTENSOR_AVAILABLE = True
-except ImportError:  # torch < 2.5, or a build without torch.distributed.
+except ImportError:
     DTENSOR_AVAILABLE = False
+    TorchDeviceMesh = Partial = Replicate = Shard = None
+    implicit_replication = None
 
     class DTensor:
         """Stands in for torch's `DTensor`: no tensor is one."""

@@ -19,14 +19,12 @@ import torch
 from keras.src.backend.common.variables import Variable as KerasVariable
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
+from keras.src.backend.torch.distributed.runtime import Partial
+from keras.src.backend.torch.distributed.runtime import Replicate
+from keras.src.backend.torch.distributed.runtime import Shard
 
 # Labels of the stacked dimensions of a batched matmul, as an einsum.
 _STACK_LABELS = "abcdefghlmnopq"
-
-if runtime.DTENSOR_AVAILABLE:
-    from torch.distributed.tensor import Partial
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor import Shard
 
 
 def local_einsum(function):

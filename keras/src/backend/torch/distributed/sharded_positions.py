@@ -17,10 +17,8 @@ import torch
 from keras.src.backend.torch.distributed import layouts
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
-
-if runtime.DTENSOR_AVAILABLE:
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor import Shard
+from keras.src.backend.torch.distributed.runtime import Replicate
+from keras.src.backend.torch.distributed.runtime import Shard
 
 _ARGMAX = torch.ops.aten.argmax.default
 

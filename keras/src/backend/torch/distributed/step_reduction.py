@@ -35,12 +35,9 @@ import torch.distributed as dist
 from keras.src.backend.torch.distributed import gradients as gradients_lib
 from keras.src.backend.torch.distributed import health
 from keras.src.backend.torch.distributed import local_state
-from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
-
-if runtime.DTENSOR_AVAILABLE:
-    from torch.distributed.tensor import Partial
-    from torch.distributed.tensor import Replicate
+from keras.src.backend.torch.distributed.runtime import Partial
+from keras.src.backend.torch.distributed.runtime import Replicate
 
 
 def reduce_with_loss(reduction, optimizer, gradients, loss):
