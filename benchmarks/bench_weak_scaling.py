@@ -27,6 +27,11 @@ with SpatialDropout1D), ``own_layer`` (a user's Dense-like layer x 3);
 ``llama`` and ``llama_dropout``: a keras-hub `LlamaCausalLM` (2 layers,
 hidden 256, 8 query and 4 key/value heads, 128 tokens a row; its
 backbone's `dropout` 0 or 0.1; keras-hub must be installed).
+``llama_mp`` and ``llama_dropout_mp``: the Llama under `ModelParallel` on a
+(N/2, 2) ("batch", "model") mesh laid out by the backbone's own
+`get_layout_map` (2 or more processes, an even number), against the same
+model on DDP; the dropout masks are drawn by position on the sharded
+activations.
 """
 
 import argparse
@@ -45,6 +50,8 @@ MODELS = (
     "own_layer",
     "llama",
     "llama_dropout",
+    "llama_mp",
+    "llama_dropout_mp",
 )
 # The keras-hub causal LMs: tokens per row, vocabulary.
 LM_SEQUENCE, LM_VOCAB = 128, 1000
@@ -84,7 +91,7 @@ def _model(kind):
 
     keras.utils.set_random_seed(0)
     if kind.startswith("llama"):
-        return _llama(dropout=0.1 if kind == "llama_dropout" else 0.0)
+        return _llama(dropout=0.1 if "dropout" in kind else 0.0)
     stack = []
     if kind in ("dense", "dense_dropout"):
         for _ in range(4):
@@ -129,6 +136,21 @@ def _llama(dropout):
     return model
 
 
+def _model_parallel(size):
+    """`ModelParallel` on a (size / 2, 2) mesh, the Llama backbone's map."""
+    import keras_hub
+
+    from keras import distribution as kd
+
+    if size < 2 or size % 2:
+        raise ValueError(
+            f"The _mp models need an even number of processes; got {size}."
+        )
+    mesh = kd.DeviceMesh((size // 2, 2), ["batch", "model"], kd.list_devices())
+    layout_map = keras_hub.models.LlamaBackbone.get_layout_map(mesh)
+    return kd.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+
+
 def _data(kind, rows):
     import numpy as np
 
@@ -171,7 +193,9 @@ def worker(impl, kind, args):
     torch.set_num_threads(1)
     kd.initialize()
     rank, size = dist.get_rank(), dist.get_world_size()
-    if impl == "keras_dp":
+    if impl == "keras_dp" and kind.endswith("_mp"):
+        kd.set_distribution(_model_parallel(size))
+    elif impl == "keras_dp":
         kd.set_distribution(kd.DataParallel())
     model = _model(kind)
     x, y = _data(kind, args.rows * size)
@@ -220,7 +244,9 @@ def worker(impl, kind, args):
     peaks = [None] * size
     dist.all_gather_object(peaks, peak)
     path = ""
-    if impl == "keras_dp":
+    if impl == "keras_dp" and kind.endswith("_mp"):
+        path = f"ModelParallel on ({size // 2}, 2)"
+    elif impl == "keras_dp":
         verdict = step_lib.call_verdict(model, "train", training=True)
         path = "local" if verdict.per_sample else f"dtensor: {verdict.reason}"
     if rank == 0:
@@ -278,21 +304,25 @@ def main():
         f"{args.steps} timed steps (median of the slowest process')"
     )
     for kind in args.models:
+        # A (N/2, 2) mesh needs an even number of processes.
+        procs = [
+            n for n in args.procs if not kind.endswith("_mp") or n % 2 == 0
+        ]
         results = {
             (impl, n): _job(impl, kind, n, args)
-            for n in args.procs
+            for n in procs
             for impl in IMPLS
         }
         print(
             f"\n{kind} (DataParallel path: "
-            f"{results[('keras_dp', args.procs[-1])]['path']})"
+            f"{results[('keras_dp', procs[-1])]['path']})"
         )
         print(
             f"{'procs':>5} {'dp step ms':>11} {'ddp step ms':>12} "
             f"{'ratio':>6} {'dp peak MiB':>12} {'ddp peak MiB':>13} "
             f"{'ratio':>6}"
         )
-        for n in args.procs:
+        for n in procs:
             dp, ddp = results[("keras_dp", n)], results[("keras_ddp", n)]
             print(
                 f"{n:>5} {dp['step_ms']:>11.1f} {ddp['step_ms']:>12.1f} "
