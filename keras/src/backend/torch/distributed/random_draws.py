@@ -399,7 +399,9 @@ def dropout(inputs, rate, noise_shape, seed):
 def _dtensor_mask(inputs, shape, key, keep):
     """The mask of `shape` for a `DTensor`'s local part, as a `DTensor`."""
     mesh, placements = inputs.device_mesh, tuple(inputs.placements)
-    offsets, local_shape = local_box(inputs.shape, mesh, placements)
+    region = layouts.local_region(inputs.shape, mesh, placements)
+    offsets = [r.start for r in region]
+    local_shape = [r.stop - r.start for r in region]
     # A broadcast dimension of the mask (noise shape 1) is whole everywhere.
     offsets = [o if n != 1 else 0 for o, n in zip(offsets, shape)]
     local_shape = [s if n != 1 else 1 for s, n in zip(local_shape, shape)]
@@ -419,27 +421,6 @@ def _replicate():
     from torch.distributed.tensor import Replicate
 
     return Replicate()
-
-
-def local_box(global_shape, mesh, placements):
-    """`(offsets, local shape)` of this process' part of a `DTensor`.
-
-    Each mesh axis that shards a dimension cuts the part the axes before
-    it left, as `torch.chunk` does (DTensor's `Shard`).
-    """
-    offsets = [0] * len(global_shape)
-    sizes = list(global_shape)
-    coordinate = mesh.get_coordinate()
-    for axis, placement in enumerate(placements):
-        if not placement.is_shard():
-            continue
-        dim = placement.dim % len(global_shape)
-        start, stop = layouts.chunk_bounds(
-            sizes[dim], mesh.size(axis), coordinate[axis]
-        )
-        offsets[dim] += start
-        sizes[dim] = stop - start
-    return offsets, sizes
 
 
 def _device():
