@@ -942,7 +942,12 @@ def train_path(model):
     verdict = step.call_verdict(model, "train", training=True)
     if verdict is None:
         return ""
-    return "local" if verdict.per_sample else f"dtensor: {verdict.reason}"
+    if not verdict.per_sample:
+        return f"dtensor: {verdict.reason}"
+    if verdict.coupled:
+        # On the local rows, the layers that couple samples on DTensor.
+        return f"local but coupled layers: {verdict.reason}"
+    return "local"
 
 
 def variable_devices(variables):

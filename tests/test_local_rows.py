@@ -151,7 +151,8 @@ def test_batch_reducing_op_between_layers_runs_on_dtensor():
 
 def _masked_batchnorm_fit(rank=None, world_size=None):
     """Embedding(mask_zero=True) -> BatchNormalization: its masked moments
-    are sums over the rows it sees, so the model runs through DTensor."""
+    are sums over the rows it sees, so that layer alone runs through
+    DTensor."""
     import numpy as np
 
     import keras
@@ -177,11 +178,13 @@ def _masked_batchnorm_body(rank, world_size):
     return _counting_local_calls(_masked_batchnorm_fit, rank, world_size)
 
 
-def test_masked_batch_normalization_runs_on_dtensor():
+def test_masked_batch_normalization_alone_runs_on_dtensor():
     per_rank = run_on_ranks(_masked_batchnorm_body, world_size=2)
     reference = pm.run_single(_masked_batchnorm_fit)
     for rank, (result, local_calls) in enumerate(per_rank):
-        assert local_calls == 0, local_calls
+        # 2 epochs of 3 train steps, the first the probe's; the rest of the
+        # model on the local rows.
+        assert local_calls == 5, local_calls
         pm.assert_close(result, reference, f"rank {rank}")
 
 
@@ -262,9 +265,15 @@ _PROBED = {
     # A layer that divides by the batch size: DTensor issues no
     # collective, but its values on the local rows differ.
     "batch_size_as_number": (False, "differ from DTensor's"),
-    # An activity regularizer's loss: a sum over the global batch.
-    "activity_regularizer": (False, "sums over the batch"),
-    # A mean over the batch, between two layers.
+    # An activity regularizer's loss, a sum over the global batch: its
+    # layer alone runs through DTensor.
+    "activity_regularizer": (True, "sums over the batch"),
+    # A user's layer that adds a loss over the batch, and one that centers
+    # its inputs on the batch's mean: each alone runs through DTensor.
+    "own_add_loss": (True, "adds a loss"),
+    "own_batch_centered": (True, "sums over the batch"),
+    # A mean over the batch between two layers, outside any layer's call:
+    # the model couples samples itself.
     "batch_centered": (False, "sums over the batch"),
 }
 
@@ -289,6 +298,15 @@ def _probed_model(kind):
         def call(self, x):
             return x / ops.cast(ops.shape(x)[0], x.dtype)
 
+    class SquaresLoss(keras.layers.Layer):
+        def call(self, x):
+            self.add_loss(0.1 * ops.mean(ops.square(x)))
+            return x
+
+    class BatchCentered(keras.layers.Layer):
+        def call(self, x):
+            return x - ops.mean(x, axis=0, keepdims=True)
+
     keras.utils.set_random_seed(pm.SEED)
     inputs = keras.Input((8,))
     x = keras.layers.Dense(8)(inputs)
@@ -302,6 +320,10 @@ def _probed_model(kind):
         x = OverBatchSize()(x)
     elif kind == "activity_regularizer":
         x = keras.layers.Dense(6, activity_regularizer="l2")(x)
+    elif kind == "own_add_loss":
+        x = SquaresLoss()(OwnDense(6)(x))
+    elif kind == "own_batch_centered":
+        x = OwnDense(6)(BatchCentered()(x))
     elif kind == "batch_centered":
         x = x - ops.mean(x, axis=0, keepdims=True)
     model = keras.Model(inputs, keras.layers.Dense(2)(x))

@@ -14,7 +14,11 @@ code calls; the torch backend's own files hook into these modules directly:
 - `shard_local`: einsum, batched matmul and attention on each process'
   shards, where they split as tensor parallelism splits them.
 - `fallback`: ops DTensor refuses, computed on global values.
+- `refused_on_rows`: of those, the per-sample ones on a batch-sharded
+  operand, computed on each process' rows after a check.
 - `local_rows`: data-parallel models called on each process' own rows.
+- `coupled_layers`: the layers of such a model that couple samples,
+  called alone through DTensor.
 - `batch_coupling`: whether a call couples the samples of a batch (the
   probe of its first call), which decides that path.
 - `data_input`: global batches assembled from each process' rows.

@@ -30,7 +30,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from keras.src.backend.torch.distributed import collectives
+from keras.src.backend.torch.distributed import coupled_layers
 from keras.src.backend.torch.distributed import generator_states
+from keras.src.backend.torch.distributed.runtime import DTensor
 
 # Outputs equal to float32 rounding: the same kernels on the same rows.
 RTOL = 1e-5
@@ -48,11 +50,22 @@ class Verdict:
         reason: why not, for the sharding summary and the catalogues.
         draws: a per-sample call's `random_draws.DrawPlan`: how it draws
             random numbers on the local rows.
+        coupled: the layers of a per-sample call that couple samples,
+            each called through DTensor (`coupled_layers`), and why.
     """
 
     per_sample: bool
     reason: str = ""
     draws: object = None
+    coupled: tuple = ()
+
+    def __str__(self):
+        if not self.per_sample:
+            return f"through DTensor: {self.reason}"
+        if not self.coupled:
+            return "on the local rows"
+        names = ", ".join(layer.name for layer in self.coupled)
+        return f"on the local rows, {names} through DTensor: {self.reason}"
 
 
 @contextlib.contextmanager
@@ -79,18 +92,18 @@ class PartialWatch(TorchFunctionMode):
 
     def __init__(self):
         super().__init__()
+        # `(function name, innermost layer being called)` pairs.
         self.reductions = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
         if not _is_explained() and _has_partial(result):
-            self.reductions.append(getattr(func, "__name__", str(func)))
+            name = getattr(func, "__name__", str(func))
+            self.reductions.append((name, coupled_layers.innermost_layer()))
         return result
 
 
 def _has_partial(result):
-    from torch.distributed.tensor import DTensor
-
     values = result if isinstance(result, (tuple, list)) else (result,)
     return any(
         isinstance(x, DTensor) and any(p.is_partial() for p in x.placements)
@@ -102,7 +115,31 @@ def _is_explained():
     return getattr(_explained, "depth", 0) > 0
 
 
-def verdict_of(watch, outputs, local_outputs, reason=None):
+def coupling_layers(model, watch):
+    """The layers of `model` that couple samples in its probe's DTensor
+    call, with why: `(layers, reason)`; `None` if the model itself does
+    (a sum over the batch outside its layers' calls, a loss it adds).
+
+    A sum over the batch is the coupling of the innermost layer called when
+    it appears; a loss a layer adds is taken over the batch.
+    """
+    layers, reasons = [], []
+    for name, layer in watch.reductions:
+        if layer is None or layer is model:
+            return None
+        if layer not in layers:
+            layers.append(layer)
+            reasons.append(f"sums over the batch ({name})")
+    for layer in coupled_layers.loss_adding_layers(model):
+        if layer is model:
+            return None
+        if layer not in layers:
+            layers.append(layer)
+        reasons.append("adds a loss")
+    return tuple(layers), ", ".join(dict.fromkeys(reasons))
+
+
+def verdict_of(watch, outputs, local_outputs, reason=None, coupled=None):
     """The verdict on a call from its probe.
 
     Args:
@@ -112,12 +149,16 @@ def verdict_of(watch, outputs, local_outputs, reason=None):
         local_outputs: the leaves of the same call on the local rows, or
             `None` if that call could not give them.
         reason: why the local call is ruled out, if it is.
+        coupled: `coupling_layers`'s answer.
 
     Returns:
         A `Verdict`.
     """
-    if watch.reductions:
-        return Verdict(False, f"sums over the batch ({watch.reductions[0]})")
+    if coupled is None and watch.reductions:
+        name = watch.reductions[0][0]
+        return Verdict(False, f"sums over the batch ({name})")
+    if coupled is None:
+        return Verdict(False, "adds a loss (taken over the global batch)")
     if outputs is None:
         return Verdict(False, "an output is not a batch of rows")
     if reason is not None:
@@ -125,11 +166,12 @@ def verdict_of(watch, outputs, local_outputs, reason=None):
     if local_outputs is None or len(local_outputs) != len(outputs):
         return Verdict(False, "its outputs on the local rows differ in shape")
     for output, local in zip(outputs, local_outputs):
-        if not _same(output, local):
+        if not same(output, local):
             return Verdict(
                 False, "its outputs on the local rows differ from DTensor's"
             )
-    return Verdict(True)
+    layers, why = coupled
+    return Verdict(True, why, coupled=layers)
 
 
 def agreed(verdict, mesh):
@@ -155,9 +197,9 @@ def assigned_outside(scope, entered):
     return any(key not in entered for key in scope.state_mapping)
 
 
-def unseen_by_probe(plan, rng_states, scope, entered, updated):
+def unseen_by_probe(plan, rng_states, scope, entered, updated, routing):
     """What a call on the local rows did that its probe did not find, as
-    text (empty if nothing)."""
+    text (empty if nothing); `routing` is its `coupled_layers.Routing`."""
     if plan.broken:
         return "a random draw of another shape than the probe's"
     if generator_states.advanced(rng_states, plan.unseeded, plan.python_draws):
@@ -166,8 +208,8 @@ def unseen_by_probe(plan, rng_states, scope, entered, updated):
         return "an assignment of a variable outside the model"
     if any(v.trainable for v, _ in updated):
         return "an assignment of a trainable variable"
-    if scope.losses:
-        return "an added loss"
+    if not routing.added_only(scope.losses):
+        return "a loss added outside a layer that couples samples"
     return ""
 
 
@@ -180,7 +222,8 @@ def agreed_unseen(unseen, mesh):
     return "another process' call did what the probe did not find"
 
 
-def _same(a, b):
+def same(a, b):
+    """Whether two tensors agree to float32 rounding."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     a, b = a.detach(), b.detach()

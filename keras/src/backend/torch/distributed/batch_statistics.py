@@ -51,10 +51,12 @@ def batch_moments(function):
             return function(x, axes, keepdims, synchronized)
         # What couples samples on purpose: not evidence for the probe.
         with batch_coupling.explained():
-            if group is not None:
-                return _global_moments(x, axes, keepdims, group=group)
+            # A DTensor in a call on local rows: a layer of it called
+            # through DTensor (`coupled_layers`).
             if _batch_sharded(x):
                 return _packed_moments(x, axes, keepdims)
+            if group is not None and not isinstance(x, DTensor):
+                return _global_moments(x, axes, keepdims, group=group)
             return function(x, axes, keepdims, synchronized)
 
     return moments

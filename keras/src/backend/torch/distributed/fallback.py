@@ -53,6 +53,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from keras.src.backend.torch.distributed import global_values
 from keras.src.backend.torch.distributed import linear_partials
+from keras.src.backend.torch.distributed import refused_on_rows
 from keras.src.backend.torch.distributed import sharded_positions
 from keras.src.backend.torch.distributed.runtime import DTensor
 from keras.src.backend.torch.distributed.runtime import Replicate
@@ -236,6 +237,12 @@ class _FallbackMode(TorchDispatchMode):
                 f"{func} changes the shape of a DTensor in place, which "
                 "DTensor cannot do on these placements."
             ) from refusal
+        if not mutated:
+            # Per-sample along a batch-sharded operand: on each process'
+            # rows, without gathering the batch.
+            outputs = refused_on_rows.on_local_rows(func, args, kwargs, refusal)
+            if outputs is not None:
+                return outputs
         return global_values.on_global_values(
             func, args, kwargs, refusal, str(func), mutated
         )

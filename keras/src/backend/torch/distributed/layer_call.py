@@ -24,6 +24,7 @@ from keras.src import tree
 from keras.src.backend.common.keras_tensor import KerasTensor
 from keras.src.backend.common.masking import get_keras_mask
 from keras.src.backend.common.masking import set_keras_mask
+from keras.src.backend.torch.distributed import coupled_layers
 from keras.src.backend.torch.distributed import fallback
 from keras.src.backend.torch.distributed import fsdp
 from keras.src.backend.torch.distributed import layout_rules
@@ -86,6 +87,20 @@ def call_layer(call_function, layer, *args, **kwargs):
     # Inside `torch.compile` the step function has entered the context
     # already: dynamo cannot trace the context manager itself.
     if distribution is None or torch.compiler.is_compiling():
+        batch = coupled_layers.routing(layer)
+        if batch is not None:
+            # A layer that couples samples, in a call on the local rows.
+            through_dtensor = functools.partial(
+                _call_with_dtensors, call_function, layer, None
+            )
+            return coupled_layers.call(
+                through_dtensor,
+                replicated_plain_tensors,
+                layer,
+                batch,
+                args,
+                kwargs,
+            )
         return call_function(layer, *args, **kwargs)
     trace = pairing_check.active_trace()
     if trace is not None:
@@ -108,7 +123,10 @@ def call_layer(call_function, layer, *args, **kwargs):
 
 
 def _call_with_dtensors(call_function, layer, distribution, args, kwargs):
-    """`call_layer`'s call of `layer` on `DTensor`s."""
+    """`call_layer`'s call of `layer` on `DTensor`s (under the distribution
+    in effect when `distribution` is `None`)."""
+    if distribution is None:
+        distribution = runtime.current_distribution()
     mesh = distribution.device_mesh.backend_mesh
     args, kwargs = tree.map_structure(
         functools.partial(layouts.replicate, mesh=mesh), (args, kwargs)

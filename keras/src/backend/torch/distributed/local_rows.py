@@ -42,6 +42,7 @@ from keras.src import tree
 from keras.src.backend.common.masking import get_keras_mask
 from keras.src.backend.common.masking import set_keras_mask
 from keras.src.backend.torch.distributed import batch_coupling
+from keras.src.backend.torch.distributed import coupled_layers
 from keras.src.backend.torch.distributed import fallback
 from keras.src.backend.torch.distributed import generator_states
 from keras.src.backend.torch.distributed import layouts
@@ -131,7 +132,7 @@ def call(call_function, layer, args, kwargs, through_dtensor):
     if not verdict.per_sample:
         return None
     return _call_locally(
-        call_function, layer, args, kwargs, variables, verdict.draws, step
+        call_function, layer, args, kwargs, variables, verdict, step
     )
 
 
@@ -176,12 +177,22 @@ def _probe(call_function, layer, args, kwargs, through_dtensor, variables):
         if x is not None
     ]
     split = all(x is not None for x in rows)
+    coupled = batch_coupling.coupling_layers(layer, watch)
     local_leaves, reason, plan = None, None, None
-    if split and not watch.reductions:
+    if split and coupled is not None:
         after = generator_states.take()
         generator_states.restore(rng_states)
+        batch = coupled_layers.Batch(mesh, global_rows, local_rows, placements)
+        losses = [x for c in coupled[0] for x in c._get_own_losses()]
         local_leaves, reason, plan = _checking_call(
-            call_function, layer, args, kwargs, before, local_rows
+            call_function,
+            layer,
+            args,
+            kwargs,
+            before,
+            batch,
+            coupled[0],
+            losses,
         )
         if reason is None:
             # Draws from a global generator (Python's picking operations,
@@ -195,7 +206,7 @@ def _probe(call_function, layer, args, kwargs, through_dtensor, variables):
             )
         generator_states.restore(after)
     verdict = batch_coupling.verdict_of(
-        watch, rows if split else None, local_leaves, reason
+        watch, rows if split else None, local_leaves, reason, coupled
     )
     verdict = batch_coupling.agreed(verdict, mesh)
     if verdict.per_sample:
@@ -226,25 +237,33 @@ def _own_rows(x, mesh, global_rows, placements):
     return None
 
 
-def _checking_call(call_function, layer, args, kwargs, mapping, rows):
+def _checking_call(
+    call_function, layer, args, kwargs, mapping, batch, coupled, losses
+):
     """The probe's call on the local rows: no gradient, nothing kept.
 
     Args:
         mapping: pairs `(variable, local value)`: the values the DTensor
             call started from.
+        batch: the `coupled_layers.Batch` of the call.
+        coupled: the layers to call through DTensor.
+        losses: the losses they added in the DTensor call.
 
     Returns:
         `(output leaves, None, random_draws.DrawPlan)`, or `(None, why the
         call is not per-sample, None)`.
     """
-    mesh, global_rows = _batch_sharding((args, kwargs))[:2]
     local_args, local_kwargs = tree.map_structure(_to_local, (args, kwargs))
     plan = random_draws.DrawPlan()
-    with torch.no_grad(), runtime.distribution_suspended():
-        with _in_local_call(mesh, global_rows, rows, plan):
-            with local_state.stateless_scope(mapping, True) as scope:
-                entered = dict(scope.state_mapping)
-                outputs = call_function(layer, *local_args, **local_kwargs)
+    try:
+        with torch.no_grad(), runtime.distribution_suspended():
+            with _in_local_call(batch, plan, coupled) as routing:
+                with local_state.stateless_scope(mapping, True) as scope:
+                    entered = dict(scope.state_mapping)
+                    outputs = call_function(layer, *local_args, **local_kwargs)
+    except coupled_layers.NotRows as error:
+        return None, f"a layer that couples samples returns {error}", None
+    rows = batch.local_rows
     variables = [v for v, _ in mapping]
     updated = [
         v for v in variables if scope.get_current_value(v) is not entered[id(v)]
@@ -253,39 +272,65 @@ def _checking_call(call_function, layer, args, kwargs, mapping, rows):
         return None, "assigns a variable outside the model", None
     if any(v.trainable for v in updated):
         return None, "assigns a trainable variable", None
-    if scope.losses:
+    if not routing.added_only(scope.losses):
         return None, "adds a loss (taken over the global batch)", None
     leaves = [x for x in tree.flatten(outputs) if x is not None]
     if not all(_is_local_batch(x, rows) for x in leaves):
         return None, "its outputs on the local rows are not plain rows", None
+    if not _same_losses(losses, routing.losses):
+        return None, "its losses on the local rows differ from DTensor's", None
+    # The state the call updates (moving statistics, seed generators) as
+    # the DTensor call left it.
+    if not all(
+        batch_coupling.same(scope.get_current_value(v), v.value.to_local())
+        for v in variables
+        if not v.trainable
+    ):
+        return None, "its updates on the local rows differ from DTensor's", None
     return leaves, None, plan
 
 
-def _call_locally(call_function, layer, args, kwargs, variables, draws, step):
+def _same_losses(losses, local_losses):
+    """Whether the coupled layers' losses of a probe's two calls agree (on
+    this process' part of each: they are laid out alike)."""
+    if len(losses) != len(local_losses):
+        return False
+    return all(
+        batch_coupling.same(coupled_layers.whole(a), coupled_layers.whole(b))
+        for a, b in zip(losses, local_losses)
+    )
+
+
+def _call_locally(call_function, layer, args, kwargs, variables, verdict, step):
     """Calls `layer` on the local rows; `None` if the call must run
     through DTensor after all (then nothing it did is kept)."""
     mesh, global_rows, local_rows, placements = _batch_sharding((args, kwargs))
+    batch = coupled_layers.Batch(mesh, global_rows, local_rows, placements)
     local_args, local_kwargs = tree.map_structure(_to_local, (args, kwargs))
     mapping = [(v, _local_weight(v, step)) for v in variables]
     # A call dropped below must leave the generators as it found them.
     rng_states = generator_states.take()
-    plan = draws.following()
-    with runtime.distribution_suspended():
-        with _in_local_call(mesh, global_rows, local_rows, plan):
-            with local_state.stateless_scope(mapping, True) as scope:
-                entered = dict(scope.state_mapping)
-                outputs = call_function(layer, *local_args, **local_kwargs)
+    plan = verdict.draws.following()
+    outputs, unseen = None, ""
+    try:
+        with runtime.distribution_suspended():
+            with _in_local_call(batch, plan, verdict.coupled) as routing:
+                with local_state.stateless_scope(mapping, True) as scope:
+                    entered = dict(scope.state_mapping)
+                    outputs = call_function(layer, *local_args, **local_kwargs)
+    except coupled_layers.NotRows as error:
+        unseen = f"a layer that couples samples returns {error}"
     leaves = [x for x in tree.flatten(outputs) if x is not None]
     updated = [
         (v, scope.get_current_value(v))
         for v in variables
         if scope.get_current_value(v) is not entered[id(v)]
     ]
-    if not all(_is_local_batch(x, local_rows) for x in leaves):
+    if not unseen and not all(_is_local_batch(x, local_rows) for x in leaves):
         unseen = "outputs that are not this process' rows"
-    else:
+    if not unseen:
         unseen = batch_coupling.unseen_by_probe(
-            plan, rng_states, scope, entered, updated
+            plan, rng_states, scope, entered, updated, routing
         )
     if (plan.draws or plan.python_draws) and global_rows % mesh.size():
         # Whether a draw fits the plan can depend on a process' number of
@@ -310,6 +355,7 @@ def _call_locally(call_function, layer, args, kwargs, variables, draws, step):
             # and seed generator states, written into the replicated local
             # values.
             variable.value.to_local().copy_(value)
+    coupled_layers.keep_losses(layer, scope.losses)
 
     def to_global(x):
         output = _to_global(x, mesh, global_rows, placements)
@@ -321,16 +367,16 @@ def _call_locally(call_function, layer, args, kwargs, variables, draws, step):
 
 
 @contextlib.contextmanager
-def _in_local_call(mesh, global_rows, local_rows, plan):
-    start = layouts.chunk_bounds(
-        global_rows, mesh.size(), mesh.get_local_rank()
-    )[0]
-    _local_call.current = (mesh.get_group(), global_rows)
+def _in_local_call(batch, plan, coupled):
+    _local_call.current = (batch.mesh.get_group(), batch.global_rows)
     try:
-        with random_draws.local_rows_scope(
-            start, local_rows, global_rows, plan
+        with (
+            random_draws.local_rows_scope(
+                batch.start, batch.local_rows, batch.global_rows, plan
+            ),
+            coupled_layers.routed(coupled, batch) as routing,
         ):
-            yield
+            yield routing
     finally:
         _local_call.current = None
 

@@ -155,6 +155,18 @@ def local_rows_scope(start, local_rows, global_rows, plan):
         _state.rows = previous
 
 
+@contextlib.contextmanager
+def outside_rows():
+    """Draws in the block are not a call on local rows' own (a layer of
+    that call called through DTensor draws on its DTensors)."""
+    previous = getattr(_state, "rows", None)
+    _state.rows = None
+    try:
+        yield
+    finally:
+        _state.rows = previous
+
+
 def mix(z):
     """SplitMix64's output function of int64 values, elementwise.
 

@@ -100,6 +100,19 @@ def distribution_suspended():
         _suspended_depth -= 1
 
 
+@contextlib.contextmanager
+def distribution_resumed():
+    """The distribution is in effect again in the block, inside a
+    `distribution_suspended` one (a layer of a call on local rows that is
+    called through DTensor, see `coupled_layers`)."""
+    global _suspended_depth
+    depth, _suspended_depth = _suspended_depth, 0
+    try:
+        yield
+    finally:
+        _suspended_depth = depth
+
+
 def set_process_distribution(distribution):
     """Records the distribution for threads that never set one."""
     global _process_distribution
