@@ -10,7 +10,8 @@ code calls; the torch backend's own files hook into these modules directly:
 - `variables`: variables created, assigned and read under a distribution.
 - `layer_call`: layer calls: plain tensors as replicated global values,
   row-parallel outputs reduced.
-- `ops`: convolution and dropout on DTensors, as one process computes them.
+- `ops`: convolution, reshape and `take` on DTensors, as one process
+  computes them.
 - `shard_local`: einsum, batched matmul and attention on each process'
   shards, where they split as tensor parallelism splits them.
 - `fallback`: ops DTensor refuses, computed on global values.

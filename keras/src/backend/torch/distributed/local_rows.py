@@ -54,9 +54,8 @@ from keras.src.backend.torch.distributed.runtime import Partial
 from keras.src.backend.torch.distributed.runtime import Replicate
 from keras.src.backend.torch.distributed.runtime import Shard
 
-# The attribute of a model on which its step function sets the running
-# `step.DistributedStep` (see `running_step`).
-STEP_ATTRIBUTE = "_distributed_step"
+# The attribute of a model that holds its `ModelSteps`.
+_STEPS_ATTRIBUTE = "_distributed_steps"
 # The local call running in this thread: `(process group, global rows)`,
 # for `batch_moments`, which the call reaches through the backend's
 # `moments` with no model or step at hand. A call's context, not a step's:
@@ -68,6 +67,29 @@ _local_call = threading.local()
 _verdicts = weakref.WeakKeyDictionary()
 
 
+class ModelSteps:
+    """The `step.DistributedStep`s of a model, kept on it.
+
+    Attributes:
+        by_kind: the step each kind of step function ("train", "test",
+            "predict") runs.
+        running: the step running now, or `None`.
+    """
+
+    def __init__(self):
+        self.by_kind = {}
+        self.running = None
+
+
+def model_steps(model):
+    """The `ModelSteps` of `model` (created on first use)."""
+    steps = getattr(model, _STEPS_ATTRIBUTE, None)
+    if steps is None:
+        steps = ModelSteps()
+        setattr(model, _STEPS_ATTRIBUTE, steps)
+    return steps
+
+
 def running_step(model):
     """The `step.DistributedStep` running a step of `model` now, or `None`.
 
@@ -77,7 +99,8 @@ def running_step(model):
     Returns:
         The step its step function set on it, while that function runs.
     """
-    return getattr(model, STEP_ATTRIBUTE, None)
+    steps = getattr(model, _STEPS_ATTRIBUTE, None)
+    return None if steps is None else steps.running
 
 
 def call(call_function, layer, args, kwargs, through_dtensor):

@@ -4,10 +4,7 @@ DTensor convolves a sharded kernel wrongly and mis-reduces a sharded lookup
 with sharded indices: the torch backend's convolution and `take` hand their
 operands here first.
 Where DTensor refuses an op, `fallback` computes it on global values
-(`slice_update` on a sharded prompt included). Einsum gathers only its
-unevenly sharded dimensions (a single key/value head), so that the query's
-heads stay sharded; where its operands split into one einsum per shard,
-`shard_local` computes it there.
+(`slice_update` on a sharded prompt included); einsum is `shard_local`'s.
 """
 
 import torch
@@ -73,43 +70,6 @@ def reshape(x, newshape):
             raise
         with fallback.dtensor_fallback():
             return torch.reshape(x, newshape)
-
-
-def einsum_operands(operands):
-    """Lays out einsum operands the way DTensor can contract them.
-
-    DTensor computes an einsum through views, which cannot keep a dimension
-    sharded unevenly or a dimension of size 1 sharded (e.g. Gemma's single
-    key/value head on a model axis of 1 or 2): such dimensions are gathered
-    first. Gathering is differentiable:
-    gradients come back sharded like the operand.
-
-    Args:
-        operands: the einsum operands.
-
-    Returns:
-        The operands, as a list.
-    """
-    return [_gather_uneven_dims(x) for x in operands]
-
-
-def _gather_uneven_dims(x):
-    if not isinstance(x, DTensor):
-        return x
-    mesh = x.device_mesh
-    placements = [
-        Replicate() if p.is_shard() and _uneven(x, p.dim, mesh.size(i)) else p
-        for i, p in enumerate(x.placements)
-    ]
-    if placements == list(x.placements):
-        return x
-    return layouts.redistribute(x, mesh, placements)
-
-
-def _uneven(x, dim, num_shards):
-    # DTensor's views cannot keep a dimension of size 1 sharded either,
-    # even over a mesh axis of size 1 (where gathering costs nothing).
-    return x.shape[dim] % num_shards or x.shape[dim] == 1
 
 
 def take_operands(x, indices):

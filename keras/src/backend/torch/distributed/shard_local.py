@@ -17,6 +17,7 @@ import functools
 import torch
 
 from keras.src.backend.common.variables import Variable as KerasVariable
+from keras.src.backend.torch.distributed import layouts
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed.runtime import DTensor
 from keras.src.backend.torch.distributed.runtime import Partial
@@ -43,7 +44,8 @@ def local_einsum(function):
     has it (operands without it replicated there); other layouts (two
     labels on one mesh axis, an operand replicated along the split label,
     a partial operand, uneven shards, an ellipsis, a plain operand) go to
-    `function` as they are.
+    `function`, their dimensions DTensor cannot contract sharded gathered
+    first (`_einsum_operands`).
 
     Args:
         function: the backend's `einsum`.
@@ -58,12 +60,52 @@ def local_einsum(function):
             return function(subscripts, *operands, **kwargs)
         split = _shard_local_einsum(subscripts, operands)
         if split is None:
+            operands = _einsum_operands(operands)
             return function(subscripts, *operands, **kwargs)
         mesh, placements, local_operands = split
         output = function(subscripts, *local_operands, **kwargs)
         return DTensor.from_local(output, mesh, placements, run_check=False)
 
     return einsum
+
+
+def _einsum_operands(operands):
+    """Lays out einsum operands the way DTensor can contract them.
+
+    DTensor computes an einsum through views, which cannot keep a dimension
+    sharded unevenly or a dimension of size 1 sharded (e.g. Gemma's single
+    key/value head on a model axis of 1 or 2): such dimensions are gathered
+    first. Gathering is differentiable:
+    gradients come back sharded like the operand.
+
+    Args:
+        operands: the einsum operands.
+
+    Returns:
+        The operands, as a list.
+    """
+    return [_gather_uneven_dims(x) for x in operands]
+
+
+def _gather_uneven_dims(x):
+    if isinstance(x, KerasVariable):
+        x = x.value
+    if not isinstance(x, DTensor):
+        return x
+    mesh = x.device_mesh
+    placements = [
+        Replicate() if p.is_shard() and _uneven(x, p.dim, mesh.size(i)) else p
+        for i, p in enumerate(x.placements)
+    ]
+    if placements == list(x.placements):
+        return x
+    return layouts.redistribute(x, mesh, placements)
+
+
+def _uneven(x, dim, num_shards):
+    # DTensor's views cannot keep a dimension of size 1 sharded either,
+    # even over a mesh axis of size 1 (where gathering costs nothing).
+    return x.shape[dim] % num_shards or x.shape[dim] == 1
 
 
 def local_matmul(function):

@@ -48,10 +48,6 @@ from keras.src.backend.torch.distributed import local_state
 from keras.src.backend.torch.distributed import runtime
 from keras.src.backend.torch.distributed import step_reduction
 
-# The attribute of a model that holds the step a step function of one
-# kind runs (see `model_step`).
-_MODEL_STEP_ATTRIBUTE = "_distributed_{}_step"
-
 
 class DistributedStep:
     """A train, test or predict step function, run under the distribution.
@@ -85,7 +81,7 @@ class DistributedStep:
         self.kind = kind
         # Reached the same way whatever the trainer does with the step
         # (see `model_step`).
-        setattr(model, _MODEL_STEP_ATTRIBUTE.format(kind), self)
+        local_rows.model_steps(model).by_kind[kind] = self
         self.step_function = step_function
         self.eager_step_function = eager_step_function
         functools.update_wrapper(self, eager_step_function)
@@ -135,12 +131,12 @@ class DistributedStep:
     @contextlib.contextmanager
     def _running(self):
         """Sets this step on its model while it runs."""
-        previous = local_rows.running_step(self.model)
-        setattr(self.model, local_rows.STEP_ATTRIBUTE, self)
+        steps = local_rows.model_steps(self.model)
+        previous, steps.running = steps.running, self
         try:
             yield
         finally:
-            setattr(self.model, local_rows.STEP_ATTRIBUTE, previous)
+            steps.running = previous
             self._local_outputs.clear()
 
     def _run(self, data, distribution):
@@ -314,7 +310,7 @@ def model_step(model, kind):
         The step the trainer built last for that step function, or `None`
         before it built one.
     """
-    return getattr(model, _MODEL_STEP_ATTRIBUTE.format(kind), None)
+    return local_rows.model_steps(model).by_kind.get(kind)
 
 
 def loss_predictions(model, y, y_pred):
