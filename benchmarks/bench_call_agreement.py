@@ -30,7 +30,7 @@ import torch  # noqa: E402
 
 import keras  # noqa: E402
 from keras import distribution as kd  # noqa: E402
-from keras.src.backend.torch.distributed import call_agreement  # noqa: E402
+from keras.src.backend.torch.distributed.health import call_agreement  # noqa: E402
 
 
 def parse_args():

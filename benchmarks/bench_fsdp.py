@@ -9,7 +9,7 @@ batch split over the processes):
 
 - `keras_fsdp`: Keras `ModelParallel`, every kernel `("batch", None)` on an
   (N, 1) ("batch", "model") mesh: weights gathered one layer at a time and
-  freed after use (`torch/distributed/fsdp.py`);
+  freed after use (`torch/distributed/fsdp/fsdp.py`);
 - `keras_fsdp_ahead`: the same, each layer's weights gathered while the
   layer before computes (`KERAS_DISTRIBUTION_GATHER_AHEAD=1`; on CPUs the
   default is `0`, as `keras_fsdp` runs);

@@ -107,7 +107,7 @@ def _sources(args, counter):
 
 def _timed_exchange(times):
     """Times `PyDatasetShares._scatter_rows` (the rows exchange)."""
-    from keras.src.backend.torch.distributed import pydataset_shares
+    from keras.src.backend.torch.distributed.inputs import pydataset_shares
 
     shares = getattr(pydataset_shares, "PyDatasetShares", None)
     if shares is None:

@@ -43,8 +43,8 @@ from bench_step import parse_args  # noqa: E402
 from keras_runners import keras_runner  # noqa: E402
 from native_runners import native_runner  # noqa: E402
 
-from keras.src.backend.torch.distributed import gradients  # noqa: E402
-from keras.src.backend.torch.distributed import local_rows  # noqa: E402
+from keras.src.backend.torch.distributed.data_parallel import local_rows  # noqa: E402
+from keras.src.backend.torch.distributed.training import gradients  # noqa: E402
 
 ONE_BUCKET = 1 << 40
 

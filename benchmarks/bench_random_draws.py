@@ -29,7 +29,7 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import torch  # noqa: E402
 
-from keras.src.backend.torch.distributed import random_draws  # noqa: E402
+from keras.src.backend.torch.distributed.core import random_draws  # noqa: E402
 
 
 def parse_args():

@@ -188,7 +188,7 @@ def worker(impl, kind, args):
 
     import keras
     from keras import distribution as kd
-    from keras.src.backend.torch.distributed import step as step_lib
+    from keras.src.backend.torch.distributed.training import step as step_lib
 
     torch.set_num_threads(1)
     kd.initialize()

@@ -12,8 +12,8 @@ from bench_models import keras_tp_layouts
 from bench_runner import Runner
 
 import keras
-from keras.src.backend.torch.distributed import gradients
-from keras.src.backend.torch.distributed.step import DistributedStep
+from keras.src.backend.torch.distributed.training import gradients
+from keras.src.backend.torch.distributed.training.step import DistributedStep
 
 
 def keras_distribution(impl, kind, relayout_outputs):

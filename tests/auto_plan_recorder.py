@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from keras.src.backend.torch.distributed import variables
+from keras.src.backend.torch.distributed.core import variables
 from keras.src.distribution import auto_plan
 
 

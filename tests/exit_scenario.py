@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import keras
 from keras.src.backend.torch import distribution_lib
-from keras.src.backend.torch.distributed import runtime
+from keras.src.backend.torch.distributed.core import runtime
 
 
 def main():

@@ -449,7 +449,7 @@ def use_mode(name, mode):
 
 def _fallback_counts():
     """`{op: (calls, bytes, reason)}` so far (the project's `fallback`)."""
-    from keras.src.backend.torch.distributed import fallback
+    from keras.src.backend.torch.distributed.dtensor_gaps import fallback
 
     return {
         op: (count.calls, count.gathered_bytes, count.reason)
@@ -496,7 +496,7 @@ def train_and_generate(name, mode):
     callbacks = []
     counter = None
     if mode != "single":
-        from keras.src.backend.torch.distributed import fallback
+        from keras.src.backend.torch.distributed.dtensor_gaps import fallback
 
         fallback.reset_fallback_counts()
         callbacks.append(_first_step_recorder())
@@ -552,7 +552,7 @@ def train_and_generate(name, mode):
 def train_path(model):
     """`"local"` if the train step called `model` on each process' rows,
     `"dtensor: <why>"` if through DTensor, `""` without a probe."""
-    from keras.src.backend.torch.distributed import step
+    from keras.src.backend.torch.distributed.training import step
 
     verdict = step.call_verdict(model, "train", training=True)
     if verdict is None:

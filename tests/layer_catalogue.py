@@ -937,7 +937,7 @@ def train_path(model):
     `"local"` (each process' rows, as plain tensors), `"dtensor: <why>"`
     (the probe's reason), or `""` without a data-parallel probe.
     """
-    from keras.src.backend.torch.distributed import step
+    from keras.src.backend.torch.distributed.training import step
 
     verdict = step.call_verdict(model, "train", training=True)
     if verdict is None:
@@ -1178,7 +1178,7 @@ def _check_in_step(name, failed, agreement):
 
 def _job_groups():
     """The default process group and those of the meshes made so far."""
-    from keras.src.backend.torch.distributed import layouts
+    from keras.src.backend.torch.distributed.core import layouts
 
     return layouts.all_process_groups()
 

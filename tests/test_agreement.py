@@ -9,7 +9,7 @@ from tests.harness import run_on_ranks
 
 
 def _gather_ints_body(rank, world_size):
-    from keras.src.backend.torch.distributed import collectives
+    from keras.src.backend.torch.distributed.core import collectives
 
     return collectives.all_gather_ints([rank, 10 + rank], None)
 
@@ -20,7 +20,7 @@ def test_all_gather_ints_gives_every_process_all_values():
 
 
 def _check_variable_body(rank, world_size, differ):
-    from keras.src.backend.torch.distributed import agreement
+    from keras.src.backend.torch.distributed.health import agreement
 
     shape = (2, 3 + rank) if differ else (2, 3)
     try:

@@ -9,7 +9,7 @@ step without metadata) is never loaded. Saving and loading on real ranks:
 
 import pytest
 
-from keras.src.backend.torch.distributed import checkpoint
+from keras.src.backend.torch.distributed.checkpoints import checkpoint
 
 
 def _step(directory, name, complete=True):

@@ -9,7 +9,7 @@ parts on real ranks: `tests/test_data_sources.py`.
 import numpy as np
 import pytest
 
-from keras.src.backend.torch.distributed import data_parts
+from keras.src.backend.torch.distributed.inputs import data_parts
 
 
 def _batch():

@@ -200,7 +200,7 @@ def _checks_body(rank, world_size):
     """Unseeded samplers that differ; `auto_shard_dataset=False`."""
     import torch
 
-    from keras.src.backend.torch.distributed import data_sources
+    from keras.src.backend.torch.distributed.inputs import data_sources
     from keras.src.trainers.data_adapters import get_data_adapter
 
     distributions.use_setting("dp")
@@ -397,7 +397,7 @@ def test_batch_structures_are_mapped_as_tree_maps_them():
     import collections
 
     from keras.src import tree
-    from keras.src.backend.torch.distributed import data_input
+    from keras.src.backend.torch.distributed.inputs import data_input
 
     a, b = np.zeros((4, 2)), np.ones(4)
     pair = collections.namedtuple("pair", "p q")

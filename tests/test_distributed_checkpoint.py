@@ -321,7 +321,7 @@ def test_failed_save_keeps_previous_step(tmp_path):
 def _save_and_die(directory, model):
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from keras.src.backend.torch.distributed import checkpoint
+    from keras.src.backend.torch.distributed.checkpoints import checkpoint
 
     # Killed once every shard is written, before the metadata is.
     FileSystemWriter.finish = lambda *args, **kwargs: os._exit(3)

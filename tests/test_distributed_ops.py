@@ -8,7 +8,7 @@ sum to the quotient of the whole. Through a train step:
 
 import torch
 
-from keras.src.backend.torch.distributed import ops
+from keras.src.backend.torch.distributed.dtensor_gaps import ops
 from tests.harness import run_on_ranks
 
 
@@ -18,7 +18,7 @@ def _divide_body(rank, world_size):
     from torch.distributed.tensor import Partial
     from torch.distributed.tensor import Replicate
 
-    from keras.src.backend.torch.distributed import ops
+    from keras.src.backend.torch.distributed.dtensor_gaps import ops
 
     mesh = init_device_mesh("cpu", (world_size,))
     # Process 0 holds [1, 2, 3], process 1 [2, 2, 3]: the sum is [3, 4, 6].

@@ -133,9 +133,11 @@ def _model(kind):
 def _decisions_body(rank, world_size, setting, kind):
     import keras
     from keras.src.backend.torch import distribution_lib
-    from keras.src.backend.torch.distributed import local_rows
-    from keras.src.backend.torch.distributed.step import DistributedStep
-    from keras.src.backend.torch.distributed.step import model_step
+    from keras.src.backend.torch.distributed.data_parallel import local_rows
+    from keras.src.backend.torch.distributed.training.step import (
+        DistributedStep,
+    )
+    from keras.src.backend.torch.distributed.training.step import model_step
 
     distributions.use_setting(
         setting, layout_rules={"fc1/kernel": (None, "model")}
@@ -224,8 +226,8 @@ def test_model_parallel_runs_through_dtensor():
 
 def test_without_a_distribution_the_step_calls_the_function():
     import keras
-    from keras.src.backend.torch.distributed import local_rows
-    from keras.src.backend.torch.distributed.step import model_step
+    from keras.src.backend.torch.distributed.data_parallel import local_rows
+    from keras.src.backend.torch.distributed.training.step import model_step
 
     keras.distribution.set_distribution(None)
     model = _model("mlp")
@@ -245,8 +247,8 @@ def _lazy_model_steps(setting):
     calls on the local rows, after the first step and after the others.
     """
     import keras
-    from keras.src.backend.torch.distributed import local_rows
-    from keras.src.backend.torch.distributed import step_reduction
+    from keras.src.backend.torch.distributed.data_parallel import local_rows
+    from keras.src.backend.torch.distributed.training import step_reduction
 
     distributions.use_setting(setting)
     keras.utils.set_random_seed(5)

@@ -619,7 +619,7 @@ def test_replicated_variables_agree_without_a_keras_seed():
 
 
 def _variable_pieces_body(rank, world_size, cases):
-    from keras.src.backend.torch.distributed import variables
+    from keras.src.backend.torch.distributed.core import variables
 
     # Pieces of 64 bytes: most values below take several broadcasts, and
     # pieces cut across shards. (The worker outlives the test: restored.)
@@ -1411,7 +1411,7 @@ def test_conv2d_with_sharded_kernel_matches_single_process(use_bias):
 
 def _check_replication_body(rank, world_size, differ):
     import keras
-    from keras.src.backend.torch.distributed import layer_call
+    from keras.src.backend.torch.distributed.training import layer_call
 
     os.environ[layer_call.CHECK_REPLICATION_ENV] = "1"
     distributions.use_data_parallel()
@@ -1716,7 +1716,7 @@ def _summary_model():
 
 def _summary_body(rank, world_size):
     from keras import distribution as kd
-    from keras.src.backend.torch.distributed import fallback
+    from keras.src.backend.torch.distributed.dtensor_gaps import fallback
 
     # The worker may have run other tests' fallbacks, which the summary
     # would list after its total.
@@ -1803,7 +1803,7 @@ def single_process_keras():
     kd.set_distribution(None)
     keras.backend.clear_session()
     if not had_group and dist.is_initialized():
-        from keras.src.backend.torch.distributed import layouts
+        from keras.src.backend.torch.distributed.core import layouts
 
         # The cached torch meshes use this group's subgroups: drop them
         # with it, so a later group never meets a stale mesh.

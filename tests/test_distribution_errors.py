@@ -303,7 +303,7 @@ def test_each_process_of_a_node_takes_a_gpu_of_its_own(
 ):
     import torch
 
-    from keras.src.backend.torch.distributed import runtime
+    from keras.src.backend.torch.distributed.core import runtime
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     monkeypatch.setenv("LOCAL_RANK", str(local_rank))
@@ -321,7 +321,7 @@ def test_each_process_of_a_node_takes_a_gpu_of_its_own(
 def test_without_a_launcher_process_i_takes_gpu_i_of_its_node(monkeypatch):
     import torch
 
-    from keras.src.backend.torch.distributed import runtime
+    from keras.src.backend.torch.distributed.core import runtime
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.delenv("LOCAL_RANK", raising=False)

@@ -20,8 +20,8 @@ def _mesh():
 
 
 def _fallback():
-    from keras.src.backend.torch.distributed import fallback
-    from keras.src.backend.torch.distributed import refused_on_rows
+    from keras.src.backend.torch.distributed.dtensor_gaps import fallback
+    from keras.src.backend.torch.distributed.dtensor_gaps import refused_on_rows
 
     fallback.reset_fallback_counts()
     # Each op meets its signature for the first time: on global values.
@@ -475,7 +475,7 @@ def test_positions_over_a_sharded_dimension_are_global_positions():
 
 def _keras_summary_body(rank, world_size):
     import keras
-    from keras.src.backend.torch.distributed import fallback
+    from keras.src.backend.torch.distributed.dtensor_gaps import fallback
 
     fallback.reset_fallback_counts()
     # Model parallel: under DataParallel this model runs on the local rows.
@@ -523,7 +523,7 @@ def _gather_at_once_body(rank, world_size):
     from torch.distributed.tensor import distribute_tensor
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from keras.src.backend.torch.distributed import global_values
+    from keras.src.backend.torch.distributed.dtensor_gaps import global_values
 
     class Collectives(TorchDispatchMode):
         count = 0
@@ -620,7 +620,7 @@ def test_an_out_of_memory_error_is_not_retried_on_global_values():
 
 
 def test_only_dtensors_own_assertions_are_refusals():
-    from keras.src.backend.torch.distributed import fallback
+    from keras.src.backend.torch.distributed.dtensor_gaps import fallback
 
     def raised(code, filename):
         try:

@@ -1,6 +1,6 @@
 """Weights sharded over the batch axis are gathered one layer at a time.
 
-`torch/distributed/fsdp.py`: a layer call gathers the layer's own weights
+`torch/distributed/fsdp/fsdp.py`: a layer call gathers the layer's own weights
 sharded over the batch axis, frees the gathered storage once the call
 returns, gathers it again for the backward pass, and reduce-scatters the
 gradient to the weight's shards. Each body runs on 2 gloo ranks with
@@ -57,8 +57,8 @@ def _set_fsdp(gather=None, ahead="1"):
     on CPUs: the numbers are checked with gathers ahead)."""
     import os
 
-    from keras.src.backend.torch.distributed import fsdp
-    from keras.src.backend.torch.distributed import fsdp_schedule
+    from keras.src.backend.torch.distributed.fsdp import fsdp
+    from keras.src.backend.torch.distributed.fsdp import fsdp_schedule
 
     if gather is None:
         os.environ.pop(fsdp.GATHER_WEIGHTS_ENV, None)
@@ -169,7 +169,7 @@ def test_weights_are_gathered_per_layer_and_freed_after_use():
 
 
 def _prefetch_body(rank, world_size, ahead):
-    from keras.src.backend.torch.distributed import fsdp_call
+    from keras.src.backend.torch.distributed.fsdp import fsdp_call
 
     _set_fsdp(ahead=ahead)
     model = _dense_model()
@@ -204,7 +204,7 @@ def _prefetch_body(rank, world_size, ahead):
 
 def test_gathering_ahead_is_off_on_cpus_unless_asked(monkeypatch):
     from keras import distribution as kd
-    from keras.src.backend.torch.distributed import fsdp_schedule
+    from keras.src.backend.torch.distributed.fsdp import fsdp_schedule
 
     mesh = kd.DeviceMesh((1, 1), ["batch", "model"], ["cpu:0"])
     distribution = kd.ModelParallel(
@@ -281,7 +281,7 @@ def _saved_tensors(record):
     """
     import torch
 
-    from keras.src.backend.torch.distributed import fsdp
+    from keras.src.backend.torch.distributed.fsdp import fsdp
 
     note_saved = fsdp._note_saved
 
@@ -338,7 +338,7 @@ def test_mixed_precision_gathers_and_frees_the_compute_copy():
 def _kept_body(rank, world_size):
     import os
 
-    from keras.src.backend.torch.distributed import fsdp
+    from keras.src.backend.torch.distributed.fsdp import fsdp
 
     _set_fsdp()
     os.environ[fsdp.RESHARD_ENV] = "0"
@@ -361,7 +361,7 @@ def _kept_body(rank, world_size):
 
 
 def test_gathered_weights_can_be_kept_until_backward(monkeypatch):
-    from keras.src.backend.torch.distributed import fsdp
+    from keras.src.backend.torch.distributed.fsdp import fsdp
 
     monkeypatch.setenv(fsdp.RESHARD_ENV, "sometimes")
     with pytest.raises(ValueError, match="sometimes"):
@@ -407,7 +407,7 @@ def test_gathering_can_be_turned_off_or_extended_to_every_axis():
 
 def test_an_unknown_gather_choice_is_a_value_error(monkeypatch):
     from keras import distribution as kd
-    from keras.src.backend.torch.distributed import fsdp
+    from keras.src.backend.torch.distributed.fsdp import fsdp
 
     monkeypatch.setenv(fsdp.GATHER_WEIGHTS_ENV, "sometimes")
     mesh = kd.DeviceMesh((1, 1), ["batch", "model"], ["cpu:0"])
@@ -629,9 +629,9 @@ def _norm_block_body(rank, world_size):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from keras import distribution as kd
-    from keras.src.backend.torch.distributed import fsdp
-    from keras.src.backend.torch.distributed import fsdp_gather
-    from keras.src.backend.torch.distributed import fsdp_schedule
+    from keras.src.backend.torch.distributed.fsdp import fsdp
+    from keras.src.backend.torch.distributed.fsdp import fsdp_gather
+    from keras.src.backend.torch.distributed.fsdp import fsdp_schedule
 
     class Collectives(TorchDispatchMode):
         def __init__(self):

@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from keras.src.backend.torch.distributed import fsdp_schedule
+from keras.src.backend.torch.distributed.fsdp import fsdp_schedule
 
 
 class _Layer:

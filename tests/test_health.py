@@ -11,7 +11,7 @@ import datetime
 import pytest
 import torch.distributed as dist
 
-from keras.src.backend.torch.distributed import health
+from keras.src.backend.torch.distributed.health import health
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ that match none of its variables: `tests/test_layout_rules.py`.
 """
 
 import keras
-from keras.src.backend.torch.distributed import layout_rules
+from keras.src.backend.torch.distributed.core import layout_rules
 
 
 def _layout_map():

@@ -38,7 +38,7 @@ def _cases_body(rank, world_size):
     from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from keras.src.backend.torch.distributed import fallback
+    from keras.src.backend.torch.distributed.dtensor_gaps import fallback
 
     aten = torch.ops.aten
     if world_size == 4:

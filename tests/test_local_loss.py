@@ -18,7 +18,7 @@ NUM_SAMPLES = 22
 
 def _counting_local_losses(function, *args, **kwargs):
     """`(function(...), number of losses computed on the local rows)`."""
-    from keras.src.backend.torch.distributed import local_loss
+    from keras.src.backend.torch.distributed.data_parallel import local_loss
 
     shares = []
     loss_share = local_loss._loss_share

@@ -19,7 +19,7 @@ def _counting_local_calls(function, *args):
     The probe's first call of each step function runs through DTensor: it
     is not counted.
     """
-    from keras.src.backend.torch.distributed import local_rows
+    from keras.src.backend.torch.distributed.data_parallel import local_rows
 
     calls = []
     call = local_rows._call_locally
@@ -334,7 +334,7 @@ def _probed_model(kind):
 def _probed_fit(kind, distributed=False):
     import numpy as np
 
-    from keras.src.backend.torch.distributed import step
+    from keras.src.backend.torch.distributed.training import step
     from tests import distributions
 
     distributions.use_setting("dp" if distributed else "single")

@@ -14,7 +14,7 @@ from tests.harness import run_on_ranks
 
 def _with_one_variable_buckets(function, *args, **kwargs):
     """`function(*args, **kwargs)` with a bucket per variable."""
-    from keras.src.backend.torch.distributed import gradients
+    from keras.src.backend.torch.distributed.training import gradients
 
     saved = gradients.FIRST_BUCKET_BYTES, gradients.BUCKET_BYTES
     # Below any variable's size, above the loss' (4 bytes): the loss

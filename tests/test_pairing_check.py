@@ -100,7 +100,9 @@ def _train(build, shape, distribution):
 
 def _checked_and_unchecked_body(rank, world_size, model_name):
     import keras
-    from keras.src.backend.torch.distributed import pairing_check
+    from keras.src.backend.torch.distributed.tensor_parallel import (
+        pairing_check,
+    )
 
     build, shape = {
         "gated_block": (_gated_block_model, (4, DIM)),

@@ -9,7 +9,7 @@ The losses computed so on real ranks: `tests/test_local_loss.py`.
 import pytest
 
 import keras
-from keras.src.backend.torch.distributed import local_loss
+from keras.src.backend.torch.distributed.data_parallel import local_loss
 from keras.src.losses.losses import LossFunctionWrapper
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from keras.src.backend.torch.distributed import random_draws
+from keras.src.backend.torch.distributed.core import random_draws
 from tests.harness import run_on_ranks
 
 _MASK = (1 << 64) - 1

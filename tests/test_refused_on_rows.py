@@ -27,8 +27,8 @@ def _pool_body(rank, world_size):
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor import distribute_tensor
 
-    from keras.src.backend.torch.distributed import fallback
-    from keras.src.backend.torch.distributed import refused_on_rows
+    from keras.src.backend.torch.distributed.dtensor_gaps import fallback
+    from keras.src.backend.torch.distributed.dtensor_gaps import refused_on_rows
 
     mesh = init_device_mesh("cpu", (2,))
     fallback.reset_fallback_counts()
@@ -53,7 +53,7 @@ def _pool_body(rank, world_size):
 
 
 def test_a_per_sample_refused_op_gathers_nothing_after_its_check():
-    from keras.src.backend.torch.distributed import refused_on_rows
+    from keras.src.backend.torch.distributed.dtensor_gaps import refused_on_rows
 
     per_rank = run_on_ranks(_pool_body, world_size=2)
     gathered_at_check = None
@@ -104,8 +104,8 @@ def _signature_body(rank, world_size):
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor import distribute_tensor
 
-    from keras.src.backend.torch.distributed import global_values
-    from keras.src.backend.torch.distributed import refused_on_rows
+    from keras.src.backend.torch.distributed.dtensor_gaps import global_values
+    from keras.src.backend.torch.distributed.dtensor_gaps import refused_on_rows
 
     mesh = init_device_mesh("cpu", (2,))
     global_values.reset_fallback_counts()
@@ -154,8 +154,8 @@ def _pooling_fit(rank=None, world_size=None):
     check."""
     import keras
     from keras import ops
-    from keras.src.backend.torch.distributed import global_values
-    from keras.src.backend.torch.distributed import refused_on_rows
+    from keras.src.backend.torch.distributed.dtensor_gaps import global_values
+    from keras.src.backend.torch.distributed.dtensor_gaps import refused_on_rows
     from tests import distributions
 
     distributions.use_setting("dp" if rank is not None else "single")

@@ -12,7 +12,7 @@ from tests.harness import run_on_ranks
 def _check_body(rank, world_size, differ):
     import torch
 
-    from keras.src.backend.torch.distributed import layer_call
+    from keras.src.backend.torch.distributed.training import layer_call
 
     values = {
         "mask": torch.ones(2, 3),

@@ -276,7 +276,7 @@ def _attention_body(rank, world_size, name):
     from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from keras.src.backend.torch.distributed import fallback
+    from keras.src.backend.torch.distributed.dtensor_gaps import fallback
 
     torch_nn = _backend_ops("nn")
 
@@ -339,7 +339,7 @@ def _mismatched_mask_body(rank, world_size):
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor import distribute_tensor
 
-    from keras.src.backend.torch.distributed import shard_local
+    from keras.src.backend.torch.distributed.tensor_parallel import shard_local
 
     mesh = init_device_mesh("cpu", (2,))
     splits = {}

@@ -41,27 +41,27 @@ HOOK_FRAMES = {
 # What may run of our distribution modules with no distribution set: each
 # hook's entry point, and the check it starts with.
 ALLOWED_DISTRIBUTION_FRAMES = {
-    "step.py:__call__",
-    "step.py:loss_predictions",
-    "step.py:local_loss",
-    "step.py:metric_predictions",
-    "step.py:reduce_with_loss",
-    "step.py:local_metric_state",
-    "layer_call.py:call_layer",
-    "gradients.py:apply_gradients",
-    "variables.py:match_layout",
-    "variables.py:operand_like",
-    "variables.py:to_global_value",
-    "ops.py:conv_operands",
-    "random_draws.py:by_position",
-    "ops.py:divide_no_nan_local",
-    "ops.py:reshape",
-    "shard_local.py:einsum",
-    "shard_local.py:matmul",
-    "shard_local.py:attention",
-    "runtime.py:current_distribution",
+    "training/step.py:__call__",
+    "training/step.py:loss_predictions",
+    "training/step.py:local_loss",
+    "training/step.py:metric_predictions",
+    "training/step.py:reduce_with_loss",
+    "training/step.py:local_metric_state",
+    "training/layer_call.py:call_layer",
+    "training/gradients.py:apply_gradients",
+    "core/variables.py:match_layout",
+    "core/variables.py:operand_like",
+    "core/variables.py:to_global_value",
+    "dtensor_gaps/ops.py:conv_operands",
+    "core/random_draws.py:by_position",
+    "dtensor_gaps/ops.py:divide_no_nan_local",
+    "dtensor_gaps/ops.py:reshape",
+    "tensor_parallel/shard_local.py:einsum",
+    "tensor_parallel/shard_local.py:matmul",
+    "tensor_parallel/shard_local.py:attention",
+    "core/runtime.py:current_distribution",
     # The step's hooks check whether a step of the model runs.
-    "local_rows.py:running_step",
+    "data_parallel/local_rows.py:running_step",
 }
 
 SCRIPT = r"""
@@ -178,7 +178,7 @@ def test_single_process_step_runs_upstream_code_path(pristine_root):
 
     distributed = "keras/src/backend/torch/distributed/"
     # What the check whether a distribution is set calls is part of it.
-    check = distributed + "runtime.py:current_distribution"
+    check = distributed + "core/runtime.py:current_distribution"
     calls = [callee for callee, caller in ours["calls"] if caller != check]
     ran = {c[len(distributed) :] for c in calls if distributed in c}
     unexpected = ran - ALLOWED_DISTRIBUTION_FRAMES
@@ -186,7 +186,10 @@ def test_single_process_step_runs_upstream_code_path(pristine_root):
         f"distribution code ran with no distribution set: {unexpected}"
     )
     # The hooks did run: the test watches the right places.
-    assert {"layer_call.py:call_layer", "gradients.py:apply_gradients"} <= ran
+    assert {
+        "training/layer_call.py:call_layer",
+        "training/gradients.py:apply_gradients",
+    } <= ran
 
     upstream_path = [
         c

@@ -44,7 +44,7 @@ def _step_collectives_body(rank, world_size, setting, kind):
 
     import keras
     from keras.src.backend.torch import distribution_lib
-    from keras.src.backend.torch.distributed import local_rows
+    from keras.src.backend.torch.distributed.data_parallel import local_rows
 
     distributions.use_setting(setting, layout_rules=LAYOUT_RULES)
     model = _model(kind)
@@ -164,7 +164,7 @@ def _divide_no_nan_body(rank, world_size):
     from torch.distributed.tensor.debug import CommDebugMode
 
     import keras
-    from keras.src.backend.torch.distributed import layouts
+    from keras.src.backend.torch.distributed.core import layouts
 
     distributions.use_setting("dp")
     mesh = layouts.as_torch_layout(
@@ -269,7 +269,7 @@ def _all_to_all_notice_body(rank, world_size):
     from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor.device_mesh import init_device_mesh
 
-    from keras.src.backend.torch.distributed import runtime
+    from keras.src.backend.torch.distributed.core import runtime
 
     logger = logging.getLogger("torch.distributed.tensor._collective_utils")
     (notice_filter,) = [
@@ -303,7 +303,7 @@ def test_dtensor_all_to_all_notice_is_dropped_and_only_it():
     # DTensor still logs exactly the notice the filter drops (on CPU it
     # gathers for an all-to-all, whatever the backend); other messages of
     # its logger pass.
-    from keras.src.backend.torch.distributed import runtime
+    from keras.src.backend.torch.distributed.core import runtime
 
     for messages in run_on_ranks(_all_to_all_notice_body, world_size=2):
         assert messages[True] == ["another message"]
@@ -350,7 +350,7 @@ def _reduced_as_dtensor_reduces(mesh, values):
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from keras.src.backend.torch.distributed import gradients
+    from keras.src.backend.torch.distributed.training import gradients
 
     whole = [Replicate()] * mesh.ndim
     expected = [v.redistribute(mesh, whole).to_local() for v in values]
@@ -489,7 +489,7 @@ def _class_sharded_head_body(rank, world_size, loss_name):
     from torch.distributed.tensor.debug import CommDebugMode
 
     import keras
-    from keras.src.backend.torch.distributed import local_loss
+    from keras.src.backend.torch.distributed.data_parallel import local_loss
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(BATCH, DIM)).astype("float32")
@@ -679,7 +679,7 @@ def _projections_model(key_in_block=False):
 
 
 def _replicated_projections_body(rank, world_size):
-    from keras.src.backend.torch.distributed import layer_call
+    from keras.src.backend.torch.distributed.training import layer_call
 
     return _counted_steps_both_ways(
         _projections_model,
@@ -705,7 +705,7 @@ def test_replicated_projections_keep_partial_output_gradients():
 
 def _merging_layer_body(rank, world_size):
     import keras
-    from keras.src.backend.torch.distributed import layer_call
+    from keras.src.backend.torch.distributed.training import layer_call
 
     def build():
         distributions.use_setting("mp", layout_rules=LAYOUT_RULES)
@@ -738,7 +738,7 @@ def test_a_layer_merging_inputs_reduces_its_partial_gradient_once():
 
 
 def _inner_output_body(rank, world_size):
-    from keras.src.backend.torch.distributed import layer_call
+    from keras.src.backend.torch.distributed.training import layer_call
 
     return _counted_steps_both_ways(
         lambda: _projections_model(key_in_block=True),

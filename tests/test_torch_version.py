@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import keras
-from keras.src.backend.torch.distributed import runtime
+from keras.src.backend.torch.distributed.core import runtime
 
 
 @pytest.mark.parametrize("missing", ["old_version", "no_dtensor"])

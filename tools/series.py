@@ -5,7 +5,7 @@ data file ``tools/export_plan.toml``:
 
 * ``[tests]`` maps each of our test files and test support modules
   (``tests/X.py``) to its upstream path: a test beside the module it tests
-  (``keras/src/backend/torch/distributed/fsdp_test.py``), the support
+  (``keras/src/backend/torch/distributed/fsdp/fsdp_test.py``), the support
   modules in one test-utils package (``keras/src/testing/torch_distribution/``).
   The export writes them there, their ``tests.X`` imports (and ``tests/X.py``
   mentions) rewritten to the new modules, each test module marked to run

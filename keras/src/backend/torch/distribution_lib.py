@@ -18,17 +18,17 @@ import numpy as np
 import torch
 
 from keras.src import tree
-from keras.src.backend.torch.distributed import call_agreement
-from keras.src.backend.torch.distributed import collectives
-from keras.src.backend.torch.distributed import data_input
-from keras.src.backend.torch.distributed import layer_call
-from keras.src.backend.torch.distributed import layouts
-from keras.src.backend.torch.distributed import process_io
-from keras.src.backend.torch.distributed import runtime
-from keras.src.backend.torch.distributed import step
-from keras.src.backend.torch.distributed import summary
-from keras.src.backend.torch.distributed import variables
-from keras.src.backend.torch.distributed.runtime import DTensor
+from keras.src.backend.torch.distributed.checkpoints import process_io
+from keras.src.backend.torch.distributed.core import collectives
+from keras.src.backend.torch.distributed.core import layouts
+from keras.src.backend.torch.distributed.core import runtime
+from keras.src.backend.torch.distributed.core import summary
+from keras.src.backend.torch.distributed.core import variables
+from keras.src.backend.torch.distributed.core.runtime import DTensor
+from keras.src.backend.torch.distributed.health import call_agreement
+from keras.src.backend.torch.distributed.inputs import data_input
+from keras.src.backend.torch.distributed.training import layer_call
+from keras.src.backend.torch.distributed.training import step
 
 # Distributions whose processes have agreed on torch's generator state.
 _rng_agreed = weakref.WeakSet()
@@ -100,7 +100,7 @@ def process_data_adapter(adapter):
     """
     # Imported here: the data sources import the data adapters, which
     # import this module.
-    from keras.src.backend.torch.distributed import data_sources
+    from keras.src.backend.torch.distributed.inputs import data_sources
 
     return data_sources.process_data_adapter(adapter)
 
@@ -329,7 +329,7 @@ def tf_dataset_adapter(dataset, class_weight=None, distribution=None):
 
     Generic code asks for this capability: a dataset whose batch size
     upstream's sharding cannot compute is read as global batches instead
-    of refused (see `keras.src.backend.torch.distributed.tf_data`).
+    of refused (see `keras.src.backend.torch.distributed.inputs.tf_data`).
 
     Args:
         dataset: a `tf.data.Dataset`.
@@ -340,7 +340,7 @@ def tf_dataset_adapter(dataset, class_weight=None, distribution=None):
     Returns:
         A `TFDatasetAdapter`.
     """
-    from keras.src.backend.torch.distributed import tf_data
+    from keras.src.backend.torch.distributed.inputs import tf_data
 
     return tf_data.tf_dataset_adapter(dataset, class_weight, distribution)
 
@@ -370,16 +370,16 @@ def distributed_checkpointer(directory, max_to_keep=None):
         max_to_keep: how many of the latest steps to keep; `None`: all.
 
     Returns:
-        A `keras.src.backend.torch.distributed.checkpoint.Checkpointer`.
+        A `Checkpointer` (`distributed.checkpoints.checkpoint`).
     """
-    from keras.src.backend.torch.distributed import checkpoint
+    from keras.src.backend.torch.distributed.checkpoints import checkpoint
 
     return checkpoint.Checkpointer(directory, max_to_keep)
 
 
 def is_distributed_checkpoint(path):
     """Whether `path` is a `DistributedCheckpoint` checkpoint (or steps)."""
-    from keras.src.backend.torch.distributed import checkpoint
+    from keras.src.backend.torch.distributed.checkpoints import checkpoint
 
     return checkpoint.is_checkpoint(path)
 
@@ -391,7 +391,7 @@ def load_checkpoint_weights(model, path):
         model: the Keras model, built.
         path: a checkpoint, or a directory of steps (the latest loads).
     """
-    from keras.src.backend.torch.distributed import checkpoint
+    from keras.src.backend.torch.distributed.checkpoints import checkpoint
 
     checkpoint.load_weights(model, path)
 
@@ -408,7 +408,7 @@ def load_checkpoint_model(path, custom_objects=None, compile=True, **kwargs):
     Returns:
         The model, its variables and optimizer state restored.
     """
-    from keras.src.backend.torch.distributed import checkpoint
+    from keras.src.backend.torch.distributed.checkpoints import checkpoint
 
     return checkpoint.load_model(path, custom_objects, compile, **kwargs)
 
@@ -423,14 +423,14 @@ def save_sharded_backup(model, weights_path):
     Returns:
         `False` without a distribution (the caller saves `weights_path`).
     """
-    from keras.src.backend.torch.distributed import checkpoint
+    from keras.src.backend.torch.distributed.checkpoints import checkpoint
 
     return checkpoint.save_backup(model, weights_path)
 
 
 def find_sharded_backup(weights_path):
     """The sharded backup of `save_sharded_backup`, or `None` if none."""
-    from keras.src.backend.torch.distributed import checkpoint
+    from keras.src.backend.torch.distributed.checkpoints import checkpoint
 
     return checkpoint.find_backup(weights_path)
 

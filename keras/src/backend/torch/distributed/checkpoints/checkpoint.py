@@ -1,0 +1,484 @@
+"""Sharded checkpoints on `torch.distributed.checkpoint` (DCP).
+
+A checkpoint is a directory: DCP's files (one `__<rank>_0.distcp` per
+process that owns data, and `.metadata`) plus `keras_checkpoint.json`, which
+lists the variables and, unless only weights were saved, the model's config.
+Each process writes the shards of its variables; a replicated value is
+written by one process. Loading reads, for each variable, the parts of the
+saved shards that the current layout gives this process, so a checkpoint
+loads under any mesh, world size, or in one process without a distribution.
+
+`Checkpointer` keeps the checkpoints of a training run in
+`directory/<step>/`. A step is written to `directory/.partial-<step>/` and
+renamed when DCP has written its metadata (after every process' data), so
+a save interrupted at any point never shows as a complete step.
+"""
+
+import concurrent.futures
+import contextlib
+import datetime
+import json
+import os
+import shutil
+import warnings
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from keras.src.backend.torch.distributed.core import runtime
+from keras.src.backend.torch.distributed.health import health
+
+INFO_FILE = "keras_checkpoint.json"
+METADATA_FILE = ".metadata"
+FORMAT = "keras.DistributedCheckpoint"
+PARTIAL_PREFIX = ".partial-"
+REPLACED_PREFIX = ".replaced-"
+
+# (the default group it was made for, the group of background saves)
+_background_group = (None, None)
+
+
+class Checkpointer:
+    """Saves the checkpoints of a training run under `directory/<step>/`.
+
+    Args:
+        directory: the root directory of the run's checkpoints.
+        max_to_keep: how many of the latest steps to keep; `None` keeps all.
+    """
+
+    def __init__(self, directory, max_to_keep=None):
+        if max_to_keep is not None and (
+            not isinstance(max_to_keep, int) or max_to_keep < 1
+        ):
+            raise ValueError(
+                "`max_to_keep` must be a positive integer or None. "
+                f"Received: max_to_keep={max_to_keep}"
+            )
+        self.directory = os.fspath(directory)
+        if "://" in self.directory:
+            raise ValueError(
+                "Distributed checkpoints are written to a local or mounted "
+                "file system every process sees. Received: "
+                f"directory={self.directory}"
+            )
+        self.max_to_keep = max_to_keep
+        self._pending = None
+
+    def save(self, model, step, weights_only=False, background=False):
+        """Saves `model` as step `step`; every process must call it.
+
+        Args:
+            model: the Keras model.
+            step: int, the step number (the directory's name).
+            weights_only: whether to leave out the optimizer and config.
+            background: whether to write in a background thread. The
+                values are copied to host memory before this returns.
+        """
+        self.wait()
+        final = os.path.join(self.directory, str(int(step)))
+        group = background_group() if background else None
+        self._pending = save_checkpoint(
+            model,
+            final,
+            include_optimizer=not weights_only,
+            include_config=not weights_only,
+            background=background,
+            process_group=group,
+            on_complete=self._prune,
+        )
+        if not background:
+            self._pending = None
+
+    def wait(self):
+        """Waits for the background save in progress, if any, to finish."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+            _barrier()
+
+    def latest_step(self):
+        """The latest complete step, or `None`."""
+        steps = complete_steps(self.directory)
+        return steps[-1] if steps else None
+
+    def _prune(self):
+        if self.max_to_keep is None:
+            return
+        for step in complete_steps(self.directory)[: -self.max_to_keep]:
+            shutil.rmtree(
+                os.path.join(self.directory, str(step)), ignore_errors=True
+            )
+
+
+def save_checkpoint(
+    model,
+    path,
+    include_optimizer=True,
+    include_config=True,
+    background=False,
+    process_group=None,
+    on_complete=None,
+):
+    """Writes a checkpoint of `model` to the directory `path`, atomically.
+
+    Every process must call it. An existing checkpoint at `path` is
+    replaced once the new one is complete.
+
+    Args:
+        model: the Keras model.
+        path: the checkpoint's directory.
+        include_optimizer: whether to save the optimizer's variables.
+        include_config: whether to save the model's config, which
+            `load_model` needs.
+        background: whether to return once the values are staged, writing
+            them on a thread.
+        process_group: the group of a background save's collectives.
+        on_complete: called by process 0 after the checkpoint is in place.
+
+    Returns:
+        A future that is done when the checkpoint is in place on process 0
+        (its result raises what the save raised), or `None` when not
+        `background` (then the checkpoint is in place everywhere).
+    """
+    path = os.path.abspath(os.fspath(path))
+    partial = _sibling(path, PARTIAL_PREFIX)
+    variables = _saved_variables(model, include_optimizer)
+    if runtime.rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+        _write_info(partial, model, variables, include_config)
+    _barrier()
+    state = {key: _tensor(v) for key, v in variables.items()}
+
+    def finish():
+        if runtime.rank() == 0:
+            _replace(partial, path)
+            if on_complete is not None:
+                on_complete()
+
+    if not background:
+        with _single_process_quietly():
+            dcp.save(state, checkpoint_id=partial, no_dist=not _distributed())
+        finish()
+        _barrier()
+        return None
+    with _single_process_quietly():
+        upload = dcp.async_save(
+            state,
+            checkpoint_id=partial,
+            process_group=process_group,
+            no_dist=not _distributed(),
+        )
+    return _then(upload, finish)
+
+
+def background_group():
+    """The process group of background saves' collectives, or `None`.
+
+    On the default group they would interleave with the training step's
+    collectives. Created once per job, when every process first asks for
+    it (a collective).
+    """
+    global _background_group
+    if not _distributed():
+        return None
+    world, group = _background_group
+    if world is not dist.group.WORLD:
+        group = dist.new_group(backend="gloo", timeout=_timeout())
+        _background_group = (dist.group.WORLD, group)
+    return group
+
+
+def is_checkpoint(path):
+    """Whether `path` is a checkpoint or a directory of checkpoint steps.
+
+    Args:
+        path: a path.
+
+    Returns:
+        bool.
+    """
+    try:
+        path = os.fspath(path)
+    except TypeError:
+        return False
+    if "://" in path or not os.path.isdir(path):
+        return False
+    if os.path.isfile(os.path.join(path, INFO_FILE)):
+        return True
+    names = os.listdir(path)
+    return any(n.startswith(PARTIAL_PREFIX) for n in names) or any(
+        _is_complete(os.path.join(path, n)) for n in names if n.isdigit()
+    )
+
+
+def complete_steps(directory):
+    """The steps with a complete checkpoint under `directory`, ascending."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(
+        int(n)
+        for n in os.listdir(directory)
+        if n.isdigit() and _is_complete(os.path.join(directory, n))
+    )
+
+
+def resolve(path):
+    """The checkpoint `path` names: itself, or its latest complete step.
+
+    Args:
+        path: a checkpoint's directory, or a directory of steps.
+
+    Returns:
+        The checkpoint's directory.
+    """
+    path = os.fspath(path)
+    if os.path.isfile(os.path.join(path, INFO_FILE)):
+        if not _is_complete(path):
+            raise ValueError(
+                f"The checkpoint at {path} is incomplete: its save was "
+                "interrupted. Load another step."
+            )
+        return path
+    steps = complete_steps(path)
+    if not steps:
+        raise ValueError(
+            f"No complete checkpoint in {path}: every save there was "
+            "interrupted before it finished."
+        )
+    return os.path.join(path, str(steps[-1]))
+
+
+def load_weights(model, path):
+    """Loads a checkpoint into `model`'s variables, in their current layout.
+
+    Also the optimizer's variables (iterations included) when the
+    checkpoint has them and the model has an optimizer. Every process of
+    a distribution must call it.
+
+    Args:
+        model: the Keras model, built.
+        path: a checkpoint's directory, or a directory of steps (the
+            latest is loaded).
+    """
+    path = resolve(path)
+    info = read_info(path)
+    groups = {"model": _model_variables(model)}
+    optimizer = getattr(model, "optimizer", None)
+    if info.get("optimizer") is not None and optimizer is not None:
+        if not optimizer.built:
+            optimizer.build(model.trainable_variables)
+        groups["optimizer"] = list(optimizer.variables)
+    state = {}
+    for group, variables in groups.items():
+        _check_variables(group, info[group], variables, path)
+        for i, variable in enumerate(variables):
+            state[f"{group}/{i}"] = _tensor(variable)
+    with _single_process_quietly():
+        dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
+
+
+def load_model(path, custom_objects=None, compile=True, safe_mode=True):
+    """Rebuilds the model a checkpoint was saved from and loads it.
+
+    Args:
+        path: a checkpoint's directory, or a directory of steps.
+        custom_objects: as in `keras.saving.load_model`.
+        compile: whether to compile the model as it was.
+        safe_mode: as in `keras.saving.load_model`.
+
+    Returns:
+        The model, with its variables and optimizer state restored.
+    """
+    from keras.src.saving import saving_lib
+
+    path = resolve(path)
+    config = read_info(path).get("config")
+    if config is None:
+        raise ValueError(
+            f"The checkpoint at {path} has no model config: it was saved "
+            "with `save_weights_only=True`. Build the model and call "
+            "`model.load_weights(path)` instead."
+        )
+    model = saving_lib._model_from_config(
+        config, custom_objects, compile, safe_mode
+    )
+    load_weights(model, path)
+    return model
+
+
+def read_info(path):
+    """The contents of a checkpoint's `keras_checkpoint.json`."""
+    with open(os.path.join(path, INFO_FILE)) as f:
+        info = json.load(f)
+    if info.get("format") != FORMAT:
+        raise ValueError(
+            f"{path} is not a checkpoint of `DistributedCheckpoint`: its "
+            f"{INFO_FILE} has format {info.get('format')!r}."
+        )
+    return info
+
+
+def save_backup(model, weights_path):
+    """Backs up `model` as a sharded checkpoint, under a distribution.
+
+    `BackupAndRestore` asks for this capability: the backup scales with
+    the model, each process writing its shards, instead of process 0
+    writing `weights_path`.
+
+    Args:
+        model: the Keras model.
+        weights_path: the `.weights.h5` path of the backup.
+
+    Returns:
+        Whether the backup was saved (`False` without a distribution).
+    """
+    if runtime.current_distribution() is None:
+        return False
+    save_checkpoint(model, _backup_path(weights_path), include_config=False)
+    return True
+
+
+def find_backup(weights_path):
+    """The sharded backup saved for `weights_path`, or `None` if none.
+
+    Args:
+        weights_path: the `.weights.h5` path of the backup.
+
+    Returns:
+        The path of the checkpoint, or `None`.
+    """
+    path = _backup_path(weights_path)
+    return path if _is_complete(path) else None
+
+
+def _backup_path(weights_path):
+    path = os.fspath(weights_path)
+    return path.removesuffix(".weights.h5") + ".checkpoint"
+
+
+def _model_variables(model):
+    return list(model.trainable_variables) + list(model.non_trainable_variables)
+
+
+def _saved_variables(model, include_optimizer):
+    variables = {f"model/{i}": v for i, v in enumerate(_model_variables(model))}
+    optimizer = getattr(model, "optimizer", None)
+    if include_optimizer and optimizer is not None and optimizer.built:
+        for i, v in enumerate(optimizer.variables):
+            variables[f"optimizer/{i}"] = v
+    return variables
+
+
+def _tensor(variable):
+    # The variable's own storage: DCP reads shards from it and loads into
+    # it in place, so no process ever holds a whole sharded variable.
+    return variable.value.detach()
+
+
+def _describe(variable):
+    return {
+        "path": variable.path,
+        "shape": list(variable.shape),
+        "dtype": str(variable.dtype),
+    }
+
+
+def _write_info(directory, model, variables, include_config):
+    from keras.src.saving import saving_lib
+
+    groups = {"model": [], "optimizer": []}
+    for key, variable in variables.items():
+        groups[key.split("/")[0]].append(_describe(variable))
+    info = {
+        "format": FORMAT,
+        "model": groups["model"],
+        "optimizer": groups["optimizer"] or None,
+        "config": None,
+    }
+    if include_config:
+        info["config"], _ = saving_lib._serialize_model_as_json(model)
+    with open(os.path.join(directory, INFO_FILE), "w") as f:
+        json.dump(info, f)
+
+
+def _check_variables(group, saved, variables, path):
+    # Runs on every process before the collective load: all raise alike.
+    if len(saved) != len(variables):
+        raise ValueError(
+            f"The checkpoint at {path} has {len(saved)} {group} variables; "
+            f"the model has {len(variables)}. Load it into a model of the "
+            "same architecture (and the same optimizer)."
+        )
+    for entry, variable in zip(saved, variables):
+        if tuple(entry["shape"]) != tuple(variable.shape):
+            raise ValueError(
+                f"The checkpoint's variable '{entry['path']}' has shape "
+                f"{tuple(entry['shape'])}; the model's variable "
+                f"'{variable.path}' has shape {tuple(variable.shape)}. "
+                "Load it into a model of the same architecture."
+            )
+
+
+def _is_complete(path):
+    return os.path.isfile(os.path.join(path, METADATA_FILE)) and (
+        os.path.isfile(os.path.join(path, INFO_FILE))
+    )
+
+
+def _sibling(path, prefix):
+    directory, name = os.path.split(path)
+    return os.path.join(directory, prefix + name)
+
+
+def _replace(partial, path):
+    # os.replace cannot replace a directory that is not empty: the old
+    # checkpoint is moved aside first and deleted after.
+    replaced = _sibling(path, REPLACED_PREFIX)
+    if os.path.exists(path):
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.replace(path, replaced)
+    os.replace(partial, path)
+    shutil.rmtree(replaced, ignore_errors=True)
+
+
+def _then(upload, finish):
+    """A future done after `upload` and then `finish()` (on its thread)."""
+    done = concurrent.futures.Future()
+
+    def callback(future):
+        try:
+            future.result()
+            finish()
+        except BaseException as e:  # Re-raised by `done.result()`.
+            done.set_exception(e)
+        else:
+            done.set_result(None)
+
+    upload.add_done_callback(callback)
+    return done
+
+
+def _distributed():
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _single_process_quietly():
+    # Without a process group DCP warns that it assumes one process, which
+    # is what a model without a distribution means.
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled"
+        )
+        yield
+
+
+def _barrier():
+    if _distributed() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _timeout():
+    # Background saves may run long after the start: the longer bound.
+    return datetime.timedelta(seconds=health.start_timeout())

@@ -1,0 +1,109 @@
+"""Printing and saving from one process of a multi-process job.
+
+Every process runs the same script; what would otherwise happen N times on
+shared resources (progress bars, files) happens on process 0 alone.
+"""
+
+import os
+import shutil
+import tempfile
+
+import torch.distributed as dist
+
+from keras.src.backend.torch.distributed.core import runtime
+from keras.src.backend.torch.distributed.health import call_agreement
+
+LOG_ALL_PROCESSES_ENV = "KERAS_DISTRIBUTION_LOG_ALL_PROCESSES"
+
+
+def is_logging_process():
+    """Whether this process prints progress bars and callback messages.
+
+    Only process 0 does in a multi-process job, unless
+    `KERAS_DISTRIBUTION_LOG_ALL_PROCESSES=1`.
+
+    Returns:
+        bool.
+    """
+    if os.environ.get(LOG_ALL_PROCESSES_ENV) == "1":
+        return True
+    return runtime.rank() == 0
+
+
+def async_callbacks_supported():
+    """Whether callbacks may run on another thread than the steps.
+
+    Not under a distribution: converting the logs of a step to numpy is a
+    collective for sharded values, and collectives must be issued in the
+    same order on all processes.
+
+    Returns:
+        bool.
+    """
+    return runtime.current_distribution() is None
+
+
+def save_from_one_process(save_function, model, filepath, *args, **kwargs):
+    """Saves `model` to one file, written by process 0.
+
+    Every process runs `save_function`, since gathering sharded variables
+    is collective, but only process 0's output is kept: written to a
+    temporary file next to `filepath` and renamed over it, so that readers
+    never see a partial file. Returns once the file is in place everywhere.
+
+    Args:
+        save_function: `save_function(model, filepath, *args, **kwargs)`
+            writes the file.
+        model: the model to save.
+        filepath: where the file goes.
+        *args: more arguments of `save_function`.
+        **kwargs: keyword arguments of `save_function`.
+    """
+    if runtime.world_size() == 1 or not _is_local_file(filepath):
+        return save_function(model, filepath, *args, **kwargs)
+    filepath = os.fspath(filepath)
+    with call_agreement.collective_call("saving a model to one file"):
+        _save_on_process_0(save_function, model, filepath, *args, **kwargs)
+
+
+def _save_on_process_0(save_function, model, filepath, *args, **kwargs):
+    directory, name = os.path.split(os.path.abspath(filepath))
+    if runtime.rank() == 0:
+        scratch = tempfile.mkdtemp(prefix=f".{name}.", dir=directory)
+    else:
+        scratch = tempfile.mkdtemp(prefix="keras-save-")
+    try:
+        temporary = os.path.join(scratch, name)
+        save_function(model, temporary, *args, **kwargs)
+        if runtime.rank() == 0:
+            os.replace(temporary, filepath)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    dist.barrier()
+
+
+def run_on_one_process(function):
+    """Runs `function()` on process 0 only, then waits for it everywhere.
+
+    For file system changes that every process asks for but only one must
+    make (writing shared metadata, deleting a shared directory).
+
+    Args:
+        function: a function of no arguments.
+
+    Returns:
+        What `function` returned on process 0, `None` on the others.
+    """
+    if runtime.world_size() == 1:
+        return function()
+    result = function() if runtime.rank() == 0 else None
+    dist.barrier()
+    return result
+
+
+def _is_local_file(filepath):
+    try:
+        path = os.fspath(filepath)
+    except TypeError:  # A file object.
+        return False
+    return "://" not in str(path)

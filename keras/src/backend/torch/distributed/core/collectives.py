@@ -1,0 +1,138 @@
+"""Collectives over a named mesh axis, as `jax.lax.psum` / `all_gather`.
+
+`x` is this process' own value (the local shard of a `DTensor`), and every
+process along the axis gets the result. All processes must call them.
+"""
+
+import torch
+import torch.distributed as dist
+
+from keras.src.backend.torch.distributed.core import runtime
+from keras.src.backend.torch.distributed.core.runtime import DTensor
+
+_REDUCE_OPS = ("sum", "mean", "max", "min")
+
+
+def all_reduce(x, op="sum", axis_name="model"):
+    """Reduces `x` over the processes along one mesh axis.
+
+    Args:
+        x: a tensor (a `DTensor` contributes its local shard).
+        op: `"sum"`, `"mean"`, `"max"` or `"min"`.
+        axis_name: name of the mesh axis of the current distribution.
+
+    Returns:
+        A plain `torch.Tensor`.
+    """
+    if op not in _REDUCE_OPS:
+        raise ValueError(
+            f"`op` must be one of {sorted(_REDUCE_OPS)}. Received: op={op}"
+        )
+    reduce_op = {
+        "sum": dist.ReduceOp.SUM,
+        "mean": dist.ReduceOp.SUM,
+        "max": dist.ReduceOp.MAX,
+        "min": dist.ReduceOp.MIN,
+    }[op]
+    group = _axis_group(axis_name)
+    result = as_local_tensor(x).clone()
+    dist.all_reduce(result, op=reduce_op, group=group)
+    if op == "mean":
+        result = result / dist.get_world_size(group)
+    return result
+
+
+def all_gather(x, axis=0, axis_name="model"):
+    """Concatenates `x` from the processes along one mesh axis.
+
+    Like `jax.lax.all_gather(..., tiled=True)`: parts may differ in size
+    along `axis` (they are padded for the exchange and cut back).
+
+    Args:
+        x: a tensor (a `DTensor` contributes its local shard).
+        axis: the tensor dimension to concatenate on.
+        axis_name: name of the mesh axis of the current distribution.
+
+    Returns:
+        A plain `torch.Tensor`, the parts in mesh order.
+    """
+    group = _axis_group(axis_name)
+    x = as_local_tensor(x)
+    axis = axis % x.ndim
+    shapes = _all_gather_shapes(x, group)
+    others = {s[:axis] + s[axis + 1 :] for s in shapes}
+    if len(others) > 1:
+        raise ValueError(
+            f"`all_gather` along axis {axis} needs the same size in every "
+            f"other dimension on all processes. Received shapes {shapes}."
+        )
+    sizes = [s[axis] for s in shapes]
+    pad = [0, 0] * (x.ndim - axis - 1) + [0, max(sizes) - x.shape[axis]]
+    padded = torch.nn.functional.pad(x, pad).contiguous()
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([p.narrow(axis, 0, n) for p, n in zip(parts, sizes)], axis)
+
+
+def all_gather_ints(values, group):
+    """Gathers a list of ints from every process of `group`.
+
+    Returns:
+        One list per process, in group order.
+    """
+    local = torch.tensor(
+        [int(v) for v in values],
+        dtype=torch.int64,
+        device=runtime.comm_device(),
+    )
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local, group=group)
+    return [[int(n) for n in p.tolist()] for p in parts]
+
+
+def any_process(flag, group):
+    """Whether `flag` is true on any process of `group` (one all-reduce of
+    one number).
+
+    Returns:
+        A Python bool, the same on every process.
+    """
+    value = torch.tensor(
+        [1 if flag else 0], dtype=torch.int32, device=runtime.comm_device()
+    )
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())
+
+
+def as_local_tensor(x):
+    """This process' own data of `x`, on the Keras device, as a tensor."""
+    if isinstance(x, DTensor):
+        return x.to_local()
+    return torch.as_tensor(x, device=runtime.backend_core().get_device())
+
+
+def _all_gather_shapes(x, group):
+    """The shapes of `x` on the processes of `group` (ranks may differ)."""
+    ndims = [n for (n,) in all_gather_ints([x.ndim], group)]
+    if len(set(ndims)) > 1:
+        raise ValueError(
+            f"`all_gather` needs tensors of the same rank on all processes. "
+            f"Received ranks {ndims}."
+        )
+    return [tuple(shape) for shape in all_gather_ints(x.shape, group)]
+
+
+def _axis_group(axis_name):
+    distribution = runtime.current_distribution()
+    if distribution is None:
+        raise ValueError(
+            "Collectives over a mesh axis need a distribution. Call "
+            "`keras.distribution.set_distribution(...)` first."
+        )
+    mesh = distribution.device_mesh
+    if axis_name not in mesh.axis_names:
+        raise ValueError(
+            f"Unknown mesh axis '{axis_name}'. The device mesh has axes "
+            f"{tuple(mesh.axis_names)}."
+        )
+    return mesh.backend_mesh.get_group(axis_name)

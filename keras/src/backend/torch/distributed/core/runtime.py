@@ -1,0 +1,440 @@
+"""The job a distribution runs in: processes, the distribution, random state.
+
+One process per device, as torchrun starts them: the job is torch's default
+process group (gloo on CPU; NCCL, with gloo for CPU tensors, on GPU).
+"""
+
+import atexit
+import contextlib
+import datetime
+import gc
+import logging
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from packaging.version import parse
+
+from keras.src.backend.common import global_state
+from keras.src.backend.torch.distributed.health import health
+
+# The one place that imports DTensor's names: the other modules take them
+# from here, so that Keras still imports where torch has no DTensor (torch
+# < 2.5, or a build without torch.distributed), where
+# `check_torch_version` refuses a distribution.
+try:
+    from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    DTENSOR_AVAILABLE = True
+except ImportError:
+    DTENSOR_AVAILABLE = False
+    TorchDeviceMesh = Partial = Replicate = Shard = None
+    implicit_replication = None
+
+    class DTensor:
+        """Stands in for torch's `DTensor`: no tensor is one."""
+
+
+MIN_TORCH_VERSION = "2.5"
+# The flat-buffer collectives (torch 2.12 renamed them; the old names warn).
+all_gather_flat = getattr(dist, "all_gather_single", None) or (
+    dist.all_gather_into_tensor
+)
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or (
+    dist.reduce_scatter_tensor
+)
+# How long an exiting process gives gloo's threads to finish their work.
+_GLOO_DRAIN_SECONDS = 0.05
+# Environment variables.
+DEBUG_ENV = "KERAS_DISTRIBUTION_DEBUG"
+
+logger = logging.getLogger("keras.distribution")
+
+# The distribution last passed to `set_distribution`. Keras keeps its global
+# state per thread, but hooks also run on threads that never set it (CUDA
+# autograd runs the backward pass on device threads).
+_process_distribution = None
+# How many `distribution_suspended` blocks are open (read by hooks that
+# act only inside one, without a call).
+suspended_depth = 0
+
+
+def current_distribution():
+    """Returns the distribution in effect, also on threads that never set it.
+
+    Returns:
+        A `keras.distribution.Distribution`, or `None` (also while
+        `distribution_suspended`).
+    """
+    if suspended_depth:
+        return None
+    distribution = global_state.get_global_attribute("distribution")
+    return distribution if distribution is not None else _process_distribution
+
+
+def backend_core():
+    """Returns the torch backend's `core` module, on either Keras base.
+
+    Keras 3.15 has it at `keras.src.backend.torch.core`; Keras master moved
+    the backend's ops under `keras.src.backend.torch.ops`.
+    """
+    import keras.src.backend.torch as torch_backend
+
+    return getattr(torch_backend, "ops", torch_backend).core
+
+
+@contextlib.contextmanager
+def distribution_suspended():
+    """Code in the block runs as without a distribution: on plain tensors
+    that are one process' values (see `local_rows`)."""
+    global suspended_depth
+    suspended_depth += 1
+    try:
+        yield
+    finally:
+        suspended_depth -= 1
+
+
+@contextlib.contextmanager
+def distribution_resumed():
+    """The distribution is in effect again in the block, inside a
+    `distribution_suspended` one (a layer of a call on local rows that is
+    called through DTensor, see `coupled_layers`)."""
+    global suspended_depth
+    depth, suspended_depth = suspended_depth, 0
+    try:
+        yield
+    finally:
+        suspended_depth = depth
+
+
+def set_process_distribution(distribution):
+    """Records the distribution for threads that never set one."""
+    global _process_distribution
+    _process_distribution = distribution
+
+
+def world_size():
+    """The number of processes of the job, without any collective."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def rank():
+    """This process' rank in the job, without any collective."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", 0))
+
+
+def device_names(device_type):
+    """The Keras names of the job's devices, one per process: `"gpu:i"`."""
+    return [f"{device_type}:{i}" for i in range(world_size())]
+
+
+def check_torch_version():
+    """Raises if this torch cannot run a distribution."""
+    if not DTENSOR_AVAILABLE or parse(torch.__version__).release < (2, 5):
+        raise RuntimeError(
+            "Keras distribution with the torch backend needs "
+            f"torch>={MIN_TORCH_VERSION} (with `torch.distributed.tensor`). "
+            f"Found torch=={torch.__version__}. Upgrade torch, or run "
+            "without a distribution."
+        )
+
+
+def initialize_job(job_addresses=None, num_processes=None, process_id=None):
+    """Joins the job's default process group, creating it if needed.
+
+    See `keras.src.backend.torch.distribution_lib.initialize`.
+    """
+    check_torch_version()
+    coordinator, num_processes, process_id = _resolve_job(
+        job_addresses, num_processes, process_id
+    )
+    if dist.is_initialized():
+        _check_job_matches_group(num_processes, process_id)
+    else:
+        _init_process_group(coordinator, num_processes, process_id)
+    agree_on_seed()
+
+
+def agree_on_seed():
+    """Makes every process use process 0's global random seed.
+
+    Only when no seed was set with `keras.utils.set_random_seed()`, so that
+    unseeded random ops (initializers, dropout) agree across processes.
+    """
+    from keras.src.utils import rng_utils
+
+    if rng_utils.get_random_seed() is not None or world_size() == 1:
+        return
+    from keras.src.random import seed_generator
+
+    seed = torch.tensor([seed_generator.make_default_seed()], dtype=torch.int64)
+    dist.broadcast(seed, src=0)
+    rng_utils.set_random_seed(int(seed.item()))
+
+
+def sync_torch_rng():
+    """Gives every process process 0's torch random generator state.
+
+    Unseeded dropout draws from torch's generator; every process draws the
+    noise of the whole tensor, which must be the same noise everywhere. A
+    collective: every process must call it.
+    """
+    if world_size() == 1:
+        return
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_available():
+        states.append(torch.cuda.get_rng_state())
+    device = comm_device()
+    for i, state in enumerate(states):
+        state = state.to(device)
+        dist.broadcast(state, src=0)
+        states[i] = state.cpu()
+    torch.set_rng_state(states[0])
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state(states[1])
+
+
+def comm_device():
+    """The device of tensors handed to collectives on the default group."""
+    if dist.get_backend() == "nccl" or "cuda:nccl" in str(dist.get_backend()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def log_debug(message, *args):
+    """Logs on the `keras.distribution` logger (`KERAS_DISTRIBUTION_DEBUG`)."""
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug(message, *args)
+
+
+def _resolve_job(job_addresses, num_processes, process_id):
+    """Reconciles the arguments of `initialize` with torchrun's environment.
+
+    Returns:
+        `(coordinator, num_processes, process_id)`; the coordinator is
+        `"host:port"`, or `None` to use torchrun's `MASTER_ADDR`/`PORT`.
+    """
+    env_world = os.environ.get("WORLD_SIZE")
+    env_rank = os.environ.get("RANK")
+    for name, given, env in (
+        ("num_processes", num_processes, env_world),
+        ("process_id", process_id, env_rank),
+    ):
+        if given is not None and env is not None and int(given) != int(env):
+            raise ValueError(
+                f"`{name}`={given} contradicts the launcher's environment "
+                f"(WORLD_SIZE={env_world}, RANK={env_rank}). Leave it unset "
+                "under torchrun, or pass the same value."
+            )
+    coordinator = _coordinator(job_addresses, num_processes)
+    if num_processes is None:
+        num_processes = int(env_world) if env_world is not None else 1
+    if process_id is None:
+        process_id = int(env_rank) if env_rank is not None else 0
+    num_processes, process_id = int(num_processes), int(process_id)
+    if num_processes < 1 or not 0 <= process_id < num_processes:
+        raise ValueError(
+            "process_id must be in [0, num_processes). Received: "
+            f"num_processes={num_processes}, process_id={process_id}"
+        )
+    if num_processes > 1 and coordinator is None:
+        missing = [
+            v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ
+        ]
+        if missing:
+            raise ValueError(
+                f"A job of {num_processes} processes needs the coordinator's "
+                "address: pass job_addresses='host:port' (or set "
+                "KERAS_DISTRIBUTION_JOB_ADDRESSES), or launch with torchrun. "
+                f"Missing environment variables: {missing}"
+            )
+    return coordinator, num_processes, process_id
+
+
+def _coordinator(job_addresses, num_processes):
+    """The `host:port` of the first of `job_addresses`, or `None`."""
+    if not job_addresses:
+        return None
+    addresses = [a.strip() for a in job_addresses.split(",") if a.strip()]
+    if num_processes is not None and len(addresses) > 1:
+        if len(addresses) != int(num_processes):
+            raise ValueError(
+                f"The provided job_addresses {addresses} has "
+                f"{len(addresses)} jobs, but num_processes is "
+                f"{num_processes}"
+            )
+    if ":" not in addresses[0]:
+        raise ValueError(
+            "job_addresses must be given as 'host:port'. Received: "
+            f"job_addresses='{job_addresses}'"
+        )
+    return addresses[0]
+
+
+def _check_job_matches_group(num_processes, process_id):
+    if (num_processes, process_id) != (dist.get_world_size(), dist.get_rank()):
+        raise ValueError(
+            f"The process group is already initialized with world size "
+            f"{dist.get_world_size()} and rank {dist.get_rank()}, which "
+            f"contradicts num_processes={num_processes}, "
+            f"process_id={process_id}."
+        )
+
+
+def _init_process_group(coordinator, num_processes, process_id):
+    timeout = datetime.timedelta(seconds=health.start_timeout())
+    if torch.cuda.is_available():
+        torch.cuda.set_device(_local_gpu(process_id))
+        # gloo alongside NCCL serves collectives on CPU tensors.
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        backend = "gloo"
+    kwargs = dict(
+        backend=backend,
+        world_size=num_processes,
+        rank=process_id,
+        timeout=timeout,
+    )
+    if num_processes == 1 and coordinator is None:
+        # A single process needs no rendezvous.
+        kwargs["store"] = dist.HashStore()
+    elif coordinator is not None:
+        kwargs["init_method"] = f"tcp://{coordinator}"
+    elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        kwargs["store"] = _launcher_store(timeout)
+    else:
+        kwargs["init_method"] = "env://"
+    dist.init_process_group(**kwargs)
+    # Process groups torn down during interpreter shutdown can abort the
+    # process ("terminate called without an active exception").
+    atexit.register(_destroy_process_group)
+    health.install(coordinator)
+    log_debug(
+        "process group: backend %s, world size %d", backend, num_processes
+    )
+
+
+def _local_gpu(process_id):
+    """The index of the GPU this process computes on.
+
+    NCCL runs one process per GPU: two processes sharing one fail at their
+    first collective ("Duplicate GPU detected"). So under a launcher that
+    says how many processes share this node (torchrun's `LOCAL_RANK`,
+    `LOCAL_WORLD_SIZE`), more of them than visible GPUs is refused here,
+    before any collective.
+
+    Args:
+        process_id: this process' rank in the job.
+
+    Returns:
+        The index of a visible CUDA device.
+    """
+    num_gpus = torch.cuda.device_count()
+    if "LOCAL_RANK" not in os.environ:
+        # Which processes share this node is unknown without a launcher.
+        return process_id % num_gpus
+    local_rank = int(os.environ["LOCAL_RANK"])
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
+    on_this_node = max(local_world, local_rank + 1)
+    if on_this_node > num_gpus:
+        raise ValueError(
+            f"This node runs {on_this_node} processes but sees {num_gpus} "
+            "GPU(s) (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}), and "
+            "NCCL needs one GPU per process. Launch at most one process per "
+            f"GPU (torchrun --nproc_per_node={num_gpus}), or hide the GPUs "
+            "(CUDA_VISIBLE_DEVICES=) to run every process on CPU with gloo."
+        )
+    return local_rank
+
+
+def _launcher_store(timeout):
+    """torchrun's store, with keys of this attempt of the job only.
+
+    torchrun restarts the job (`--max-restarts`) with the same store; the
+    `env://` rendezvous then finds the addresses of the last attempt's
+    dead processes (gloo: "connectFullMesh ... Connection refused" on every
+    restart).
+    """
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timeout,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"keras/attempt_{attempt}", store)
+
+
+def _destroy_process_group():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+        # Reference cycles (device meshes, DTensors) still hold the groups:
+        # freed now, not at interpreter shutdown, where gloo's threads can
+        # abort the process.
+        gc.collect()
+        # A group that a live device mesh still holds keeps its gloo worker
+        # threads. One that drops the last reference to a tensor once the
+        # interpreter is shutting down takes the GIL and aborts the process
+        # ("terminate called without an active exception", pytorch#190489).
+        # Sleeping hands them the GIL to finish what they hold first.
+        time.sleep(_GLOO_DRAIN_SECONDS)
+
+
+class _RankFilter(logging.Filter):
+    """Adds the process rank (never by a collective) to log records."""
+
+    def filter(self, record):
+        record.rank = rank()
+        return True
+
+
+def _configure_logger():
+    if os.environ.get(DEBUG_ENV, "0") in ("", "0", "false", "False"):
+        return
+    handler = logging.StreamHandler()
+    handler.addFilter(_RankFilter())
+    handler.setFormatter(
+        logging.Formatter("[rank %(rank)s] %(name)s: %(message)s")
+    )
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    logger.propagate = False
+
+
+_configure_logger()
+
+
+class _GatheredAllToAllFilter(logging.Filter):
+    """Drops DTensor's notice that a CPU mesh gathers for an all-to-all.
+
+    On a CPU mesh DTensor moves a shard to another dimension with an
+    all-gather and a chunk (chosen by device type; gloo has all-to-all),
+    which gives the same values, and logs this notice on every process.
+    Our own redistributions gather explicitly (`layouts.redistribute`);
+    this drops the notice of the plans DTensor makes itself inside an op
+    (an einsum's), which this backend does not choose.
+    """
+
+    def filter(self, record):
+        return record.msg != GATHERED_ALL_TO_ALL_NOTICE
+
+
+GATHERED_ALL_TO_ALL_NOTICE = (
+    "CPU process group does not support alltoall yet, falling back with "
+    "allgather + chunk!"
+)
+logging.getLogger("torch.distributed.tensor._collective_utils").addFilter(
+    _GatheredAllToAllFilter()
+)

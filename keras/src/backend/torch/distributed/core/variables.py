@@ -1,0 +1,230 @@
+"""Variables under a distribution: created sharded, assigned, read whole.
+
+A variable's value is a `DTensor` parameter laid out as the distribution's
+`get_variable_layout` says. Its full value exists once, transiently, on each
+process while it is created; process 0's is the one every process keeps a
+part of.
+"""
+
+import torch
+import torch.distributed as dist
+
+from keras.src.backend.torch.distributed.core import layouts
+from keras.src.backend.torch.distributed.core import runtime
+from keras.src.backend.torch.distributed.core.runtime import DTensor
+from keras.src.backend.torch.distributed.health import agreement
+from keras.src.backend.torch.distributed.health import call_agreement
+
+# Process 0 broadcasts a new variable's value in pieces of about this size.
+BROADCAST_PIECE_BYTES = 1024 * 1024
+
+
+def initialize_variable(variable):
+    """Distributes a newly created variable as the distribution lays it out.
+
+    Called at the end of `Variable._initialize`; variables created outside a
+    distribution (or on the meta device) keep their plain value.
+
+    Args:
+        variable: the Keras `Variable`, whose `_value` is its full value.
+
+    Returns:
+        The torch parameter the variable should hold.
+    """
+    distribution = runtime.current_distribution()
+    value = variable._value
+    if distribution is None or value.is_meta or isinstance(value, DTensor):
+        return value
+    if variable._shape is None:
+        variable._shape = variable._validate_shape(value.shape)
+    layout = distribution.get_variable_layout(variable)
+    if layout is None:
+        return value
+    variable._layout = layout
+    torch_layout = layouts.as_torch_layout(layout)
+    layouts.check_rank(value, torch_layout, f"variable '{variable.path}'")
+    agreement.check_same_variable(variable.path, value.shape, value.dtype)
+    sharded = distribute_variable(value, torch_layout)
+    runtime.log_debug(
+        "variable %s: axes %s -> %s, global %s, local %s",
+        variable.path,
+        getattr(layout, "axes", None),
+        torch_layout.placements,
+        tuple(sharded.shape),
+        tuple(sharded.to_local().shape),
+    )
+    parameter = torch.nn.Parameter(
+        sharded, requires_grad=value.requires_grad and variable.trainable
+    )
+    # Named in the error of a read that some processes do not make.
+    parameter.keras_variable_path = variable.path
+    return parameter
+
+
+def distribute_variable(value, layout):
+    """Creates the sharded value of a variable from its full value.
+
+    Process 0's value is sent to the others, so all processes hold the same
+    variable even if their random initializers were seeded differently. It
+    is broadcast in pieces, each process keeping the part of each piece in
+    its shard: no process holds more than the full value it was given, its
+    shard and one piece (a scatter would also make every shard contiguous
+    on process 0 at once).
+
+    Args:
+        value: the full (global) value, a `torch.Tensor`.
+        layout: `TensorLayout` (or `TorchLayout`) of the variable.
+
+    Returns:
+        A `DTensor` holding this process' shard.
+    """
+    layout = layouts.as_torch_layout(layout)
+    layouts.check_rank(value, layout, "variable")
+    value = value.detach()
+    mesh, placements = layout.device_mesh, layout.placements
+    if isinstance(value, DTensor):
+        return value.redistribute(mesh, placements)
+    if value.device.type != mesh.device_type:
+        value = value.to(mesh.device_type)
+    region = layouts.local_region(value.shape, mesh, placements)
+    local = _broadcast_region(value, region)
+    return layouts.dtensor_from_local(
+        local, mesh, placements, shape=value.shape
+    )
+
+
+def _broadcast_region(value, region):
+    """Broadcasts process 0's `value`; returns `value[region]` of it."""
+    local = torch.empty(
+        [s.stop - s.start for s in region],
+        dtype=value.dtype,
+        device=value.device,
+    )
+    if value.ndim == 0:
+        local.copy_(value)
+        dist.broadcast(local, src=0)
+        return local
+    if value.numel() == 0:
+        return local
+    is_source = dist.get_rank() == 0
+    value = value.contiguous() if is_source else value
+    rows = value.shape[0]
+    row_bytes = value[0].numel() * value.element_size()
+    rows_per_piece = max(1, BROADCAST_PIECE_BYTES // max(row_bytes, 1))
+    rows_kept, columns_kept = region[0], region[1:]
+    whole_rows = all(
+        s.start == 0 and s.stop == n
+        for s, n in zip(columns_kept, value.shape[1:])
+    )
+    scratch = None
+    for start in range(0, rows, rows_per_piece):
+        stop = min(start + rows_per_piece, rows)
+        low, high = max(start, rows_kept.start), min(stop, rows_kept.stop)
+        kept = local[low - rows_kept.start : high - rows_kept.start]
+        if is_source:
+            piece = value[start:stop]
+        elif whole_rows and low == start and high == stop:
+            # The piece is a block of rows of this process' shard.
+            piece = kept
+        else:
+            if scratch is None:
+                scratch = torch.empty(
+                    (rows_per_piece,) + tuple(value.shape[1:]),
+                    dtype=value.dtype,
+                    device=value.device,
+                )
+            piece = scratch[: stop - start]
+        dist.broadcast(piece, src=0)
+        if low < high and piece is not kept:
+            kept.copy_(
+                piece[(slice(low - start, high - start),) + columns_kept]
+            )
+    return local
+
+
+def match_layout(value, reference):
+    """Lays out `value` like the variable value `reference`, for assignment.
+
+    Args:
+        value: the new value, a plain tensor (a global value) or a `DTensor`.
+        reference: the variable's current value.
+
+    Returns:
+        `value` with the placements of `reference`.
+    """
+    if not isinstance(reference, DTensor):
+        return to_global_value(value)
+    mesh, placements = reference.device_mesh, reference.placements
+    if isinstance(value, DTensor):
+        return value.redistribute(mesh, placements)
+    value = torch.as_tensor(value, device=reference.device)
+    # A plain value is the same on every process: each cuts its own shard.
+    region = layouts.local_region(value.shape, mesh, placements)
+    return layouts.dtensor_from_local(
+        value[region], mesh, placements, shape=value.shape
+    )
+
+
+def operand_like(value, reference):
+    """Makes `value` fit for arithmetic with the variable value `reference`.
+
+    A plain `value` of the variable's shape is laid out like it (a local
+    cut, no communication); of another shape, replicated.
+
+    Args:
+        value: a number, array or tensor.
+        reference: the variable's value.
+
+    Returns:
+        `value`, as a `DTensor` when `reference` is one.
+    """
+    if not isinstance(reference, DTensor):
+        return value
+    if isinstance(value, DTensor) or not hasattr(value, "shape"):
+        return value
+    value = torch.as_tensor(value, device=reference.device)
+    if value.ndim == 0:
+        return value
+    if tuple(value.shape) == tuple(reference.shape):
+        return match_layout(value, reference)
+    return layouts.replicate(value, reference.device_mesh)
+
+
+def to_global_value(x):
+    """Returns the global value of `x` as a plain tensor (a collective).
+
+    Args:
+        x: a tensor or `DTensor`.
+
+    Returns:
+        A plain `torch.Tensor`.
+    """
+    if not isinstance(x, DTensor):
+        return x
+    if all(p.is_replicate() for p in x.placements):
+        return x.to_local()
+    with call_agreement.collective_call(_read_description(x)):
+        return x.full_tensor()
+
+
+def _read_description(x):
+    path = getattr(x, "keras_variable_path", None)
+    what = f"variable '{path}'" if path else f"a tensor of shape {x.shape}"
+    return f"a read of the global value of {what}, laid out as {x.placements}"
+
+
+def rebind_module_parameter(module, name, parameter):
+    """Makes `module.<name>` (a dotted torch name) refer to `parameter`.
+
+    A wrapped torch module must compute with the distributed parameter its
+    Keras variable holds, not with the full one it was built with.
+
+    Args:
+        module: a `torch.nn.Module`.
+        name: the parameter's name in `module.named_parameters()`.
+        parameter: the new `torch.nn.Parameter`.
+    """
+    owner_name, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_name)
+    if owner._parameters.get(leaf) is not parameter:
+        owner.register_parameter(leaf, parameter)

@@ -1,0 +1,232 @@
+"""Whether a model call couples the samples of a batch, from one probe.
+
+Under data parallelism a call that treats each sample on its own computes
+on a process' rows exactly what it computes on the global batch; such a
+call runs on the local rows as plain tensors (`local_rows`). Which calls
+do is not read from the classes of the layers (a user's layer, a keras-hub
+backbone, a functional graph of any ops are per-sample as often as
+Keras' own layers), but measured on the first call, the probe:
+
+1. the call runs through DTensor on the batch-sharded inputs, while a
+   torch function mode looks at what each function returns. A partial sum
+   (`Partial`) is a value summed over the batch axis: the call couples the
+   samples. What the explicit mechanisms for coupled samples compute
+   (batch moments, an op DTensor refuses computed on global values) is
+   not looked at (`explained()`);
+2. the call runs again on the local rows, without gradients, its updates
+   and random draws discarded, and its outputs are compared with this
+   process' rows of the probe's: a call that uses the batch size as a
+   number, or gathers and mixes samples, computes other values there.
+
+A call is per-sample when neither step finds coupling, its outputs are
+batches of the global rows, and it adds no loss (a loss over the batch).
+"""
+
+import contextlib
+import dataclasses
+import threading
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from keras.src.backend.torch.distributed.core import collectives
+from keras.src.backend.torch.distributed.core import generator_states
+from keras.src.backend.torch.distributed.core.runtime import DTensor
+from keras.src.backend.torch.distributed.data_parallel import coupled_layers
+
+# Outputs equal to float32 rounding: the same kernels on the same rows.
+RTOL = 1e-5
+ATOL = 1e-6
+
+_explained = threading.local()
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What the probe found of a call.
+
+    Attributes:
+        per_sample: whether the call may run on the local rows.
+        reason: why not, for the sharding summary and the catalogues.
+        draws: a per-sample call's `random_draws.DrawPlan`: how it draws
+            random numbers on the local rows.
+        coupled: the layers of a per-sample call that couple samples,
+            each called through DTensor (`coupled_layers`), and why.
+    """
+
+    per_sample: bool
+    reason: str = ""
+    draws: object = None
+    coupled: tuple = ()
+
+    def __str__(self):
+        if not self.per_sample:
+            return f"through DTensor: {self.reason}"
+        if not self.coupled:
+            return "on the local rows"
+        names = ", ".join(layer.name for layer in self.coupled)
+        return f"on the local rows, {names} through DTensor: {self.reason}"
+
+
+@contextlib.contextmanager
+def explained():
+    """What the block computes is not evidence of coupling.
+
+    For the mechanisms that keep one process' numbers on purpose: batch
+    moments summed over the batch, an op DTensor refuses computed on global
+    values.
+    """
+    _explained.depth = getattr(_explained, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _explained.depth -= 1
+
+
+class PartialWatch(TorchFunctionMode):
+    """Notes the torch functions that return a partial sum (`Partial`).
+
+    Entered above the fallback's modes: it sees each function's result as
+    the code that called it does.
+    """
+
+    def __init__(self):
+        super().__init__()
+        # `(function name, innermost layer being called)` pairs.
+        self.reductions = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if not _is_explained() and _has_partial(result):
+            name = getattr(func, "__name__", str(func))
+            self.reductions.append((name, coupled_layers.innermost_layer()))
+        return result
+
+
+def _has_partial(result):
+    values = result if isinstance(result, (tuple, list)) else (result,)
+    return any(
+        isinstance(x, DTensor) and any(p.is_partial() for p in x.placements)
+        for x in values
+    )
+
+
+def _is_explained():
+    return getattr(_explained, "depth", 0) > 0
+
+
+def coupling_layers(model, watch):
+    """The layers of `model` that couple samples in its probe's DTensor
+    call, with why: `(layers, reason)`; `None` if the model itself does
+    (a sum over the batch outside its layers' calls, a loss it adds).
+
+    A sum over the batch is the coupling of the innermost layer called when
+    it appears; a loss a layer adds is taken over the batch.
+    """
+    layers, reasons = [], []
+    for name, layer in watch.reductions:
+        if layer is None or layer is model:
+            return None
+        if layer not in layers:
+            layers.append(layer)
+            reasons.append(f"sums over the batch ({name})")
+    for layer in coupled_layers.loss_adding_layers(model):
+        if layer is model:
+            return None
+        if layer not in layers:
+            layers.append(layer)
+        reasons.append("adds a loss")
+    return tuple(layers), ", ".join(dict.fromkeys(reasons))
+
+
+def verdict_of(watch, outputs, local_outputs, reason=None, coupled=None):
+    """The verdict on a call from its probe.
+
+    Args:
+        watch: the `PartialWatch` active during the DTensor call.
+        outputs: this process' rows of the DTensor call's output leaves,
+            or `None` if one is not a batch of the global rows.
+        local_outputs: the leaves of the same call on the local rows, or
+            `None` if that call could not give them.
+        reason: why the local call is ruled out, if it is.
+        coupled: `coupling_layers`'s answer.
+
+    Returns:
+        A `Verdict`.
+    """
+    if coupled is None and watch.reductions:
+        name = watch.reductions[0][0]
+        return Verdict(False, f"sums over the batch ({name})")
+    if coupled is None:
+        return Verdict(False, "adds a loss (taken over the global batch)")
+    if outputs is None:
+        return Verdict(False, "an output is not a batch of rows")
+    if reason is not None:
+        return Verdict(False, reason)
+    if local_outputs is None or len(local_outputs) != len(outputs):
+        return Verdict(False, "its outputs on the local rows differ in shape")
+    for output, local in zip(outputs, local_outputs):
+        if not same(output, local):
+            return Verdict(
+                False, "its outputs on the local rows differ from DTensor's"
+            )
+    layers, why = coupled
+    return Verdict(True, why, coupled=layers)
+
+
+def agreed(verdict, mesh):
+    """`verdict` if every process of `mesh` reached it, else not per-sample.
+
+    A call can give DTensor's rows on some processes only (one that reads
+    the first row of the batch, a draw not over the batch): every process
+    must take the same path. One collective, on the probe only.
+    """
+    if mesh.size() == 1:
+        return verdict
+    differs = collectives.any_process(not verdict.per_sample, mesh.get_group())
+    if verdict.per_sample and differs:
+        return Verdict(
+            False, "its outputs on another process' rows differ from DTensor's"
+        )
+    return verdict
+
+
+def assigned_outside(scope, entered):
+    """Whether a call in `scope` assigned a variable it was not given (a
+    seed generator outside the model: its update would be lost)."""
+    return any(key not in entered for key in scope.state_mapping)
+
+
+def unseen_by_probe(plan, rng_states, scope, entered, updated, routing):
+    """What a call on the local rows did that its probe did not find, as
+    text (empty if nothing); `routing` is its `coupled_layers.Routing`."""
+    if plan.broken:
+        return "a random draw of another shape than the probe's"
+    if generator_states.advanced(rng_states, plan.unseeded, plan.python_draws):
+        return "a draw from a global generator"
+    if assigned_outside(scope, entered):
+        return "an assignment of a variable outside the model"
+    if any(v.trainable for v, _ in updated):
+        return "an assignment of a trainable variable"
+    if not routing.added_only(scope.losses):
+        return "a loss added outside a layer that couples samples"
+    return ""
+
+
+def agreed_unseen(unseen, mesh):
+    """`unseen`, or why another process of `mesh` leaves the local rows."""
+    if mesh.size() == 1:
+        return unseen
+    if not collectives.any_process(unseen, mesh.get_group()) or unseen:
+        return unseen
+    return "another process' call did what the probe did not find"
+
+
+def same(a, b):
+    """Whether two tensors agree to float32 rounding."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    a, b = a.detach(), b.detach()
+    if not (a.is_floating_point() or a.is_complex()):
+        return torch.equal(a, b)
+    return torch.allclose(a, b, rtol=RTOL, atol=ATOL, equal_nan=True)

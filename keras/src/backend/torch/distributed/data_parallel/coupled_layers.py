@@ -1,0 +1,340 @@
+"""Layers that couple the samples of a batch, called alone through DTensor.
+
+A data-parallel model runs on each process' rows as plain tensors when
+its call is per-sample (`local_rows`). A model that is per-sample but for
+some of its layers (an activity regularizer's loss over the batch, a loss
+a layer adds, a user's layer that reduces over the batch axis) runs on
+the local rows too, all but those layers: each of them is called through
+DTensor on the batch its inputs make across processes, so that what it
+takes over the batch is the global batch's, and its outputs return to
+the local rows. Which layers couple is the probe's (`batch_coupling`):
+the innermost layer being called when a sum over the batch appears,
+and every layer that adds a loss.
+
+In such a call the layer's weights are its local values made replicated
+`DTensor`s whose gradients return to the local values as the partial sums
+every weight of a local call gets (`local_rows`); its losses are
+`DTensor`s, kept for the loss as Keras keeps a layer's losses.
+"""
+
+import contextlib
+import dataclasses
+import threading
+
+import torch
+
+from keras.src import tree
+from keras.src.backend.common import global_state
+from keras.src.backend.common.masking import get_keras_mask
+from keras.src.backend.common.masking import set_keras_mask
+from keras.src.backend.common.stateless_scope import get_stateless_scope
+from keras.src.backend.torch.distributed.core import layouts
+from keras.src.backend.torch.distributed.core import random_draws
+from keras.src.backend.torch.distributed.core import runtime
+from keras.src.backend.torch.distributed.core.runtime import DTensor
+from keras.src.backend.torch.distributed.core.runtime import Partial
+from keras.src.backend.torch.distributed.core.runtime import Replicate
+
+# Per thread, as layer calls are: the coupled layers of the local call
+# running now.
+_state = threading.local()
+
+
+class NotRows(Exception):
+    """A coupled layer's output is not a batch of the global rows: the
+    call cannot go on on the local rows."""
+
+
+def innermost_layer():
+    """The innermost layer being called now, or `None`.
+
+    A layer's call, its activity regularizer included, runs in the name
+    scope the layer opens with itself as the caller.
+    """
+    from keras.src.layers import Layer
+
+    stack = global_state.get_global_attribute("name_scope_stack") or ()
+    for scope in reversed(stack):
+        if isinstance(scope.caller, Layer):
+            return scope.caller
+    return None
+
+
+def loss_adding_layers(model):
+    """The layers of `model` that added a loss in its last call."""
+    return [
+        layer
+        for layer in model._flatten_layers(include_self=True, recursive=True)
+        if layer._get_own_losses()
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """Where a process' rows sit in the global batch of a local call."""
+
+    mesh: object
+    global_rows: int
+    local_rows: int
+    placements: tuple
+
+    @property
+    def start(self):
+        return layouts.chunk_bounds(
+            self.global_rows, self.mesh.size(), self.mesh.get_local_rank()
+        )[0]
+
+
+@dataclasses.dataclass
+class Routing:
+    """The coupled layers of a call on the local rows, and what they add.
+
+    Attributes:
+        layer_ids: the ids of the layers to call through DTensor.
+        batch: the `Batch` of the call.
+        regularizers: `{layer id: activity regularizer}` of those layers.
+        losses: the losses they added in the call, in order.
+    """
+
+    layer_ids: frozenset
+    batch: Batch
+    regularizers: dict
+    losses: list = dataclasses.field(default_factory=list)
+
+    def added_only(self, losses):
+        """Whether every loss in `losses` was added by a coupled layer."""
+        ids = {id(x) for x in self.losses}
+        return all(id(x) in ids for x in losses)
+
+
+@contextlib.contextmanager
+def routed(layers, batch):
+    """In the block, a call of one of `layers` runs through DTensor.
+
+    Args:
+        layers: the coupled layers of the call on the local rows.
+        batch: a `Batch`, the rows of that call.
+
+    Yields:
+        The `Routing`.
+    """
+    previous = getattr(_state, "routing", None)
+    # An activity regularizer runs in `Layer.__call__` after the call this
+    # module routes: the routed call applies it to the global outputs
+    # (`_regularize`), in its place.
+    regularizers = {
+        id(layer): layer.activity_regularizer
+        for layer in layers
+        if getattr(layer, "activity_regularizer", None) is not None
+    }
+    routing = Routing(frozenset(id(x) for x in layers), batch, regularizers)
+    _state.routing = routing
+    for layer in layers:
+        if id(layer) in regularizers:
+            layer.activity_regularizer = None
+    try:
+        yield routing
+    finally:
+        _state.routing = previous
+        for layer in layers:
+            if id(layer) in regularizers:
+                layer.activity_regularizer = regularizers[id(layer)]
+
+
+def routing(layer):
+    """The `Batch` of the local call if `layer` is to be called through
+    DTensor in it, else `None`."""
+    current = getattr(_state, "routing", None)
+    if current is None or id(layer) not in current.layer_ids:
+        return None
+    return current.batch
+
+
+def call(through_dtensor, plain_as_replicated, layer, batch, args, kwargs):
+    """Calls a coupled `layer` of a call on the local rows through DTensor.
+
+    Args:
+        through_dtensor: `through_dtensor(args, kwargs)` calls the layer
+            on `DTensor`s under the distribution.
+        plain_as_replicated: a context in which plain tensors mix with
+            `DTensor`s as replicated values, as in a layer call (for the
+            activity regularizer, applied after it).
+        layer: the layer.
+        batch: the `Batch` of the local call.
+        args: the positional arguments, plain tensors of the local rows.
+        kwargs: the keyword arguments.
+
+    Returns:
+        The outputs, plain tensors of the local rows.
+
+    Raises:
+        NotRows: an output is not a batch of the global rows.
+    """
+    scope = get_stateless_scope()
+    losses_before = len(scope.losses)
+    local_values = [
+        (v, scope.get_current_value(v))
+        for v in layer.variables
+        if scope.get_current_value(v) is not None
+    ]
+    for variable, value in local_values:
+        scope.add_update((variable, _replicated(value, batch.mesh)))
+    entered = {id(v): scope.get_current_value(v) for v, _ in local_values}
+    args, kwargs = tree.map_structure(
+        lambda x: _batch_dtensor(x, batch), (args, kwargs)
+    )
+    try:
+        with runtime.distribution_resumed(), random_draws.outside_rows():
+            outputs = through_dtensor(args, kwargs)
+            with plain_as_replicated():
+                _regularize(layer, outputs)
+    finally:
+        for variable, value in local_values:
+            new_value = scope.get_current_value(variable)
+            if new_value is not entered[id(variable)]:
+                # An assignment (moving statistics) of a global value,
+                # which DTensor may have left partial.
+                value = whole(new_value)
+            scope.add_update((variable, value))
+        _state.routing.losses.extend(scope.losses[losses_before:])
+    return tree.map_structure(lambda x: _local_rows(x, batch), outputs)
+
+
+def _regularize(layer, outputs):
+    """Adds `layer`'s activity regularization of its global `outputs`, as
+    `Layer.__call__` does: per output, normalized by the batch size."""
+    regularizer = _state.routing.regularizers.get(id(layer))
+    if regularizer is None:
+        return
+    for output in tree.flatten(outputs):
+        if isinstance(output, torch.Tensor):
+            loss = regularizer(output)
+            if output.ndim > 0:
+                loss = loss / output.shape[0] if output.shape[0] else loss * 0
+            layer.add_loss(loss)
+
+
+def keep_losses(model, losses):
+    """Keeps the losses coupled layers added in a call on the local rows.
+
+    They were collected by that call's stateless scope; they go where Keras
+    puts a loss a layer adds: the enclosing stateless scope if it collects
+    losses, else the layer's own losses.
+
+    Args:
+        model: the model called.
+        losses: the losses the call collected (all added by its coupled
+            layers).
+    """
+    if not losses:
+        return
+    outer = get_stateless_scope()
+    if outer is not None:
+        if outer.collect_losses:
+            for loss in losses:
+                outer.add_loss(loss)
+        return
+    ids = {id(x): x for x in losses}
+    for sublayer in model._flatten_layers(include_self=True, recursive=True):
+        sublayer._losses.extend(
+            ids[key] for key in list(sublayer._loss_ids) if key in ids
+        )
+
+
+class _ReplicatedWeight(torch.autograd.Function):
+    """A local weight as a replicated `DTensor`; its gradient returns as
+    this process' partial sum of the weight's gradient.
+
+    A partial-sum gradient is this process' own; a replicated one (every
+    process computed the whole) is kept by the mesh's first process, so
+    that the step's sum over processes counts it once.
+    """
+
+    @staticmethod
+    def forward(ctx, local, mesh):
+        ctx.mesh = mesh
+        placements = [Replicate()] * mesh.ndim
+        return DTensor.from_local(local, mesh, placements, run_check=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not isinstance(grad, DTensor):
+            return _first_process_only(grad, ctx.mesh), None
+        if all(_is_partial_sum(p) for p in grad.placements):
+            return grad.to_local(), None
+        whole = grad.redistribute(ctx.mesh, [Replicate()] * ctx.mesh.ndim)
+        return _first_process_only(whole.to_local(), ctx.mesh), None
+
+
+def whole(value):
+    """A global value as a plain tensor: a `DTensor`'s full value."""
+    if not isinstance(value, DTensor):
+        return value
+    placements = [Replicate()] * value.device_mesh.ndim
+    return value.redistribute(value.device_mesh, placements).to_local()
+
+
+def _is_partial_sum(placement):
+    return placement.is_partial() and placement.reduce_op == "sum"
+
+
+def _first_process_only(grad, mesh):
+    return grad if mesh.get_local_rank() == 0 else torch.zeros_like(grad)
+
+
+def _replicated(value, mesh):
+    if isinstance(value, DTensor):
+        return value
+    if value.requires_grad and torch.is_grad_enabled():
+        return _ReplicatedWeight.apply(value, mesh)
+    return DTensor.from_local(
+        value, mesh, [Replicate()] * mesh.ndim, run_check=False
+    )
+
+
+def _batch_dtensor(x, batch):
+    """A local input of the coupled layer as the global batch's DTensor."""
+    if (
+        isinstance(x, torch.Tensor)
+        and not isinstance(x, DTensor)
+        and x.ndim > 0
+        and x.shape[0] == batch.local_rows
+    ):
+        output = _sharded(x, batch)
+        mask = get_keras_mask(x)
+        if mask is not None:
+            set_keras_mask(output, _sharded(mask, batch))
+        return output
+    return x
+
+
+def _sharded(x, batch):
+    shape = (batch.global_rows,) + tuple(x.shape[1:])
+    return layouts.dtensor_from_local(
+        x.contiguous(), batch.mesh, list(batch.placements), shape=shape
+    )
+
+
+def _local_rows(x, batch):
+    """This process' rows of a coupled layer's output, as a plain tensor."""
+    if not isinstance(x, DTensor):
+        return x
+    rows = _rows_of(x, batch)
+    mask = get_keras_mask(x)
+    if mask is not None:
+        set_keras_mask(rows, _rows_of(mask, batch))
+    return rows
+
+
+def _rows_of(x, batch):
+    if x.device_mesh is not batch.mesh or (
+        x.ndim == 0 or x.shape[0] != batch.global_rows
+    ):
+        raise NotRows(f"an output of shape {tuple(x.shape)}")
+    if tuple(x.placements) == tuple(batch.placements):
+        return x.to_local()
+    # Whole on every process: each takes its rows; their gradients, zero
+    # elsewhere, are partial sums of the whole gradient.
+    whole = x.redistribute(batch.mesh, [Replicate()] * batch.mesh.ndim)
+    local = whole.to_local(grad_placements=[Partial()] * batch.mesh.ndim)
+    return local[batch.start : batch.start + batch.local_rows]

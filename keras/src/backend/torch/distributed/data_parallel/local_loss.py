@@ -1,0 +1,266 @@
+"""A per-sample loss computed on each process' rows, as plain tensors.
+
+Under data parallelism a per-sample model returns batch-sharded outputs
+computed on each process' rows (see `local_rows`). A compiled loss that
+treats each sample on its own and sums over the batch ("sum_over_batch_size")
+is, on the global batch, the sum of every process' rows' weighted values
+divided by the global number of values. Each process computes its share of
+that sum on its plain local tensors, divides it by the global count, and
+returns it as a partial sum, which the train step reduces with the
+gradients (see `step_reduction.reduce_with_loss`); the backward pass then
+runs on plain tensors from the loss down to the weights. Through DTensor
+the loss and its backward were about 15 dispatched ops a step. Outputs
+replicated on every process (a model-parallel model's, after its
+row-parallel layer) with replicated targets are computed on as plain
+tensors too: each process computes the whole loss. Anything else (a custom
+or batch-wide loss, several outputs, masks, regularization losses, an
+overridden `compute_loss`) runs through DTensor.
+"""
+
+from keras.src import tree
+from keras.src.backend.common.masking import get_keras_mask
+from keras.src.backend.torch.distributed.core import runtime
+from keras.src.backend.torch.distributed.core.runtime import DTensor
+from keras.src.backend.torch.distributed.core.runtime import Partial
+from keras.src.backend.torch.distributed.core.runtime import Replicate
+from keras.src.backend.torch.distributed.core.runtime import Shard
+
+# Built-in loss functions that reduce each sample over its own (last) axes
+# only: `keras.src.losses.losses.<name>`.
+_PER_SAMPLE_FUNCTION_NAMES = (
+    "binary_crossentropy",
+    "binary_focal_crossentropy",
+    "categorical_crossentropy",
+    "categorical_focal_crossentropy",
+    "categorical_hinge",
+    "cosine_similarity",
+    "hinge",
+    "huber",
+    "kl_divergence",
+    "log_cosh",
+    "mean_absolute_error",
+    "mean_absolute_percentage_error",
+    "mean_squared_error",
+    "mean_squared_logarithmic_error",
+    "poisson",
+    "sparse_categorical_crossentropy",
+    "squared_hinge",
+)
+
+# Of those, the ones that take a softmax over the class axis of logits
+# (`from_logits=True`): through DTensor, a class axis sharded over the mesh
+# is gathered for it.
+_SOFTMAX_FUNCTION_NAMES = (
+    "categorical_crossentropy",
+    "categorical_focal_crossentropy",
+    "sparse_categorical_crossentropy",
+)
+
+
+def gathered_predictions(model, y, y_pred):
+    """The model's outputs with their class axis gathered, where the
+    compiled loss would gather it.
+
+    A model-parallel classifier or language model whose head shards its
+    output features (the vocabulary) leaves the logits sharded on their
+    last axis. A softmax cross-entropy gathers that axis; the accuracy
+    metrics then take an `argmax` over it, a second collective (see
+    `sharded_positions`). Gathered once here, before both, the loss and the
+    metrics read whole rows: one collective of the same size instead of
+    two, and the loss can be computed on plain tensors (see
+    `local_compiled_loss`). The backward pass of the gather takes each
+    process' columns of the gradient, with no collective.
+
+    Args:
+        model: the model being trained or evaluated.
+        y: the targets.
+        y_pred: the model's outputs.
+
+    Returns:
+        `y_pred`, redistributed to be whole along its last axis if it is a
+        `DTensor` sharded there and the model's one compiled loss is a
+        softmax cross-entropy of logits; else `y_pred` itself.
+    """
+    if not isinstance(y_pred, DTensor) or y_pred.ndim == 0:
+        return y_pred
+    last = y_pred.ndim - 1
+    placements = [
+        Replicate() if p.is_shard() and p.dim in (last, -1) else p
+        for p in y_pred.placements
+    ]
+    if placements == list(y_pred.placements):
+        return y_pred
+    entry = _single_compiled_loss(model, y, y_pred)
+    if entry is None or not _softmax_of_logits(entry[1]):
+        return y_pred
+    return y_pred.redistribute(y_pred.device_mesh, placements)
+
+
+def _softmax_of_logits(loss):
+    """Whether `loss` is a built-in softmax cross-entropy of logits."""
+    fn = getattr(loss, "fn", None)
+    return (
+        getattr(fn, "__name__", None) in _SOFTMAX_FUNCTION_NAMES
+        and loss._fn_kwargs.get("from_logits", False)
+        and loss._fn_kwargs.get("axis", -1) == -1
+    )
+
+
+def local_compiled_loss(model, y, y_pred, sample_weight, local_y_pred):
+    """The train step's compiled loss, computed on local tensors.
+
+    Args:
+        model: the model being trained.
+        y: the targets.
+        y_pred: the model's outputs.
+        sample_weight: the sample weights, or `None`.
+        local_y_pred: the plain tensor of this process' rows that `y_pred`
+            was made of, if it is the output of a call on the local rows
+            (see `local_rows`), else `None`.
+
+    Returns:
+        The loss as a `DTensor`: each process' share a partial sum for
+        outputs of a call on the local rows, replicated for replicated
+        outputs; `None` where this cannot be shown to give DTensor's
+        numbers (the caller then computes the loss as Keras does).
+    """
+    # Imported here: the backend imports this module.
+    from keras.src import ops
+
+    entry = _single_compiled_loss(model, y, y_pred)
+    if entry is None:
+        return None
+    _, loss_fn, loss_weight, _ = entry
+    if y is None or get_keras_mask(y_pred) is not None:
+        return None
+    local_y_pred, placements = _local_prediction(
+        y_pred, local_y_pred, [y, sample_weight]
+    )
+    if local_y_pred is None or model.losses:
+        return None
+    with runtime.distribution_suspended():
+        share = _loss_share(
+            loss_fn,
+            y.to_local(),
+            local_y_pred,
+            None if sample_weight is None else sample_weight.to_local(),
+            global_rows=y_pred.shape[0],
+        )
+        if share is None:
+            return None
+        share = ops.cast(share, model._compile_loss.dtype)
+        if loss_weight is not None:
+            share = ops.multiply(share, loss_weight)
+    return DTensor.from_local(
+        share, y_pred.device_mesh, placements, run_check=False
+    )
+
+
+def _local_prediction(y_pred, local_y_pred, batch):
+    """`(local tensor of y_pred, placements of the loss)`, or `(None, None)`
+    unless `y_pred` comes from a call on the local rows (`local_y_pred`)
+    and `batch` is sharded like it, or `y_pred` and `batch` are
+    replicated."""
+    if local_y_pred is not None and _sharded_like(y_pred, batch):
+        return local_y_pred, [Partial()]
+    if _replicated_like(y_pred, batch):
+        # Every process' gradient of the loss is the whole gradient.
+        placements = [Replicate()] * y_pred.device_mesh.ndim
+        return y_pred.to_local(grad_placements=placements), placements
+    return None, None
+
+
+def _single_compiled_loss(model, y, y_pred):
+    """The one `(path, loss, weight, name)` of the model's compiled loss,
+    if Keras' own `compute_loss` computes it on one output, else `None`."""
+    from keras.src.models.model import Model
+    from keras.src.trainers.compile_utils import CompileLoss
+
+    compile_loss = getattr(model, "_compile_loss", None)
+    if (
+        type(compile_loss) is not CompileLoss
+        or not compile_loss.built
+        # Keras' own (the trainer's, whatever the base names its class).
+        or type(model).compute_loss is not Model.compute_loss
+        or type(model)._compute_loss is not Model._compute_loss
+        or tree.is_nested(y)
+        or tree.is_nested(y_pred)
+        or len(compile_loss._flat_losses) != 1
+    ):
+        return None
+    entry = compile_loss._flat_losses[0]
+    if entry.path or not _per_sample_loss(entry.loss):
+        return None
+    return entry
+
+
+def _per_sample_loss(loss):
+    """Whether `loss` is a built-in per-sample loss, summed over the batch."""
+    from keras.src.losses.loss import Loss
+    from keras.src.losses.losses import LossFunctionWrapper
+
+    fn = getattr(loss, "fn", None)
+    return (
+        isinstance(loss, LossFunctionWrapper)
+        and type(loss).call is LossFunctionWrapper.call
+        and type(loss).__call__ is Loss.__call__
+        and loss.reduction == "sum_over_batch_size"
+        and getattr(fn, "__module__", None) == "keras.src.losses.losses"
+        and getattr(fn, "__name__", None) in _PER_SAMPLE_FUNCTION_NAMES
+        and loss._fn_kwargs.get("axis", -1) == -1
+    )
+
+
+def _sharded_like(y_pred, values):
+    """Whether each of `values` (or `None`) is sharded on the batch as
+    `y_pred`, the output of a call on the local rows, is."""
+    for x in values:
+        if x is None:
+            continue
+        if not (
+            isinstance(x, DTensor)
+            and x.device_mesh == y_pred.device_mesh
+            and tuple(x.placements) == (Shard(0),)
+            and x.ndim > 0
+            and x.shape[0] == y_pred.shape[0]
+        ):
+            return False
+    return True
+
+
+def _replicated_like(y_pred, values):
+    """Whether `y_pred` and each of `values` (or `None`) are `DTensor`s
+    replicated on `y_pred`'s mesh."""
+    for x in [y_pred] + list(values):
+        if x is None:
+            continue
+        if not (
+            isinstance(x, DTensor)
+            and x.device_mesh == y_pred.device_mesh
+            and all(p.is_replicate() for p in x.placements)
+        ):
+            return False
+    return True
+
+
+def _loss_share(loss, y_true, y_pred, sample_weight, global_rows):
+    """A process' share of `loss` of the global batch (see `Loss.__call__`:
+    the same calls, on this process' rows), or `None` if it is not the
+    per-sample values' sum over the global count of values."""
+    from keras.src import ops
+    from keras.src.losses.loss import reduce_weighted_values
+
+    y_true = ops.convert_to_tensor(y_true, dtype=loss.dtype)
+    y_pred = ops.convert_to_tensor(y_pred, dtype=loss.dtype)
+    values = loss.call(y_true, y_pred)
+    if (
+        get_keras_mask(values) is not None
+        or values.ndim == 0
+        or values.shape[0] != y_pred.shape[0]
+    ):
+        return None
+    weighted_sum = reduce_weighted_values(
+        values, sample_weight=sample_weight, reduction="sum", dtype=loss.dtype
+    )
+    global_count = values.numel() // values.shape[0] * global_rows
+    return weighted_sum / global_count

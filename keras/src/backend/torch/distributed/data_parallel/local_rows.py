@@ -1,0 +1,543 @@
+"""Data-parallel model calls on each process' own rows, as plain tensors.
+
+When every weight is replicated and the batch is sharded, a call that
+treats each sample on its own computes on a process' rows exactly what
+DTensor computes on them, without DTensor's dispatch on every op. Which
+calls do is measured on the first one (`batch_coupling`'s probe: DTensor's
+own collectives, then the same call on the local rows compared), whatever
+the classes of the layers. A per-sample model is then called on the local
+rows as plain tensors: the weights enter as their local values with
+partial-sum gradients (torch's `local_map`), and the outputs leave as
+batch-sharded DTensors, so the loss, the metrics and anything else that
+reduces over the batch still see the global batch and keep one process'
+numbers.
+
+What couples the samples of a batch inside the model is made global by
+one mechanism each:
+
+- moments over the batch axis (`BatchNormalization` in training) are
+  computed from sums all-reduced across processes
+  (`batch_statistics.batch_moments`), as torch's `SyncBatchNorm` does; the
+  moving statistics a layer updates are written back to its variables;
+- random numbers are drawn by position (`random_draws`): a draw over the
+  batch draws this process' rows of the global batch's draw, the same
+  numbers whatever the number of processes;
+- a model whose call assigns a trainable variable
+  (`SpectralNormalization`), adds a loss (an activity regularizer's,
+  taken over the global batch), reduces over the batch, or computes
+  anything else on its local rows than on the global batch (a draw not
+  over the batch's rows included), runs through DTensor (in that step
+  function: its train step may, its test step, in inference, may not;
+  the step remembers).
+"""
+
+import contextlib
+import dataclasses
+import threading
+import weakref
+
+import torch
+
+from keras.src import tree
+from keras.src.backend.common.masking import get_keras_mask
+from keras.src.backend.common.masking import set_keras_mask
+from keras.src.backend.torch.distributed.core import generator_states
+from keras.src.backend.torch.distributed.core import layouts
+from keras.src.backend.torch.distributed.core import local_state
+from keras.src.backend.torch.distributed.core import random_draws
+from keras.src.backend.torch.distributed.core import runtime
+from keras.src.backend.torch.distributed.core.runtime import DTensor
+from keras.src.backend.torch.distributed.core.runtime import Partial
+from keras.src.backend.torch.distributed.core.runtime import Replicate
+from keras.src.backend.torch.distributed.core.runtime import Shard
+from keras.src.backend.torch.distributed.data_parallel import batch_coupling
+from keras.src.backend.torch.distributed.data_parallel import coupled_layers
+from keras.src.backend.torch.distributed.dtensor_gaps import fallback
+
+# The attribute of a model that holds its `ModelSteps`.
+_STEPS_ATTRIBUTE = "_distributed_steps"
+# The local call running in this thread: `(process group, global rows)`,
+# for `batch_moments`, which the call reaches through the backend's
+# `moments` with no model or step at hand. A call's context, not a step's:
+# a call runs in the thread that makes it (its backward pass, which may run
+# elsewhere, reads nothing here).
+_local_call = threading.local()
+# What the probe found of calls outside a step: `{layer: {training:
+# batch_coupling.Verdict}}` (a step keeps its own, `step.verdicts`).
+_verdicts = weakref.WeakKeyDictionary()
+
+
+class ModelSteps:
+    """The `step.DistributedStep`s of a model, kept on it.
+
+    Attributes:
+        by_kind: the step each kind of step function ("train", "test",
+            "predict") runs.
+        running: the step running now, or `None`.
+    """
+
+    def __init__(self):
+        self.by_kind = {}
+        self.running = None
+
+
+def model_steps(model):
+    """The `ModelSteps` of `model` (created on first use)."""
+    steps = getattr(model, _STEPS_ATTRIBUTE, None)
+    if steps is None:
+        steps = ModelSteps()
+        setattr(model, _STEPS_ATTRIBUTE, steps)
+    return steps
+
+
+def running_step(model):
+    """The `step.DistributedStep` running a step of `model` now, or `None`.
+
+    Args:
+        model: a layer (the outermost layer of a call).
+
+    Returns:
+        The step its step function set on it, while that function runs.
+    """
+    steps = getattr(model, _STEPS_ATTRIBUTE, None)
+    return None if steps is None else steps.running
+
+
+def call(call_function, layer, args, kwargs, through_dtensor):
+    """Calls `layer` on the local rows if that gives DTensor's numbers.
+
+    Args:
+        call_function: `call_function(layer, *args, **kwargs)` calls it.
+        layer: the outermost layer called (usually the model).
+        args: the positional arguments, batch-sharded `DTensor`s.
+        kwargs: the keyword arguments.
+        through_dtensor: `through_dtensor(args, kwargs)` calls it on
+            `DTensor`s: the probe's first call.
+
+    Returns:
+        The outputs, batch-sharded `DTensor`s; `None` where the call is not
+        per-sample (the caller then calls it with DTensors). Within a step
+        of `layer` (see `running_step`), the step keeps each output's local
+        tensor, and learns whether the call must run through DTensor.
+    """
+    step = running_step(layer)
+    sharding = _batch_sharding((args, kwargs))
+    if sharding is None or (step is not None and step.runs_through_dtensor):
+        return None
+    mesh = sharding[0]
+    # A step decides once, for its step function (`step.local_variables`).
+    if step is not None:
+        variables = step.local_variables(mesh)
+    else:
+        variables = local_variables(layer, mesh)
+    if variables is None:
+        return None
+    # A step keeps the verdicts on its model's calls; calls outside a step
+    # are remembered per layer.
+    verdicts = (
+        _verdicts.setdefault(layer, {}) if step is None else step.verdicts
+    )
+    training = bool(kwargs.get("training"))
+    verdict = verdicts.get(training)
+    if verdict is None:
+        if not classification_final(layer):
+            return None
+        outputs, verdict = _probe(
+            call_function, layer, args, kwargs, through_dtensor, variables
+        )
+        if verdict is None:
+            return outputs
+        verdicts[training] = verdict
+        if step is not None and not verdict.per_sample:
+            step.runs_through_dtensor = True
+        runtime.log_debug("%s: %s", layer.name, verdict)
+        return outputs
+    if not verdict.per_sample:
+        return None
+    return _call_locally(
+        call_function, layer, args, kwargs, variables, verdict, step
+    )
+
+
+def verdict(layer, training=False):
+    """What the probe found of `layer`'s calls outside a step, or `None`.
+
+    Args:
+        layer: the outermost layer of a call (usually a model).
+        training: the call's `training` argument.
+
+    Returns:
+        A `batch_coupling.Verdict`, or `None` before a probe.
+    """
+    return _verdicts.get(layer, {}).get(bool(training))
+
+
+def _probe(call_function, layer, args, kwargs, through_dtensor, variables):
+    """Calls `layer` through DTensor, then checks its call on local rows.
+
+    The check draws what the DTensor call drew (random numbers are drawn
+    by position, `random_draws`): from the same seed generator states and
+    torch generator state, on this process' rows.
+
+    Returns:
+        `(outputs of the DTensor call, batch_coupling.Verdict)`; no verdict
+        (`None`) if the call built a layer (its variables are not all known
+        yet: the next call probes again).
+    """
+    mesh, global_rows, local_rows, placements = _batch_sharding((args, kwargs))
+    before = [(v, v.value.to_local().clone()) for v in variables]
+    rng_states = generator_states.take()
+    watch = batch_coupling.PartialWatch()
+    # The fallback's modes first: within a step they stay on to its end
+    # (its backward pass), past the watch.
+    with fallback.dtensor_fallback(), watch:
+        outputs = through_dtensor(args, kwargs)
+    if len(layer.variables) != len(variables):
+        return outputs, None
+    rows = [
+        _own_rows(x, mesh, global_rows, placements)
+        for x in tree.flatten(outputs)
+        if x is not None
+    ]
+    split = all(x is not None for x in rows)
+    coupled = batch_coupling.coupling_layers(layer, watch)
+    local_leaves, reason, plan = None, None, None
+    if split and coupled is not None:
+        after = generator_states.take()
+        generator_states.restore(rng_states)
+        batch = coupled_layers.Batch(mesh, global_rows, local_rows, placements)
+        losses = [x for c in coupled[0] for x in c._get_own_losses()]
+        local_leaves, reason, plan = _checking_call(
+            call_function,
+            layer,
+            args,
+            kwargs,
+            before,
+            batch,
+            coupled[0],
+            losses,
+        )
+        if reason is None:
+            # Draws from a global generator (Python's picking operations,
+            # torch's for an op of its own) must take from it what the
+            # DTensor call took, else the processes' generators leave the
+            # sequence of one process.
+            if generator_states.differ(after, generator_states.take()):
+                reason = "draws from a global generator otherwise on its rows"
+            plan.python_draws = generator_states.python_advanced(
+                rng_states, after
+            )
+        generator_states.restore(after)
+    verdict = batch_coupling.verdict_of(
+        watch, rows if split else None, local_leaves, reason, coupled
+    )
+    verdict = batch_coupling.agreed(verdict, mesh)
+    if verdict.per_sample:
+        verdict = dataclasses.replace(verdict, draws=plan)
+    return outputs, verdict
+
+
+def _own_rows(x, mesh, global_rows, placements):
+    """This process' rows of a probe's output, or `None` if it has none.
+
+    An output split as the inputs are is its local tensor; one left whole
+    (an op DTensor refused, computed on global values) is cut.
+    """
+    if not (
+        isinstance(x, DTensor)
+        and x.device_mesh is mesh
+        and x.ndim > 0
+        and x.shape[0] == global_rows
+    ):
+        return None
+    if tuple(x.placements) == placements:
+        return x.to_local()
+    if all(p.is_replicate() for p in x.placements):
+        start, stop = layouts.chunk_bounds(
+            global_rows, mesh.size(), mesh.get_local_rank()
+        )
+        return x.to_local()[start:stop]
+    return None
+
+
+def _checking_call(
+    call_function, layer, args, kwargs, mapping, batch, coupled, losses
+):
+    """The probe's call on the local rows: no gradient, nothing kept.
+
+    Args:
+        mapping: pairs `(variable, local value)`: the values the DTensor
+            call started from.
+        batch: the `coupled_layers.Batch` of the call.
+        coupled: the layers to call through DTensor.
+        losses: the losses they added in the DTensor call.
+
+    Returns:
+        `(output leaves, None, random_draws.DrawPlan)`, or `(None, why the
+        call is not per-sample, None)`.
+    """
+    local_args, local_kwargs = tree.map_structure(_to_local, (args, kwargs))
+    plan = random_draws.DrawPlan()
+    try:
+        with torch.no_grad(), runtime.distribution_suspended():
+            with _in_local_call(batch, plan, coupled) as routing:
+                with local_state.stateless_scope(mapping, True) as scope:
+                    entered = dict(scope.state_mapping)
+                    outputs = call_function(layer, *local_args, **local_kwargs)
+    except coupled_layers.NotRows as error:
+        return None, f"a layer that couples samples returns {error}", None
+    rows = batch.local_rows
+    variables = [v for v, _ in mapping]
+    updated = [
+        v for v in variables if scope.get_current_value(v) is not entered[id(v)]
+    ]
+    if batch_coupling.assigned_outside(scope, entered):
+        return None, "assigns a variable outside the model", None
+    if any(v.trainable for v in updated):
+        return None, "assigns a trainable variable", None
+    if not routing.added_only(scope.losses):
+        return None, "adds a loss (taken over the global batch)", None
+    leaves = [x for x in tree.flatten(outputs) if x is not None]
+    if not all(_is_local_batch(x, rows) for x in leaves):
+        return None, "its outputs on the local rows are not plain rows", None
+    if not _same_losses(losses, routing.losses):
+        return None, "its losses on the local rows differ from DTensor's", None
+    # The state the call updates (moving statistics, seed generators) as
+    # the DTensor call left it.
+    if not all(
+        batch_coupling.same(scope.get_current_value(v), v.value.to_local())
+        for v in variables
+        if not v.trainable
+    ):
+        return None, "its updates on the local rows differ from DTensor's", None
+    return leaves, None, plan
+
+
+def _same_losses(losses, local_losses):
+    """Whether the coupled layers' losses of a probe's two calls agree (on
+    this process' part of each: they are laid out alike)."""
+    if len(losses) != len(local_losses):
+        return False
+    return all(
+        batch_coupling.same(coupled_layers.whole(a), coupled_layers.whole(b))
+        for a, b in zip(losses, local_losses)
+    )
+
+
+def _call_locally(call_function, layer, args, kwargs, variables, verdict, step):
+    """Calls `layer` on the local rows; `None` if the call must run
+    through DTensor after all (then nothing it did is kept)."""
+    mesh, global_rows, local_rows, placements = _batch_sharding((args, kwargs))
+    batch = coupled_layers.Batch(mesh, global_rows, local_rows, placements)
+    local_args, local_kwargs = tree.map_structure(_to_local, (args, kwargs))
+    mapping = [(v, _local_weight(v, step)) for v in variables]
+    # A call dropped below must leave the generators as it found them.
+    rng_states = generator_states.take()
+    plan = verdict.draws.following()
+    outputs, unseen = None, ""
+    try:
+        with runtime.distribution_suspended():
+            with _in_local_call(batch, plan, verdict.coupled) as routing:
+                with local_state.stateless_scope(mapping, True) as scope:
+                    entered = dict(scope.state_mapping)
+                    outputs = call_function(layer, *local_args, **local_kwargs)
+    except coupled_layers.NotRows as error:
+        unseen = f"a layer that couples samples returns {error}"
+    leaves = [x for x in tree.flatten(outputs) if x is not None]
+    updated = [
+        (v, scope.get_current_value(v))
+        for v in variables
+        if scope.get_current_value(v) is not entered[id(v)]
+    ]
+    if not unseen and not all(_is_local_batch(x, local_rows) for x in leaves):
+        unseen = "outputs that are not this process' rows"
+    if not unseen:
+        unseen = batch_coupling.unseen_by_probe(
+            plan, rng_states, scope, entered, updated, routing
+        )
+    if (plan.draws or plan.python_draws) and global_rows % mesh.size():
+        # Whether a draw fits the plan can depend on a process' number of
+        # rows, which differ here: every process must leave the local rows
+        # alike. (Processes of as many rows decide alike.)
+        unseen = batch_coupling.agreed_unseen(unseen, mesh)
+    if unseen:
+        # What the probe did not see in its call (a draw of another shape,
+        # a loss added only now and then): the call runs again through
+        # DTensor, this time and from now on in this step function.
+        # Nothing the call updated is kept.
+        runtime.log_debug(
+            "%s: through DTensor from now on: %s", layer.name, unseen
+        )
+        if step is not None:
+            step.runs_through_dtensor = True
+        generator_states.restore(rng_states)
+        return None
+    with torch.no_grad():
+        for variable, value in updated:
+            # Moving statistics (the same on every process: global moments)
+            # and seed generator states, written into the replicated local
+            # values.
+            variable.value.to_local().copy_(value)
+    coupled_layers.keep_losses(layer, scope.losses)
+
+    def to_global(x):
+        output = _to_global(x, mesh, global_rows, placements)
+        if step is not None:
+            step.keep_local_output(output, x)
+        return output
+
+    return tree.map_structure(to_global, outputs)
+
+
+@contextlib.contextmanager
+def _in_local_call(batch, plan, coupled):
+    _local_call.current = (batch.mesh.get_group(), batch.global_rows)
+    try:
+        with (
+            random_draws.local_rows_scope(
+                batch.start, batch.local_rows, batch.global_rows, plan
+            ),
+            coupled_layers.routed(coupled, batch) as routing,
+        ):
+            yield routing
+    finally:
+        _local_call.current = None
+
+
+def local_call_group():
+    """The process group of the call on the local rows this thread runs
+    (its mesh's), or `None` outside such a call."""
+    current = getattr(_local_call, "current", None)
+    return None if current is None else current[0]
+
+
+def local_variables(model, mesh):
+    """The variables of `model` if it may be called on the local rows.
+
+    Args:
+        model: the outermost layer of a call.
+        mesh: the (1-D) mesh its batch is sharded over.
+
+    Returns:
+        The list of the model's variables if every one is replicated on
+        `mesh`, else `None`. Whether its calls are per-sample is the
+        probe's (see `call`).
+    """
+    variables = list(model.variables)
+    if not all(_replicated_on(v.value, mesh) for v in variables):
+        return None
+    return variables
+
+
+def classification_final(model):
+    """Whether what `local_variables` says of `model` holds from now on.
+
+    Once every layer in the model is built, its layers, their variables and
+    the variables' layouts no longer change (assignments keep a variable's
+    layout): a step function may keep the answer (Keras' own compiled
+    steps, JAX's too, also see the model as it was when first traced).
+    Before, a layer still to be built answers `False` for now.
+    """
+    return all(
+        sublayer.built
+        for sublayer in model._flatten_layers(include_self=True, recursive=True)
+    )
+
+
+def _batch_sharding(values):
+    """`(mesh, global rows, local rows, placements)` if every tensor in
+    `values` is a DTensor sharded on its first axis over a 1-D mesh, each
+    process holding at least one row; else `None`.
+
+    On a mesh of one process, inputs left whole (`Replicate`, as
+    `distribute_tensor` leaves a batch on an axis of size one) are that
+    process' rows too: a `DataParallel` job of one process computes on
+    plain tensors, as one with several does.
+    """
+    leaves = [x for x in tree.flatten(values) if hasattr(x, "shape")]
+    if not leaves or not all(isinstance(x, DTensor) for x in leaves):
+        return None
+    mesh = leaves[0].device_mesh
+    global_rows = leaves[0].shape[0] if leaves[0].ndim else 0
+    placements = tuple(leaves[0].placements)
+    if mesh.ndim != 1 or placements not in _batch_placements(mesh):
+        return None
+    for x in leaves:
+        if (
+            x.ndim == 0
+            or x.device_mesh is not mesh
+            or tuple(x.placements) != placements
+            or x.shape[0] != global_rows
+        ):
+            return None
+    parts = [
+        layouts.chunk_bounds(global_rows, mesh.size(), i)
+        for i in range(mesh.size())
+    ]
+    if any(stop <= start for start, stop in parts):
+        return None
+    start, stop = parts[mesh.get_local_rank()]
+    return mesh, global_rows, stop - start, placements
+
+
+def _batch_placements(mesh):
+    """The placements of a batch split over the 1-D `mesh`."""
+    if mesh.size() == 1:
+        return ((Shard(0),), (Replicate(),))
+    return ((Shard(0),),)
+
+
+def _replicated_on(value, mesh):
+    return (
+        isinstance(value, DTensor)
+        and value.device_mesh is mesh
+        and all(p.is_replicate() for p in value.placements)
+    )
+
+
+def _local_weight(variable, step):
+    """A replicated weight's local value; its gradient a partial sum.
+
+    In Keras' own train step a trainable weight enters as a plain leaf
+    (see `step_reduction.OverlappedReduction.local_leaf`), else through
+    DTensor.
+    """
+    value = variable.value
+    if not value.requires_grad:
+        return value.to_local()
+    leaf = None if step is None else step.local_leaf(variable)
+    if leaf is not None:
+        return leaf
+    return value.to_local(grad_placements=[Partial()])
+
+
+def _to_local(x):
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+def _is_local_batch(x, local_rows):
+    """Whether `x` is a plain tensor of this process' rows (no DTensor
+    took part in computing it: an op with one returns a DTensor)."""
+    return (
+        hasattr(x, "shape")
+        and not isinstance(x, DTensor)
+        and x.ndim > 0
+        and x.shape[0] == local_rows
+    )
+
+
+def _to_global(x, mesh, global_rows, placements):
+    """A local output as the global value laid out as the inputs were
+    (`placements`), with its mask."""
+    mask = get_keras_mask(x)
+    output = _sharded(x, mesh, global_rows, placements)
+    if mask is not None:
+        set_keras_mask(output, _sharded(mask, mesh, global_rows, placements))
+    return output
+
+
+def _sharded(x, mesh, global_rows, placements):
+    x = x.contiguous()
+    return layouts.dtensor_from_local(
+        x, mesh, list(placements), shape=(global_rows,) + tuple(x.shape[1:])
+    )

@@ -1,0 +1,373 @@
+"""Ops computed on the global values of their `DTensor` operands.
+
+The fallback mode (`fallback.py`) decides which ops DTensor cannot compute
+as wanted; this module computes them as one process does: it gathers the
+operands to their global values, runs the op on plain tensors, and lays
+each result out again (like an operand of the same shape, its partial sums
+reduced; else replicated). An op that writes into its operands writes its
+result back in each operand's own layout. Every such op, and what it
+gathered, is counted (`fallback_counts`), for
+`keras.distribution.sharding_summary`.
+"""
+
+import dataclasses
+import functools
+import threading
+
+import torch
+
+from keras.src.backend.torch.distributed.core import runtime
+from keras.src.backend.torch.distributed.core.runtime import DTensor
+from keras.src.backend.torch.distributed.core.runtime import Replicate
+from keras.src.backend.torch.distributed.core.runtime import Shard
+
+
+@dataclasses.dataclass
+class FallbackCount:
+    """How often an op fell back, and what it gathered.
+
+    Attributes:
+        calls: how many times the op was computed on global values.
+        gathered_bytes: the bytes of the global values this process
+            assembled from other processes' shards and partial sums.
+        reason: the first line of DTensor's error, the first time.
+    """
+
+    calls: int = 0
+    gathered_bytes: int = 0
+    reason: str = ""
+
+
+_counts = {}
+_counts_lock = threading.Lock()
+
+
+def fallback_counts():
+    """The ops this process computed on global values, so far.
+
+    Returns:
+        A dict from the op's name (`"aten.avg_pool2d_backward.default"`) to
+        a copy of its `FallbackCount`.
+    """
+    with _counts_lock:
+        return {k: dataclasses.replace(v) for k, v in _counts.items()}
+
+
+def reset_fallback_counts():
+    """Forgets the ops counted by `fallback_counts`."""
+    with _counts_lock:
+        _counts.clear()
+
+
+def on_global_values(
+    func, args, kwargs, refusal, name, mutated=(), differentiable=False
+):
+    """`func` computed on the global values of its `DTensor` operands.
+
+    Args:
+        func: an op, or a torch function.
+        args: its positional arguments.
+        kwargs: its keyword arguments.
+        refusal: DTensor's error, or `None`.
+        name: the name it is counted under.
+        mutated: the operands it writes into.
+        differentiable: whether autograd records the gathers (a torch
+            function, above autograd; an op, below it, is recorded as a
+            whole).
+
+    Returns:
+        Its results, laid out again.
+    """
+    operands = [x for x in leaves((args, kwargs)) if isinstance(x, DTensor)]
+    mesh = operands[0].device_mesh
+    gathered = {}
+
+    def global_value(x):
+        if not isinstance(x, DTensor):
+            return x
+        if id(x) not in gathered:
+            if differentiable:
+                whole = x.full_tensor()
+            else:
+                whole = gathered_at_once(x)
+                if whole is None:
+                    # Below autograd, nothing is recorded; a gather of an
+                    # operand that requires grad ends in `detach_`, which
+                    # torch < 2.13's DTensor refuses.
+                    whole = x.detach().full_tensor()
+            if _is_view(func):
+                # The view is copied out as a result anyway; contiguous,
+                # the value takes every view one process' tensor takes.
+                gathered[id(x)] = whole.contiguous()
+            else:
+                gathered[id(x)] = _in_memory_order_of(whole, x)
+        return gathered[id(x)]
+
+    global_args, global_kwargs = map_leaves(global_value, (args, kwargs))
+    try:
+        outputs = func(*global_args, **global_kwargs)
+    except Exception as e:
+        # The op fails on plain tensors too: its own error is the one to
+        # show, with DTensor's for context.
+        raise e from refusal
+    count(name, refusal, operands)
+    for operand in mutated:
+        if isinstance(operand, DTensor):
+            _write_back(operand, gathered[id(operand)])
+    if mutated and len(mutated) == len(leaves(outputs)):
+        # An in-place op returns the operands it wrote into; a plain one
+        # holds the global value, as plain tensors do here.
+        return mutated[0] if len(mutated) == 1 else tuple(mutated)
+    return map_leaves(
+        lambda y: (
+            _laid_out(y, mesh, operands) if isinstance(y, torch.Tensor) else y
+        ),
+        outputs,
+    )
+
+
+def _in_memory_order_of(whole, x):
+    """`whole`, dense, with its dimensions in memory as `x`'s strides say.
+
+    A global value is the tensor one process would hold, and that tensor is
+    not always contiguous: cuDNN's batch-first RNN output is a transpose of
+    its time-major buffer, and its backward reads that saved output's memory
+    in the order the forward wrote it (from a contiguous copy it computes
+    wrong gradients of the recurrent kernel). A `DTensor`'s own strides
+    describe one process' tensor (its local tensor may be laid out
+    otherwise), and they are the same on every process, so every process
+    lays out its global value alike. Contiguous for a broadcast.
+
+    Args:
+        whole: the global value of `x`.
+        x: a `DTensor`.
+
+    Returns:
+        A dense tensor equal to `whole`.
+    """
+    order = _memory_order(x)
+    if order is None or order == sorted(order):
+        return whole.contiguous()
+    inverse = [order.index(d) for d in range(len(order))]
+    return whole.permute(order).contiguous().permute(inverse)
+
+
+def _memory_order(x):
+    """The dimensions of `x` from outermost to innermost in memory, or
+    `None` for a broadcast (a stride of 0).
+
+    Only the order: DTensor's global strides keep the order of its local
+    tensor's, not always their values.
+    """
+    if any(x.stride(d) == 0 and x.size(d) > 1 for d in range(x.dim())):
+        return None
+    return sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
+
+
+def gathered_at_once(x):
+    """The global value of `x`, sharded along several mesh dimensions, in
+    one all-gather over all of the mesh's processes.
+
+    `full_tensor` gathers along one mesh dimension after the other: a
+    collective per dimension (the logits of a model sharded over the batch
+    and the model axes take two).
+
+    Args:
+        x: a `DTensor`.
+
+    Returns:
+        A plain tensor, or `None` where one all-gather does not apply: a
+        value sharded along at most one mesh dimension, a partial sum or a
+        strided shard, or a mesh that is not every process.
+    """
+    mesh = x.device_mesh
+    placements = x.placements
+    if (
+        any(not (p.is_replicate() or type(p) is Shard) for p in placements)
+        or sum(
+            1
+            for i, p in enumerate(placements)
+            if p.is_shard() and mesh.size(i) > 1
+        )
+        < 2
+    ):
+        return None
+    if mesh.size() != torch.distributed.get_world_size():
+        return None
+    shape = tuple(x.shape)
+    mesh_shape = tuple(mesh.shape)
+    ranks = mesh.mesh.reshape(-1).tolist()
+    coordinates = {
+        rank: tuple(
+            int(i) for i in torch.unravel_index(torch.tensor(k), mesh_shape)
+        )
+        for k, rank in enumerate(ranks)
+    }
+    # DTensor shards as `torch.chunk`: the first part is the largest.
+    _, padded = _part_box(shape, placements, mesh_shape, (0,) * mesh.ndim)
+    local = x.to_local()
+    send = local.new_zeros(padded)
+    send[tuple(slice(0, n) for n in local.shape)] = local
+    received = send.new_empty(len(ranks) * send.numel())
+    runtime.all_gather_flat(received, send.reshape(-1))
+    received = received.view((len(ranks),) + tuple(padded))
+    whole = local.new_empty(shape)
+    for rank in range(len(ranks)):
+        start, lengths = _part_box(
+            shape, placements, mesh_shape, coordinates[rank]
+        )
+        whole[tuple(slice(a, a + n) for a, n in zip(start, lengths))] = (
+            received[rank][tuple(slice(0, n) for n in lengths)]
+        )
+    return whole
+
+
+def _part_box(shape, placements, mesh_shape, coordinate):
+    """Where the part of the process at mesh `coordinate` lies in the global
+    value: `(start, lengths)`, per tensor dimension."""
+    start, lengths = [0] * len(shape), list(shape)
+    for mesh_dim, placement in enumerate(placements):
+        if not placement.is_shard():
+            continue
+        dim = placement.dim % len(shape)
+        chunk = -(-lengths[dim] // mesh_shape[mesh_dim])
+        low = min(chunk * coordinate[mesh_dim], lengths[dim])
+        high = min(low + chunk, lengths[dim])
+        start[dim] += low
+        lengths[dim] = high - low
+    return start, lengths
+
+
+def _laid_out(value, mesh, operands):
+    """`value` as a `DTensor`: laid out like the first operand of its shape
+    (its partial sums reduced), else replicated."""
+    placements = [Replicate()] * mesh.ndim
+    for x in operands:
+        if x.shape == value.shape and x.device_mesh == mesh:
+            placements = [
+                Replicate() if p.is_partial() else p for p in x.placements
+            ]
+            break
+    replicated = DTensor.from_local(
+        value, mesh, [Replicate()] * mesh.ndim, run_check=False
+    )
+    if all(p.is_replicate() for p in placements):
+        return replicated
+    # From replicated to sharded is a local slice: no communication.
+    return replicated.redistribute(mesh, placements)
+
+
+def _write_back(operand, value):
+    """Writes a global `value` into `operand`'s shards, in its layout.
+
+    A partial sum over `n` processes holds `value / n` on each (DTensor
+    does not redistribute to `Partial`); an average, a maximum or a
+    minimum holds `value` itself.
+    """
+    mesh = operand.device_mesh
+    replicated = DTensor.from_local(
+        value, mesh, [Replicate()] * mesh.ndim, run_check=False
+    )
+    sharded = [Replicate() if p.is_partial() else p for p in operand.placements]
+    local = replicated.redistribute(mesh, sharded).to_local()
+    for mesh_dim, placement in enumerate(operand.placements):
+        if placement.is_partial() and placement.reduce_op == "sum":
+            local = local / mesh.size(mesh_dim)
+    with torch.no_grad():
+        operand.to_local().copy_(local)
+
+
+@functools.lru_cache(maxsize=None)
+def _is_view(func):
+    """Whether op `func` returns a view of an operand."""
+    schema = getattr(func, "_schema", None)
+    return schema is not None and any(
+        r.alias_info is not None and not r.alias_info.is_write
+        for r in schema.returns
+    )
+
+
+def mutated_operands(func, args, kwargs):
+    """The tensor arguments that `func` writes into."""
+    mutated = []
+    for position, name in _written_arguments(func):
+        value = args[position] if position < len(args) else kwargs.get(name)
+        mutated.extend(x for x in leaves(value) if torch.is_tensor(x))
+    return mutated
+
+
+@functools.lru_cache(maxsize=None)
+def _written_arguments(func):
+    """`(position, name)` of each argument `func`'s schema writes into."""
+    return tuple(
+        (i, argument.name)
+        for i, argument in enumerate(func._schema.arguments)
+        if argument.alias_info is not None and argument.alias_info.is_write
+    )
+
+
+def count(name, refusal, operands, gathered_bytes=0):
+    """Counts one fallback of `name` in `fallback_counts`.
+
+    Args:
+        name: the op's name.
+        refusal: DTensor's error (or a reason, or `None`); the first one
+            is kept.
+        operands: the `DTensor`s gathered to their global values.
+        gathered_bytes: further bytes gathered, besides the operands'.
+    """
+    gathered_bytes += sum(_gathered_bytes(x) for x in operands)
+    with _counts_lock:
+        entry = _counts.setdefault(name, FallbackCount())
+        first = entry.calls == 0
+        entry.calls += 1
+        entry.gathered_bytes += gathered_bytes
+        if first:
+            entry.reason = _first_line(refusal)
+    if first:
+        runtime.log_debug(
+            "fallback: %s (%s), gathering %d bytes",
+            name,
+            entry.reason,
+            gathered_bytes,
+        )
+
+
+def _gathered_bytes(x):
+    """The bytes of `x`'s global value that this process does not hold."""
+    held = x.to_local().numel()
+    if any(p.is_partial() for p in x.placements):
+        held = 0
+    return (x.numel() - held) * x.element_size()
+
+
+def _first_line(error):
+    if error is None:
+        return "a plain tensor updated in place with a DTensor"
+    if isinstance(error, str):
+        return error
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text[:200]}"
+
+
+def leaves(value):
+    """The leaves of nested lists, tuples and dicts (a `torch.Size` is
+    a tuple of leaves)."""
+    if isinstance(value, (list, tuple)):
+        return [leaf for x in value for leaf in leaves(x)]
+    if isinstance(value, dict):
+        return [leaf for x in value.values() for leaf in leaves(x)]
+    return [value]
+
+
+def map_leaves(function, value):
+    """`value` with `function` applied to each leaf (a `torch.Size` is one
+    leaf), its lists, tuples and dicts rebuilt."""
+    if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
+        mapped = [map_leaves(function, x) for x in value]
+        return (
+            type(value)(mapped) if isinstance(value, list) else (tuple(mapped))
+        )
+    if isinstance(value, dict):
+        return {k: map_leaves(function, x) for k, x in value.items()}
+    return function(value)

@@ -1,0 +1,259 @@
+"""Ops linear in an operand, computed on its partial sums as they are.
+
+A partial sum (`Partial()`) is what a contraction over a sharded dimension
+leaves: each process holds a term, the value is their sum. An op linear in
+an operand gives the sum of its results on the terms, so it needs no
+collective there: each process applies it to its own term, and the result
+is a partial sum too. DTensor knows this of matmuls, sums and additions,
+not of the backward ops of `softmax` and `log_softmax` nor of `scatter`.
+Handed a partial sum, those reduce it: a mixture-of-experts router's
+gradient (partial over the experts, which tensor parallelism splits) was
+reduce-scattered for the top-k's backward `scatter`, then gathered again
+for the softmax's backward and the router kernel's: two collectives where
+none is needed, since the gradient stays linear up to the layer's input,
+whose partial gradient the experts' own backward all-reduces anyway.
+
+`_LINEAR_OPERANDS` lists each op with the operands it is linear in
+(jointly: `scatter` replaces entries of `self` with entries of `src`).
+Where every such operand is a partial sum, or replicated, over a mesh axis
+on which every other operand is replicated, the op runs on local tensors
+and its result is a partial sum over that axis; a replicated linear operand
+enters as its value on the axis' first process and zeros on the others
+(exactly: `Partial`'s own split divides by the axis' size). On other mesh
+axes the operands are replicated or split alike, on a dimension the op does
+not work along (a replicated one takes its chunk). Anything else goes to
+DTensor as it is, and so does a `scatter` on CUDA without deterministic
+algorithms: given an index twice, each process could keep a different one
+of the values written there.
+
+A sum of a partial sum and a value sharded over the same mesh axis is a
+partial sum too: each process adds its shard, in zeros, to its term
+(`_sum_with_shards`). DTensor reduce-scatters the partial sum instead; the
+input gradient of an attention layer whose query is split over heads (a
+partial sum) and whose key and value split their input features (shards)
+was then gathered again where the layer's input needs it whole: two
+collectives where the one all-reduce of the whole gradient does.
+"""
+
+import torch
+
+from keras.src.backend.torch.distributed.core import layouts
+from keras.src.backend.torch.distributed.core.runtime import DTensor
+from keras.src.backend.torch.distributed.core.runtime import Partial
+from keras.src.backend.torch.distributed.core.runtime import Replicate
+from keras.src.backend.torch.distributed.core.runtime import Shard
+
+_aten = torch.ops.aten
+
+# op -> (positions of the operands it is linear in, position of its `dim`).
+_LINEAR_OPERANDS = {
+    # grad_input = output * (grad - sum(grad * output, dim))
+    _aten._softmax_backward_data.default: ((0,), 2),
+    # grad_input = grad - exp(output) * sum(grad, dim)
+    _aten._log_softmax_backward_data.default: ((0,), 2),
+    # `self` where `index` does not point, `src` where it does. The backward
+    # of `topk`, `max`, `sort` (`value_selecting_reduction_backward`).
+    _aten.scatter.src: ((0, 3), 1),
+}
+# A partial sum plus a shard: each process adds its shard, in zeros, to
+# its term. DTensor reduce-scatters the partial sum instead, and the sum,
+# sharded, is gathered again where a whole value is needed (the input
+# gradient of a layer whose query is column parallel and whose key and
+# value are row parallel). A partial sum plus a replicated value stays
+# DTensor's (reduced first): kept partial, it was reduced later in more
+# places than one.
+_ADD = _aten.add.Tensor
+
+# Ops that, given an index twice, keep one of the values written there:
+# each process must keep the same one, or the terms' sum is a mix of two
+# values. The CPU kernel writes in index order; CUDA's only does with
+# deterministic algorithms on.
+_ONE_OF_DUPLICATES = (_aten.scatter.src,)
+
+
+def on_partial_sums(func, args, kwargs):
+    """Computes `func` on the terms of its partial-sum operands.
+
+    Args:
+        func: the aten op being dispatched.
+        args: its positional arguments, some of them `DTensor`s.
+        kwargs: its keyword arguments.
+
+    Returns:
+        The result, a `DTensor` that is a partial sum over the mesh axes
+        where a linear operand was one, or `None` where `func` is not
+        listed or its operands do not allow it (DTensor then computes it).
+    """
+    # Called for every op on `DTensor`s in a step: the op is looked up first.
+    entry = _LINEAR_OPERANDS.get(func)
+    if entry is None and func is not _ADD:
+        return None
+    if kwargs or torch.compiler.is_compiling():
+        return None
+    if func is _ADD:
+        return _sum_with_shards(args)
+    linear, dim_position = entry
+    if func in _ONE_OF_DUPLICATES and not _writes_in_order(args[0]):
+        return None
+    operands = [(i, x) for i, x in enumerate(args) if isinstance(x, DTensor)]
+    if not all(isinstance(args[i], DTensor) for i in linear):
+        return None
+    mesh = args[linear[0]].device_mesh
+    if any(x.device_mesh != mesh for _, x in operands):
+        return None
+    partial_axes = [
+        axis
+        for axis in range(mesh.ndim)
+        if any(args[i].placements[axis].is_partial() for i in linear)
+    ]
+    if not partial_axes:
+        return None
+    dim = args[dim_position] % args[linear[0]].ndim
+    placements = _result_placements(
+        operands, linear, partial_axes, dim, mesh.ndim
+    )
+    if placements is None:
+        return None
+    local_args = list(args)
+    for i, x in operands:
+        local = _laid_out_as(x, placements, partial_axes).to_local()
+        if i in linear:
+            local = _as_term(local, x.placements, partial_axes, mesh)
+        local_args[i] = local
+    result = func(*local_args)
+    return layouts.dtensor_from_local(
+        result, mesh, placements, shape=args[linear[0]].shape
+    )
+
+
+def _writes_in_order(x):
+    return (
+        x.device.type == "cpu" or torch.are_deterministic_algorithms_enabled()
+    )
+
+
+def _result_placements(operands, linear, partial_axes, dim, ndim):
+    """The result's placements, or `None` if the operands do not allow a
+    computation on local tensors."""
+    placements = []
+    for axis in range(ndim):
+        if axis in partial_axes:
+            for i, x in operands:
+                p = x.placements[axis]
+                allowed = p.is_replicate() or (
+                    i in linear and p == Partial("sum")
+                )
+                if not allowed:
+                    return None
+            placements.append(Partial("sum"))
+            continue
+        shards = {x.placements[axis] for _, x in operands} - {Replicate()}
+        if len(shards) > 1:
+            return None
+        if not shards:
+            placements.append(Replicate())
+            continue
+        shard = shards.pop()
+        reference = operands[0][1]
+        # Not a strided shard: its chunks are not `torch.chunk`'s.
+        if type(shard) is not Shard or shard.dim % reference.ndim == dim:
+            return None
+        for _, x in operands:
+            if x.ndim != reference.ndim or (
+                x.shape[shard.dim] != reference.shape[shard.dim]
+            ):
+                return None
+        placements.append(shard)
+    return placements
+
+
+def _laid_out_as(x, placements, partial_axes):
+    """`x` split as `placements` on the axes it is replicated over where
+    the others are split (a local chunk, no collective)."""
+    target = [
+        p if axis not in partial_axes else x.placements[axis]
+        for axis, p in enumerate(placements)
+    ]
+    if target == list(x.placements):
+        return x
+    return x.redistribute(x.device_mesh, target)
+
+
+def _as_term(local, placements, partial_axes, mesh):
+    """A replicated operand's term of a partial sum: its value on the
+    first process of each axis it is replicated over, zeros elsewhere."""
+    for axis in partial_axes:
+        if placements[axis].is_replicate() and mesh.get_local_rank(axis):
+            return torch.zeros_like(local)
+    return local
+
+
+def _sum_with_shards(args):
+    """`a + b` of a partial sum and a shard (over the same mesh axis) as a
+    partial sum, or `None` (DTensor then adds them)."""
+    a, b = args[:2]
+    if not (
+        isinstance(a, DTensor)
+        and isinstance(b, DTensor)
+        and a.device_mesh == b.device_mesh
+        and a.shape == b.shape
+    ):
+        return None
+    mesh = a.device_mesh
+    placements = []
+    split = False
+    for axis in range(mesh.ndim):
+        pa, pb = a.placements[axis], b.placements[axis]
+        if pa.is_partial() or pb.is_partial():
+            for x in (a, b):
+                # Not an average: a shard's chunk in zeros is its term of
+                # a sum, of an average a fraction.
+                if not (
+                    x.placements[axis] == Partial("sum") or _sole_split(x, axis)
+                ):
+                    return None
+            split = split or not (pa.is_partial() and pb.is_partial())
+            placements.append(Partial("sum"))
+        elif pa == pb:
+            placements.append(pa)
+        else:
+            return None
+    if not split:
+        return None
+    terms = [_shard_as_term(x, placements, mesh) for x in (a, b)]
+    if terms[0] is None or terms[1] is None:
+        return None
+    return layouts.dtensor_from_local(
+        terms[0] + terms[1], mesh, placements, shape=a.shape
+    )
+
+
+def _sole_split(x, axis):
+    """Whether `x` is sharded over mesh `axis` on a dimension no other mesh
+    axis shards."""
+    p = x.placements[axis]
+    return type(p) is Shard and not any(
+        q.is_shard() and q.dim % x.ndim == p.dim % x.ndim
+        for other, q in enumerate(x.placements)
+        if other != axis
+    )
+
+
+def _shard_as_term(x, placements, mesh):
+    """`x`'s local tensor as its term of a partial sum over the axes
+    `placements` makes partial: a shard over such an axis in zeros."""
+    local = x.to_local()
+    for axis, target in enumerate(placements):
+        p = x.placements[axis]
+        if not (target.is_partial() and p.is_shard()):
+            continue
+        dim = p.dim % x.ndim
+        shape = list(local.shape)
+        shape[dim] = x.shape[dim]
+        start, stop = layouts.chunk_bounds(
+            x.shape[dim], mesh.size(axis), mesh.get_local_rank(axis)
+        )
+        term = local.new_zeros(shape)
+        term.narrow(dim, start, stop - start).copy_(local)
+        local = term
+    return local

@@ -1,0 +1,257 @@
+"""Ops DTensor refuses, computed on each process' rows where per-sample.
+
+DTensor has no sharding strategy for some ops on a batch-sharded operand
+(the fused cell of a recurrent layer, some pooling and resampling kernels,
+their backward ops). The fallback computes those on global values
+(`global_values`), which gathers the batch on every process: the cost of
+each process would grow with the global batch. An op that treats each
+sample on its own needs only this process' rows, with its other operands
+whole: only the axes other than the batch's are gathered.
+
+Whether an op does is measured the first time it meets a signature (the
+op, its operands' placements and shapes but for the number of rows, its
+other arguments): it runs on global values, as before, and on the local
+rows; each process compares its rows of the first with the second, and
+the processes agree in one all-reduce. From then on, that signature is
+computed on the local rows, or always on global values.
+"""
+
+import threading
+
+import torch
+
+from keras.src.backend.torch.distributed.core import collectives
+from keras.src.backend.torch.distributed.core import layouts
+from keras.src.backend.torch.distributed.core import runtime
+from keras.src.backend.torch.distributed.core.runtime import DTensor
+from keras.src.backend.torch.distributed.core.runtime import Replicate
+from keras.src.backend.torch.distributed.core.runtime import Shard
+from keras.src.backend.torch.distributed.dtensor_gaps import global_values
+
+# `{signature: whether the op is per-sample there}`, for the process.
+_per_sample = {}
+_lock = threading.Lock()
+# The reason a refused op computed on the local rows is counted under.
+ON_ROWS = "computed on each process' rows (per-sample)"
+# Results equal to float32 rounding: the same kernel on fewer rows.
+RTOL = 1e-5
+ATOL = 1e-6
+
+
+def forget():
+    """Forgets which signatures were found per-sample (each is checked
+    again at its next meeting)."""
+    with _lock:
+        _per_sample.clear()
+
+
+def on_local_rows(func, args, kwargs, refusal):
+    """`func`'s results computed on each process' rows, if per-sample.
+
+    Args:
+        func: an op DTensor refused.
+        args: its positional arguments.
+        kwargs: its keyword arguments.
+        refusal: DTensor's error.
+
+    Returns:
+        The results, batch-sharded `DTensor`s; `None` where the op does not
+        split by rows (the caller computes it on global values).
+    """
+    split = _batch_split(args, kwargs)
+    if split is None:
+        return None
+    signature = _signature(func, args, kwargs, split)
+    with _lock:
+        known = _per_sample.get(signature)
+    if known is False:
+        return None
+    if known:
+        return _computed_on_rows(func, args, kwargs, split, counted=True)[0]
+    return _first_meeting(func, args, kwargs, refusal, split, signature)
+
+
+class _Split:
+    """How an op's operands split by rows over one mesh dimension."""
+
+    def __init__(self, mesh, mesh_dim, global_rows, rows):
+        self.mesh = mesh
+        self.mesh_dim = mesh_dim
+        self.global_rows = global_rows
+        # `id` of each operand split by rows.
+        self.rows = rows
+
+    def placements(self, by_rows):
+        """Where an operand is computed on: this process' rows (`by_rows`)
+        or whole, over the other mesh dimensions whole."""
+        placements = [Replicate()] * self.mesh.ndim
+        if by_rows:
+            placements[self.mesh_dim] = Shard(0)
+        return placements
+
+    @property
+    def local_rows(self):
+        start, stop = layouts.chunk_bounds(
+            self.global_rows,
+            self.mesh.size(self.mesh_dim),
+            self.mesh.get_local_rank(self.mesh_dim),
+        )
+        return stop - start
+
+
+def _batch_split(args, kwargs):
+    """The `_Split` of the operands, or `None`.
+
+    The operands split by rows are the `DTensor`s sharded on their first
+    axis over one mesh dimension, all of as many rows, and those whole over
+    it of as many rows; every other `DTensor` operand is whole over that
+    dimension, and every process holds at least one row.
+    """
+    operands = [
+        x
+        for x in global_values.leaves((args, kwargs))
+        if isinstance(x, DTensor)
+    ]
+    mesh = operands[0].device_mesh
+    mesh_dims = {
+        d
+        for x in operands
+        for d, p in enumerate(x.placements)
+        if type(p) is Shard and p.dim % max(x.ndim, 1) == 0 and x.ndim > 0
+    }
+    if len(mesh_dims) != 1:
+        return None
+    (mesh_dim,) = mesh_dims
+    rows, global_rows = [], None
+    for x in operands:
+        if x.device_mesh != mesh:
+            return None
+        placement = x.placements[mesh_dim]
+        if placement.is_replicate():
+            continue
+        if not (type(placement) is Shard and placement.dim % x.ndim == 0):
+            return None
+        if global_rows not in (None, x.shape[0]):
+            return None
+        global_rows = x.shape[0]
+        rows.append(id(x))
+    if global_rows < mesh.size(mesh_dim):
+        return None
+    # A whole operand of as many rows (a gradient made whole by a sum over
+    # the batch) is taken by rows too: its own rows are a local slice.
+    rows += [
+        id(x)
+        for x in operands
+        if x.placements[mesh_dim].is_replicate()
+        and x.ndim > 0
+        and x.shape[0] == global_rows
+    ]
+    return _Split(mesh, mesh_dim, global_rows, frozenset(rows))
+
+
+def _signature(func, args, kwargs, split):
+    def key(x):
+        if isinstance(x, DTensor):
+            shape = tuple(x.shape)
+            if id(x) in split.rows:
+                shape = shape[1:]
+            return ("dtensor", tuple(x.placements), shape, x.dtype)
+        if isinstance(x, torch.Tensor):
+            return ("tensor", tuple(x.shape), x.dtype)
+        if isinstance(x, (bool, int, float, str, type(None), torch.dtype)):
+            return x
+        return type(x).__name__
+
+    leaves = global_values.leaves((args, sorted((kwargs or {}).items())))
+    return (func, split.mesh_dim, tuple(key(x) for x in leaves))
+
+
+def _computed_on_rows(func, args, kwargs, split, counted=False):
+    """`(results as DTensors, local results)`; `(None, None)` if a result
+    is not this process' rows. `counted`: counted in the fallback's
+    counts (the check of a first meeting is not)."""
+    gathered_bytes = 0
+
+    def on_rows(x):
+        nonlocal gathered_bytes
+        if not isinstance(x, DTensor):
+            return x
+        target = split.placements(id(x) in split.rows)
+        value = x.detach().redistribute(split.mesh, target)
+        gathered_bytes += _gathered(x, value)
+        return value.to_local()
+
+    local_args, local_kwargs = global_values.map_leaves(on_rows, (args, kwargs))
+    outputs = func(*local_args, **local_kwargs)
+    local_rows = split.local_rows
+    results = global_values.leaves(outputs)
+    if not all(
+        isinstance(x, torch.Tensor) and x.ndim > 0 and x.shape[0] == local_rows
+        for x in results
+    ):
+        return None, None
+    if counted:
+        global_values.count(str(func), ON_ROWS, [], gathered_bytes)
+    placements = split.placements(True)
+
+    def as_dtensor(x):
+        shape = (split.global_rows,) + tuple(x.shape[1:])
+        return layouts.dtensor_from_local(
+            x.contiguous(), split.mesh, placements, shape
+        )
+
+    return global_values.map_leaves(as_dtensor, outputs), results
+
+
+def _gathered(x, value):
+    """The bytes this process received to hold `value` (from `x`)."""
+    return max(0, value.to_local().numel() - x.to_local().numel()) * (
+        x.element_size()
+    )
+
+
+def _first_meeting(func, args, kwargs, refusal, split, signature):
+    """Computes `func` on global values, checks it on the local rows, and
+    remembers whether it is per-sample for `signature`."""
+    outputs = global_values.on_global_values(
+        func, args, kwargs, refusal, str(func)
+    )
+    try:
+        on_rows, local = _computed_on_rows(func, args, kwargs, split)
+    except RuntimeError as error:
+        # A kernel that refuses the local rows' shape: not per-sample here.
+        if isinstance(error, torch.OutOfMemoryError):
+            raise
+        runtime.log_debug("%s on the local rows: %s", func, error)
+        local = None
+    agrees = local is not None and _own_rows_agree(outputs, local, split)
+    # Every process of the mesh takes the same path from now on.
+    differs = not agrees
+    for mesh_dim in range(split.mesh.ndim):
+        group = split.mesh.get_group(mesh_dim)
+        differs = collectives.any_process(differs, group)
+    with _lock:
+        _per_sample[signature] = not differs
+    return outputs
+
+
+def _own_rows_agree(outputs, local, split):
+    results = global_values.leaves(outputs)
+    if len(results) != len(local):
+        return False
+    placements = split.placements(True)
+    for result, rows in zip(results, local):
+        if not isinstance(result, DTensor):
+            return False
+        own = result.redistribute(split.mesh, placements).to_local()
+        if not _same(own, rows):
+            return False
+    return True
+
+
+def _same(a, b):
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if not (a.is_floating_point() or a.is_complex()):
+        return torch.equal(a, b)
+    return torch.allclose(a, b, rtol=RTOL, atol=ATOL, equal_nan=True)

@@ -1,0 +1,341 @@
+"""The weights of one layer call: gathered together, freed after the
+forward pass, gathered again for the backward pass.
+
+`fsdp` decides which weights a layer call gathers and when; a `CallGather`
+holds them for the call: it gathers them in one collective (`fsdp_gather`),
+lets the gathered values stand for the variables during the call, frees
+their storage once the call returned (what autograd saved keeps its
+metadata, not its memory), and writes the values back into the same
+storage when the backward pass reaches the call, for the weights autograd
+saved (`note_saved`). It also holds the gathers started ahead of the call
+and of its backward ops (`fsdp_schedule`).
+"""
+
+import threading
+
+import torch
+
+from keras.src.backend.torch.distributed.fsdp import fsdp_gather
+
+# Per thread, as Keras' own state is.
+_thread_state = threading.local()
+
+
+def _state():
+    if not hasattr(_thread_state, "calls"):
+        # The calls whose gathered weights stand for their variables now,
+        # innermost last, and the ids of those variables: a layer called
+        # inside its own call (a recurrent cell), or inside the call that
+        # gathered its weights, keeps them.
+        _thread_state.calls = []
+        _thread_state.variables = set()
+    return _thread_state
+
+
+def calls_now():
+    """The calls whose gathered weights stand for their variables now, in
+    this thread, innermost last."""
+    return _state().calls
+
+
+def gathered_variables():
+    """The ids of the variables whose gathered values stand for them now,
+    in this thread."""
+    return _state().variables
+
+
+class CallGather:
+    """The weights one layer call gathers, gathered and freed together.
+
+    Args:
+        weights: `GatheredWeight`s.
+    """
+
+    def __init__(self, weights):
+        self.weights = weights
+        # The freed weights, once the call returned.
+        self.released = []
+        # A gather started ahead: of the values before the call
+        # (`gather_ahead`, with what it was started for), of the freed
+        # weights before their backward ops (`restore_ahead`).
+        self.ahead = None
+        self.ahead_state = None
+        self.restoring = None
+        self.restoring_weights = []
+        # In the backward pass, starts gathering the call released before
+        # this one (`fsdp_schedule`), if the step schedules gathers.
+        self.restore_ahead_of = None
+        # The weights by the address of their gathered storage.
+        self._storages = {}
+
+    @classmethod
+    def of(cls, weights):
+        return cls(weights) if weights else None
+
+    def _gather(self, weights, async_op=False):
+        return fsdp_gather.gather(
+            [w.shard() for w in weights],
+            [w.placements for w in weights],
+            async_op=async_op,
+        )
+
+    def _state(self):
+        return (
+            [(id(w.variable), w.placements, w.dtype) for w in self.weights],
+            [w.sharded._version for w in self.weights],
+            torch.is_grad_enabled(),
+        )
+
+    def gather_ahead(self):
+        """Starts gathering the values, for a call to come."""
+        self.ahead = self._gather(self.weights, async_op=True)
+        self.ahead_state = self._state()
+
+    def take(self, other):
+        """Takes the values `other` gathered ahead for this call, if they
+        are what this call would gather; else drops them."""
+        if other is None:
+            return
+        if other.ahead is not None and other.ahead_state == self._state():
+            self.ahead, other.ahead = other.ahead, None
+        else:
+            other.drop_ahead()
+
+    def drop_ahead(self):
+        """Waits for the gathers started ahead and forgets them."""
+        for pending in (self.ahead, self.restoring):
+            if pending is not None:
+                pending.wait()
+        self.ahead = self.restoring = None
+        self.restoring_weights = []
+
+    def enter(self):
+        """Gathers the values and lets them stand for the variables."""
+        pending = self.ahead or self._gather(self.weights)
+        self.ahead = None
+        for weight, value in zip(self.weights, pending.values()):
+            weight.enter(value)
+        self._storages = {w.storage_pointer(): w for w in self.weights}
+
+    def note_saved(self, pointer):
+        """Marks the weight whose gathered storage starts at `pointer` as
+        saved by autograd for the backward pass."""
+        weight = self._storages.get(pointer)
+        if weight is not None:
+            weight.saved = True
+
+    def exit(self):
+        """Gives the variables their sharded values back."""
+        for weight in self.weights:
+            weight.exit()
+
+    def release(self, outputs, reshard):
+        """Keeps what the call assigned to the variables, and frees the
+        gathered storage after the forward pass.
+
+        Args:
+            outputs: the call's output tensors.
+            reshard: whether to free the gathered storage (FSDP2's
+                reshard-after-forward).
+
+        Returns:
+            Whether some weight's storage was freed.
+        """
+        for weight in self.weights:
+            weight.write_back()
+        if not reshard:
+            return False
+        self.released = [w for w in self.weights if w.release(outputs)]
+        return bool(self.released)
+
+    def needs_restore(self):
+        """Whether the backward pass has yet to gather some weight again,
+        and no gather of them was started."""
+        return self.restoring is None and any(
+            w.needs_restore() for w in self.released
+        )
+
+    def restore_ahead(self):
+        """Starts gathering the freed values again, for their backward
+        ops."""
+        weights = [w for w in self.released if w.needs_restore()]
+        with torch.no_grad():
+            self.restoring = self._gather(weights, async_op=True)
+        self.restoring_weights = weights
+
+    def on_gradient(self, grad):
+        """A gradient hook on the call's outputs (and its inner calls'):
+        the first gradient gathers the freed weights again, before the
+        call's backward ops read them, and starts the gather of the call
+        before."""
+        if self.restore() and self.restore_ahead_of is not None:
+            self.restore_ahead_of()
+        return grad
+
+    def restore(self):
+        """Gathers the freed values again into their storage, for those
+        autograd still holds.
+
+        Returns:
+            Whether some were gathered now.
+        """
+        freed = [w for w in self.released if w.needs_restore()]
+        if not freed and self.restoring is None:
+            return False
+        fresh = {}
+        if self.restoring is not None:
+            started = self.restoring.local_values()
+            fresh = {
+                id(w): local
+                for w, local in zip(self.restoring_weights, started)
+            }
+            self.restoring = None
+            self.restoring_weights = []
+        missing = [w for w in freed if id(w) not in fresh]
+        if missing:
+            with torch.no_grad():
+                gathered = self._gather(missing).local_values()
+            fresh.update((id(w), x) for w, x in zip(missing, gathered))
+        for weight in freed:
+            weight.fill(fresh[id(weight)])
+        return bool(freed)
+
+
+class GatheredWeight:
+    """One trainable variable's gathered value, for one layer call.
+
+    Args:
+        variable: the variable.
+        placements: its value's placements once gathered.
+    """
+
+    def __init__(self, variable, placements):
+        self.variable = variable
+        self.sharded = variable._value
+        self.placements = placements
+        # The dtype the call reads the variable in: the compute dtype of a
+        # layer under mixed precision (`variable.dtype` in its autocast
+        # scope), in which the shards are cast before they are gathered.
+        self.dtype = getattr(torch, variable.dtype)
+        self.value = None
+        # Whether autograd saved the gathered value (or a view of its
+        # storage) for the backward pass; once freed, the storage and where
+        # the local tensor lies in it.
+        self.saved = False
+        self.geometry = None
+        self.storage = None
+        self.nbytes = 0
+        self.version = None
+
+    def shard(self):
+        """The sharded value in the dtype the call reads it in."""
+        if self.sharded.dtype != self.dtype:
+            return self.sharded.to(self.dtype)
+        return self.sharded
+
+    def enter(self, value):
+        """Lets the gathered `value` stand for the variable."""
+        self.saved = False
+        self.value = value
+        self.version = value._version
+        self.variable._value = value
+        gathered_variables().add(id(self.variable))
+
+    def storage_pointer(self):
+        """The address of the gathered value's storage."""
+        with torch.no_grad():
+            local = fsdp_gather.local_tensor(self.value)
+        return local.untyped_storage().data_ptr()
+
+    def exit(self):
+        """Gives the variable its sharded value back."""
+        self.variable._value = self.sharded
+        gathered_variables().discard(id(self.variable))
+
+    def write_back(self):
+        """Keeps what the call assigned to the variable
+        (`SpectralNormalization` assigns its kernel), in its shards.
+
+        Not from a copy in the compute dtype: Keras assigns such a copy
+        without effect on the variable."""
+        if self.value._version == self.version:
+            return
+        if self.dtype == self.sharded.dtype:
+            with torch.no_grad():
+                self.sharded.copy_(
+                    self.value.redistribute(
+                        self.sharded.device_mesh, self.sharded.placements
+                    )
+                )
+        self.version = self.value._version
+
+    def release(self, outputs):
+        """Frees the gathered storage after the forward pass.
+
+        Args:
+            outputs: the call's output tensors.
+
+        Returns:
+            Whether the storage was freed: not when no gradient will flow
+            to it (autograd keeps nothing of it, which goes when the call
+            ends), nor when an output or the weight's own value shares it.
+            The backward pass gathers it again if autograd saved it
+            (`saved`).
+        """
+        value = self.value
+        if not (value.requires_grad and torch.is_grad_enabled()):
+            return False
+        with torch.no_grad():
+            # The local tensor itself (with gradients, `to_local` returns
+            # a new view each time).
+            local = fsdp_gather.local_tensor(value)
+            shared = [self.sharded.to_local()] + [
+                fsdp_gather.local_tensor(x) for x in outputs
+            ]
+        storage = local.untyped_storage()
+        if any(
+            x.untyped_storage().data_ptr() == storage.data_ptr() for x in shared
+        ):
+            return False
+        self.storage = storage
+        self.nbytes = storage.nbytes()
+        storage.resize_(0)
+        # Once the weight's gradient is complete, every backward op that
+        # read the gathered value has run.
+        value.register_hook(self._release_after_backward)
+        self.value = None
+        self.geometry = (
+            local.dtype,
+            local.device,
+            local.storage_offset(),
+            local.shape,
+            local.stride(),
+        )
+        return True
+
+    def needs_restore(self):
+        """Whether the backward pass has yet to gather the value again."""
+        return (
+            self.saved
+            and self.storage is not None
+            and self.storage.nbytes() != self.nbytes
+        )
+
+    def fill(self, fresh):
+        """Writes the gathered local tensor `fresh` into the freed
+        storage."""
+        dtype, device, offset, shape, stride = self.geometry
+        with torch.no_grad():
+            self.storage.resize_(self.nbytes)
+            # Written through a tensor of its own on the storage: written
+            # through the local tensor, the version counter that its views
+            # share would change, and autograd would refuse the views it
+            # saved (`to_local()` returns a view).
+            target = torch.empty(0, dtype=dtype, device=device)
+            target.set_(self.storage, offset, shape, stride)
+            target.copy_(fresh)
+
+    def _release_after_backward(self, grad):
+        if self.storage is not None:
+            self.storage.resize_(0)
+        return grad

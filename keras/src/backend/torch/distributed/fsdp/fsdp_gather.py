@@ -1,0 +1,470 @@
+"""One collective for all the weights a layer call gathers, as FSDP2 does.
+
+`fsdp` gathers the weights of a layer call along the batch axis. Gathered
+one by one through DTensor's `redistribute`, each weight costs a collective
+forward, one more when the backward pass gathers it again, and a
+reduce-scatter of its gradient: 2-3 per weight per step, 30 or more for a
+transformer block. FSDP2's `fully_shard` issues one all-gather for all of a
+module's parameters and one reduce-scatter for their gradients, on flat
+buffers; `gather` does the same for the weights of one call:
+
+- each weight's local shard is padded to the size of the largest shard
+  (DTensor shards as `torch.chunk` does: the last shards can be smaller,
+  or empty), flattened, and concatenated with the others;
+- one all-gather into a flat tensor over the mesh dimension's process group
+  brings every process' buffer; each weight's gathered value is copied out
+  of it (its own storage, which `fsdp` frees and fills again);
+- in the backward pass, the gradients that are partial sums over the batch
+  are split into each process' part, padded and concatenated the same way,
+  and one reduce-scatter of the flat tensor gives each process the sum of
+  its parts: the gradient of its shards.
+
+A weight that one flat buffer cannot gather (gathered along more than one
+mesh dimension, or sharded on the same tensor dimension along another
+mesh dimension, whose shards nest) goes through DTensor's `redistribute`,
+one collective each, as does a gradient reduced otherwise than by a sum.
+Weights of different dtypes go in one buffer per dtype.
+"""
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from keras.src.backend.torch.distributed.core import layouts
+from keras.src.backend.torch.distributed.core import runtime
+from keras.src.backend.torch.distributed.core.runtime import DTensor
+from keras.src.backend.torch.distributed.core.runtime import Replicate
+from keras.src.backend.torch.distributed.core.runtime import Shard
+
+
+def gather(shards, placements, async_op=False):
+    """Starts gathering `shards` to `placements`.
+
+    Args:
+        shards: `DTensor`s, each a weight's value in the dtype it is
+            gathered in.
+        placements: for each of `shards`, its placements once gathered.
+        async_op: whether to return before the collectives complete.
+
+    Returns:
+        A `PendingGather`: its `values()` are the gathered `DTensor`s.
+    """
+    return PendingGather(shards, placements, async_op)
+
+
+class PendingGather:
+    """Gathers of weights, started; see `gather`.
+
+    Args:
+        shards: the weights' sharded values.
+        placements: their placements once gathered.
+        async_op: whether the collectives run asynchronously.
+    """
+
+    def __init__(self, shards, placements, async_op):
+        self.shards = list(shards)
+        self.placements = list(placements)
+        # The grouped gathers, and the index of each weight gathered alone
+        # with its `redistribute`d value.
+        self._groups = []
+        self._alone = {}
+        grouped = {}
+        for index, (shard, target) in enumerate(zip(shards, placements)):
+            mesh_dim = _flat_mesh_dim(shard, target)
+            if mesh_dim is None:
+                if async_op and shard.requires_grad and torch.is_grad_enabled():
+                    # The backward pass of an asynchronous `redistribute`
+                    # reduce-scatters asynchronously too, and the collective
+                    # holds its whole input until it is waited for: the
+                    # optimizer would find every layer's whole gradient.
+                    shard = shard.view_as(shard)
+                    shard.register_hook(_completed_gradient)
+                self._alone[index] = shard.redistribute(
+                    shard.device_mesh, target, async_op=async_op
+                )
+                continue
+            key = (id(shard.device_mesh), mesh_dim, shard.dtype)
+            grouped.setdefault(key, []).append(index)
+        for (_, mesh_dim, _), indices in grouped.items():
+            self._groups.append(
+                _FlatGather(
+                    [self.shards[i] for i in indices],
+                    [self.placements[i] for i in indices],
+                    indices,
+                    mesh_dim,
+                    async_op,
+                )
+            )
+
+    def values(self):
+        """The gathered values, as `DTensor`s whose gradients are
+        reduce-scattered to the shards'.
+
+        Returns:
+            A list of `DTensor`s, one per shard.
+        """
+        values = [None] * len(self.shards)
+        for index, value in self._alone.items():
+            values[index] = value
+        for group in self._groups:
+            gathered = _GatherFunction.apply(group, *group.shards)
+            for index, value in zip(group.indices, gathered):
+                values[index] = value
+        return values
+
+    def local_values(self):
+        """The gathered local tensors, with no autograd history.
+
+        Returns:
+            A list of `torch.Tensor`s, one per shard.
+        """
+        values = [None] * len(self.shards)
+        for index, value in self._alone.items():
+            values[index] = local_tensor(value)
+        for group in self._groups:
+            for index, value in zip(group.indices, group.local_values()):
+                values[index] = value
+        return values
+
+    def wait(self):
+        """Waits for the collectives to complete, dropping their results."""
+        for value in self._alone.values():
+            local_tensor(value)
+        for group in self._groups:
+            group.wait()
+        self._alone, self._groups = {}, []
+
+
+def _flat_mesh_dim(shard, target):
+    """The mesh dimension along which a flat buffer gathers `shard` to
+    `target`, or `None` if it cannot."""
+    changed = [
+        dim
+        for dim, (now, then) in enumerate(zip(shard.placements, target))
+        if now != then
+    ]
+    if len(changed) != 1:
+        return None
+    mesh_dim = changed[0]
+    placement = shard.placements[mesh_dim]
+    if type(placement) is not Shard or not target[mesh_dim].is_replicate():
+        return None
+    nested = any(
+        other.is_shard(placement.dim)
+        for dim, other in enumerate(shard.placements)
+        if dim != mesh_dim
+    )
+    return None if nested else mesh_dim
+
+
+def local_tensor(value):
+    """The local tensor of `value` (a tensor or `DTensor`), once computed:
+    that of an asynchronous collective is a wrapper, whose `wait` returns
+    the tensor."""
+    local = value.to_local() if isinstance(value, DTensor) else value
+    wait = getattr(local, "wait", None)
+    return local if wait is None else wait()
+
+
+def _completed_gradient(grad):
+    """The gradient of an asynchronous gather's input, its reduce-scatter
+    completed."""
+    local = local_tensor(grad)
+    if local is grad.to_local():
+        return grad
+    return DTensor.from_local(
+        local,
+        grad.device_mesh,
+        grad.placements,
+        shape=grad.shape,
+        stride=grad.stride(),
+    )
+
+
+class _FlatGather:
+    """One all-gather of several weights' shards along one mesh dimension,
+    and the reduce-scatter of their gradients."""
+
+    def __init__(self, shards, placements, indices, mesh_dim, async_op):
+        self.shards = shards
+        self.placements = placements
+        self.indices = indices
+        self.mesh_dim = mesh_dim
+        mesh = shards[0].device_mesh
+        self.mesh = mesh
+        self.group = mesh.get_group(mesh_dim)
+        self.size = mesh.size(mesh_dim)
+        self.coordinate = mesh.get_local_rank(mesh_dim)
+        self.layouts = [_ShardLayout(x, mesh_dim, self.size) for x in shards]
+        with torch.no_grad():
+            flat = _concatenated(
+                [
+                    layout.padded(x.to_local()).reshape(-1)
+                    for layout, x in zip(self.layouts, shards)
+                ]
+            )
+        self._buffer = flat.new_empty(self.size * flat.numel())
+        self._work = runtime.all_gather_flat(
+            self._buffer, flat, group=self.group, async_op=async_op
+        )
+
+    def wait(self):
+        """Waits for the all-gather to complete and drops its buffer."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        self._buffer = None
+
+    def local_values(self):
+        """The gathered local tensors, each in a storage of its own.
+
+        Given once and not kept: held here, they would outlive the
+        `DTensor`s built on them, which `fsdp` frees after the call.
+        """
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        buffer, self._buffer = self._buffer, None
+        if len(self.layouts) == 1 and self.layouts[0].is_whole_buffer():
+            # The buffer is the gathered tensor: no copy, whose transient
+            # second copy of the weight would raise the peak memory.
+            return [buffer.view(self.layouts[0].gathered_shape)]
+        rows = buffer.view(self.size, -1)
+        offset = 0
+        locals_ = []
+        for layout in self.layouts:
+            pieces = rows[:, offset : offset + layout.numel]
+            offset += layout.numel
+            locals_.append(layout.joined(pieces))
+        return locals_
+
+    def reduce_scatter(self, grads):
+        """The gradients of the shards, from those of the gathered values.
+
+        Args:
+            grads: for each shard, the gradient of its gathered value (a
+                `DTensor`), or `None`.
+
+        Returns:
+            A list of `DTensor`s in the shards' layouts, or `None`s.
+        """
+        results = [None] * len(grads)
+        summed = []
+        grads = self._summed_over_other_dims(grads)
+        for index, (grad, shard, target, layout) in enumerate(
+            zip(grads, self.shards, self.placements, self.layouts)
+        ):
+            if grad is None:
+                continue
+            if not isinstance(grad, DTensor):
+                grad = DTensor.from_local(
+                    grad, self.mesh, target, run_check=False
+                )
+            placement = grad.placements[self.mesh_dim]
+            if placement.is_partial() and placement.reduce_op != "sum":
+                results[index] = grad.redistribute(self.mesh, shard.placements)
+                continue
+            if placement == shard.placements[self.mesh_dim]:
+                # Sharded as the weight already (the call's input was
+                # sharded on the features the weight is stored by): each
+                # process holds its own part, and gathering it to take
+                # that part again would be a collective for nothing.
+                results[index] = grad.redistribute(
+                    self.mesh, shard.placements
+                ).to_local()
+                continue
+            wanted = list(target)
+            wanted[self.mesh_dim] = placement
+            if not (placement.is_partial() or placement.is_replicate()):
+                wanted[self.mesh_dim] = target[self.mesh_dim]
+            if tuple(grad.placements) != tuple(wanted):
+                grad = grad.redistribute(self.mesh, wanted)
+            local = grad.to_local()
+            if wanted[self.mesh_dim].is_partial():
+                summed.append((index, layout, local))
+            else:
+                results[index] = layout.own_part(local, self.coordinate)
+        if summed:
+            if len(summed) == 1 and summed[0][1].is_whole_buffer():
+                # Each process' part is its rows, in order: the gradient
+                # itself is the flat tensor.
+                pieces = [summed[0][2].reshape(-1)]
+            else:
+                parts = [
+                    layout.padded_parts(local) for _, layout, local in summed
+                ]
+                pieces = [
+                    part[rank].reshape(-1)
+                    for rank in range(self.size)
+                    for part in parts
+                ]
+            send = _concatenated(pieces)
+            received = send.new_empty(send.numel() // self.size)
+            runtime.reduce_scatter_flat(received, send, group=self.group)
+            offset = 0
+            for index, layout, _ in summed:
+                flat = received[offset : offset + layout.numel]
+                offset += layout.numel
+                results[index] = layout.unpadded(flat, self.coordinate)
+        return [
+            None
+            if grad is None
+            else DTensor.from_local(
+                grad,
+                shard.device_mesh,
+                shard.placements,
+                run_check=False,
+                shape=shard.shape,
+                stride=shard.stride(),
+            )
+            for grad, shard in zip(results, self.shards)
+        ]
+
+    def _summed_over_other_dims(self, grads):
+        """`grads`, with the partial sums along other mesh dimensions
+        (where the weight is replicated) summed in one all-reduce per
+        mesh dimension and dtype.
+
+        A norm scale feeding model-sharded heads has a gradient that is a
+        partial sum over the model axis too; a `redistribute` per weight
+        would cost a collective each.
+        """
+        grads = list(grads)
+        groups = {}
+        for index, (grad, target) in enumerate(zip(grads, self.placements)):
+            if not isinstance(grad, DTensor):
+                continue
+            dims = tuple(
+                dim
+                for dim, placement in enumerate(grad.placements)
+                if dim != self.mesh_dim
+                and _is_partial_sum(placement)
+                and target[dim].is_replicate()
+                and self.mesh.size(dim) > 1
+            )
+            if dims:
+                groups.setdefault((dims, grad.dtype), []).append(index)
+        for (dims, _), indices in groups.items():
+            locals_ = [grads[i].to_local() for i in indices]
+            flat = torch.cat([local.reshape(-1) for local in locals_])
+            for dim in dims:
+                dist.all_reduce(flat, group=self.mesh.get_group(dim))
+            offset = 0
+            for index, local in zip(indices, locals_):
+                grad = grads[index]
+                placements = list(grad.placements)
+                for dim in dims:
+                    placements[dim] = Replicate()
+                grads[index] = DTensor.from_local(
+                    flat[offset : offset + local.numel()].view(local.shape),
+                    self.mesh,
+                    placements,
+                    run_check=False,
+                    shape=grad.shape,
+                    stride=layouts.contiguous_strides(grad.shape),
+                )
+                offset += local.numel()
+        return grads
+
+
+def _is_partial_sum(placement):
+    return placement.is_partial() and placement.reduce_op == "sum"
+
+
+def _concatenated(pieces):
+    """The flat tensors `pieces` end to end; one piece is not copied (a
+    second copy of a layer's weight or gradient would raise the peak)."""
+    return pieces[0].contiguous() if len(pieces) == 1 else torch.cat(pieces)
+
+
+class _ShardLayout:
+    """Where one process' shard lies in a weight's gathered local tensor,
+    along the tensor dimension sharded over the gathered mesh dimension."""
+
+    def __init__(self, shard, mesh_dim, size):
+        self.dim = shard.placements[mesh_dim].dim
+        length = shard.shape[self.dim]
+        self.chunk = math.ceil(length / size)
+        self.lengths = [
+            max(0, min(self.chunk, length - rank * self.chunk))
+            for rank in range(size)
+        ]
+        padded = list(shard.to_local().shape)
+        padded[self.dim] = self.chunk
+        self.padded_shape = padded
+        self.numel = math.prod(padded)
+        self.gathered_shape = list(padded)
+        self.gathered_shape[self.dim] = length
+
+    def is_whole_buffer(self):
+        """Whether the gathered buffer of this weight alone is its gathered
+        local tensor: sharded on its first dimension, with no padding."""
+        return self.dim == 0 and all(n == self.chunk for n in self.lengths)
+
+    def padded(self, local):
+        """`local` (a shard) padded with zeros to the largest shard."""
+        missing = self.chunk - local.shape[self.dim]
+        if missing == 0:
+            return local
+        shape = list(local.shape)
+        shape[self.dim] = missing
+        return torch.cat([local, local.new_zeros(shape)], dim=self.dim)
+
+    def joined(self, pieces):
+        """The gathered local tensor from each process' flat padded shard
+        (the rows of `pieces`)."""
+        parts = [
+            row.view(self.padded_shape).narrow(self.dim, 0, length)
+            for row, length in zip(pieces, self.lengths)
+        ]
+        return torch.cat(parts, dim=self.dim)
+
+    def padded_parts(self, local):
+        """`local` (a gathered local tensor) split into each process'
+        part, padded to the largest."""
+        parts = torch.split(local, self.lengths, dim=self.dim)
+        return [self.padded(part) for part in parts]
+
+    def own_part(self, local, coordinate):
+        """This process' part of `local`, in a storage of its own."""
+        start = sum(self.lengths[:coordinate])
+        return local.narrow(self.dim, start, self.lengths[coordinate]).clone()
+
+    def unpadded(self, flat, coordinate):
+        """This process' shard from its flat padded form."""
+        return flat.view(self.padded_shape).narrow(
+            self.dim, 0, self.lengths[coordinate]
+        )
+
+
+class _GatherFunction(torch.autograd.Function):
+    """The gathered values of a `_FlatGather` as a differentiable function
+    of the shards: the backward pass reduce-scatters the gradients."""
+
+    @staticmethod
+    def forward(ctx, flat_gather, *shards):
+        # A gradient that never reaches a gathered value stays `None` for
+        # its shard, as it would for the weight in one process: an
+        # optimizer skips a weight without gradient, but not a zero one.
+        ctx.set_materialize_grads(False)
+        ctx.flat_gather = flat_gather
+        return tuple(
+            DTensor.from_local(
+                local,
+                shard.device_mesh,
+                target,
+                run_check=False,
+                shape=shard.shape,
+                stride=shard.stride(),
+            )
+            for local, shard, target in zip(
+                flat_gather.local_values(),
+                flat_gather.shards,
+                flat_gather.placements,
+            )
+        )
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, *ctx.flat_gather.reduce_scatter(grads))

@@ -1,0 +1,335 @@
+"""Collective calls agreed in the job's store before they communicate.
+
+Some calls a user makes are collectives: reading the global value of a
+sharded value (`get_weights`, `numpy()`, `convert_to_numpy`, printing a
+variable), starting `fit`, `evaluate` or `predict`, saving a model to one
+file. Made on some processes only (`if process_id == 0:`), such a call
+waits for the others, or pairs its collective with whatever collective
+they run next and returns another collective's data.
+
+So each such call is first announced in the job's store, numbered in the
+order of this process' calls, and it communicates only once every process
+has announced the same call under the same number. The store is not a
+process group: an announcement cannot pair with a collective. Under each
+number a process announces its call, a step it already runs, or the end
+of its program; as soon as two differ, every process involved raises a
+`ValueError` naming what each did. A process that announces nothing is
+waited for as long as a collective is (`health.current_timeout()`).
+
+A watcher thread on each process notices a call that another process
+announced and this one has not made: once this process runs a step the
+caller has not run (so it cannot make the call before that step), the
+watcher announces the step for it, and the caller stops at once. Nothing
+is announced per step: a step costs nothing more.
+"""
+
+import atexit
+import contextlib
+import datetime
+import inspect
+import os
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from keras.src.backend.torch.distributed.core import runtime
+from keras.src.backend.torch.distributed.health import agreement
+from keras.src.backend.torch.distributed.health import health
+
+# How often the watcher looks at this process' steps while another
+# process' call waits for it, and the longest pause between two reads of
+# an announcement by a caller.
+_WATCH_SECONDS = 0.05
+_POLL_MAX_SECONDS = 0.02
+# The watcher waits for the next announcement this long at a time.
+_WAIT_FOR_ANNOUNCEMENT = datetime.timedelta(days=1)
+_KEY = "call/{}"
+
+_lock = threading.Lock()
+_state = {
+    # The number of this process' last announced call.
+    "count": 0,
+    # How deep this process is in announced calls (nested ones are not
+    # announced again: every process makes them in the same order).
+    "depth": 0,
+    "store": None,
+    "pid": None,
+    # The process that tried to start (a forked process has another pid).
+    "tried": None,
+    "watcher": None,
+    "stop": None,
+}
+
+
+class CallMismatchError(ValueError):
+    """Processes made different collective calls under one number."""
+
+
+def start():
+    """Starts agreeing on calls in this process, once the job exists.
+
+    Called where the job is joined, and again before calls and steps (for
+    a process group created without `keras.distribution.initialize`);
+    nothing happens after the first time, in a job of one process, or in
+    a data loader's worker process.
+    """
+    if (
+        _state["tried"] == os.getpid()
+        or not dist.is_initialized()
+        or dist.get_world_size() == 1
+        or torch.utils.data.get_worker_info() is not None
+    ):
+        return
+    _state["tried"] = os.getpid()
+    store = health.connect_store()
+    watcher_store = health.connect_store()
+    if store is None or watcher_store is None:
+        return
+    _state.update(store=store, pid=os.getpid(), count=0, depth=0)
+    stop_event = threading.Event()
+    watcher = threading.Thread(
+        target=_watch,
+        args=(watcher_store, stop_event),
+        name="keras-call-agreement",
+        daemon=True,
+    )
+    _state.update(watcher=watcher, stop=stop_event)
+    watcher.start()
+    # Before the process group is destroyed at exit (handlers run last
+    # registered first).
+    atexit.register(stop)
+
+
+def stop(reason="the end of its program"):
+    """Announces that this process makes no more calls; stops the watcher.
+
+    Called at exit (and when an uncaught error ends the process), so that
+    a process waiting for this one's call learns at once that it will not
+    come.
+
+    Args:
+        reason: what this process does instead, for the others' errors.
+    """
+    if _state["pid"] != os.getpid():
+        return
+    with _lock:
+        _state["stop"].set()
+        _state["count"] += 1
+        _state["pid"] = None
+        try:
+            # Also wakes the watcher's wait.
+            _append(_state["store"], _state["count"], reason)
+        except dist.DistStoreError as error:
+            # The store's host (a launcher, process 0) may be gone first.
+            runtime.log_debug("call agreement: cannot announce: %s", error)
+    _state["watcher"].join(timeout=1.0)
+
+
+@contextlib.contextmanager
+def collective_call(description):
+    """Runs a collective call once every process has announced it.
+
+    Calls made while this one runs, while a step runs, or while a step is
+    traced are not announced: every process makes them in the same order.
+
+    Args:
+        description: what the call does, for errors (`"a read of the
+            global value of 'dense/kernel'"`).
+
+    Yields:
+        Nothing; the call runs in the `with` block.
+
+    Raises:
+        CallMismatchError: another process made another call under this
+            number, ran a step instead, or ended.
+        health.JobFailedError: a process did not announce within the
+            job's collective timeout.
+    """
+    start()
+    if not _announces():
+        yield
+        return
+    _agree(description)
+    _state["depth"] += 1
+    try:
+        yield
+    finally:
+        _state["depth"] -= 1
+
+
+def check_same_num_batches(num_batches):
+    """Starts iterating over a dataset in `fit`, `evaluate` or `predict`.
+
+    Their steps are collectives, so starting one is agreed like any
+    collective call a user makes (`collective_call`); processes that each
+    read their own data also agree on its number of batches.
+
+    Args:
+        num_batches: the number of batches of this process' data (or the
+            `steps_per_epoch` it was given), or `None`.
+    """
+    if runtime.current_distribution() is None:
+        return
+    with collective_call(_iterating_method()):
+        agreement.check_same_num_batches(num_batches)
+
+
+def _iterating_method():
+    """Names the trainer method that starts iterating, for errors."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        name = frame.f_code.co_name
+        if name in ("fit", "evaluate", "predict") and "trainer" in (
+            frame.f_code.co_filename
+        ):
+            return f"the start of `{name}`"
+        frame = frame.f_back
+    return "the start of iterating over a dataset"
+
+
+def _announces():
+    return (
+        _state["pid"] == os.getpid()
+        and _state["depth"] == 0
+        and health.running_step() is None
+        and not torch.compiler.is_compiling()
+        and threading.current_thread() is threading.main_thread()
+    )
+
+
+def _agree(description):
+    """Announces `description` and waits for every process' announcement."""
+    store, rank, size = _state["store"], dist.get_rank(), dist.get_world_size()
+    with _lock:
+        _state["count"] += 1
+        number = _state["count"]
+        _append(store, number, description)
+    deadline = time.monotonic() + health.current_timeout()
+    pause = 0.001
+    while True:
+        calls = _read(store, number)
+        if any(call != description for call in calls.values()):
+            raise _mismatch(description, rank, calls)
+        if len(calls) == size:
+            break
+        if time.monotonic() > deadline:
+            raise _not_announced(description, rank, size, calls)
+        time.sleep(pause)
+        pause = min(2 * pause, _POLL_MAX_SECONDS)
+    if rank == 0 and number > 2:
+        # Every process has announced `number`, so no one reads the
+        # announcements two calls back any more.
+        store.delete_key(_KEY.format(number - 2))
+
+
+def _append(store, number, description):
+    counts = ",".join(f"{k}={n}" for k, n in health.step_counts().items())
+    line = f"{dist.get_rank()}\t{counts}\t{description}"
+    store.append(_KEY.format(number), line.replace("\n", " ") + "\n")
+
+
+def _read(store, number):
+    """The calls announced under `number`: `{rank: description}`."""
+    return {rank: call for rank, (_, call) in _entries(store, number).items()}
+
+
+def _entries(store, number):
+    """`{rank: (step counts, description)}` announced under `number`."""
+    entries = {}
+    for line in store.get(_KEY.format(number)).decode().splitlines():
+        rank, counts, description = line.split("\t", 2)
+        counts = dict(c.split("=") for c in counts.split(",") if c)
+        counts = {kind: int(n) for kind, n in counts.items()}
+        # A process announces once per number; the first line stands.
+        entries.setdefault(int(rank), (counts, description))
+    return entries
+
+
+def _mismatch(description, rank, calls):
+    others = sorted(r for r, call in calls.items() if call != description)
+    same = sorted(r for r, call in calls.items() if call == description)
+    instead = "; ".join(f"process {r}: {calls[r]}" for r in others)
+    return CallMismatchError(
+        f"{_processes(same).capitalize()} made a collective call that "
+        f"{_processes(others)} did not make in the same order: "
+        f"{description}. Instead, {instead}. This process is process "
+        f"{rank}. Every process of the job must make this call, in the "
+        "same order (e.g. `weights = model.get_weights()` on every process, "
+        "then use `weights` on process 0 only). To look at this process' "
+        "own part of a sharded variable without a collective, read "
+        "`variable.value.to_local()` (a `DTensor` method)."
+    )
+
+
+def _not_announced(description, rank, size, calls):
+    missing = [r for r in range(size) if r not in calls]
+    return health.JobFailedError(
+        f"Process {rank} waited more than {health.current_timeout():g} s "
+        f"for {_processes(missing)} to make the same collective call: "
+        f"{description}. {_processes(sorted(calls)).capitalize()} made it; "
+        f"{_processes(missing)} did not (other work or collectives, or "
+        "stuck). "
+        "Every process must make this call in the same order; if they "
+        "legitimately take longer to reach it, raise "
+        f"{health.STEP_TIMEOUT_ENV}."
+    )
+
+
+def _processes(ranks):
+    names = ", ".join(str(r) for r in ranks)
+    return f"process {names}" if len(ranks) == 1 else f"processes {names}"
+
+
+def _watch(store, stop_event):
+    """The watcher thread: announces a step that rules out a pending call."""
+    while True:
+        with _lock:
+            # Under the lock: `stop` sets the event and announces the next
+            # number at once, so this wait either sees the event or wakes.
+            if stop_event.is_set():
+                return
+            number = _state["count"] + 1
+        try:
+            store.wait([_KEY.format(number)], _WAIT_FOR_ANNOUNCEMENT)
+        except dist.DistStoreError:
+            # The store's host has ended (the job is over), or a day passed.
+            if stop_event.wait(_WATCH_SECONDS):
+                return
+            continue
+        while not stop_event.is_set() and _state["count"] < number:
+            with _lock:
+                if _state["count"] < number:
+                    _rule_out(store, number)
+            if _state["count"] < number:
+                stop_event.wait(_WATCH_SECONDS)
+
+
+def _rule_out(store, number):
+    """Announces this process' step under `number` if it rules the call out.
+
+    A process that runs (or ran) a step the caller has not run cannot make
+    the caller's call before that step, which needs the caller: the two
+    would wait for each other until the job's timeout.
+    """
+    announced = _entries(store, number)
+    counts = health.step_counts()
+    for _, (their_counts, _) in announced.items():
+        ahead = [
+            kind
+            for kind, count in counts.items()
+            if count > their_counts.get(kind, 0)
+        ]
+        if ahead:
+            kind = ahead[0]
+            running = health.running_step() == kind
+            what = "runs" if running else "ran"
+            _append(
+                store,
+                number,
+                f"{what} {kind} step {counts[kind]} (of `fit`, `evaluate`, "
+                "`predict` or `*_on_batch`)",
+            )
+            _state["count"] = number
+            return

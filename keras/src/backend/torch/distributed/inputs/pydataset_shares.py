@@ -1,0 +1,409 @@
+"""A finite `PyDataset` under a distribution, read in shares.
+
+A `PyDataset` returns whole batches: each batch is read on one process,
+the processes taking turns, with the dataset's own workers (one thread at
+least), and its rows are sent to the processes that hold them. The
+batches come in the order one process would take them, in either of
+Keras' two ways of reading a `PyDataset`:
+
+- In line (one worker, no multiprocessing): each pass over the dataset
+  draws an order of its batches and reads each batch when it is taken.
+- Through Keras' `OrderedEnqueuer` (more workers, or multiprocessing):
+  each `on_epoch_begin` draws an order and the workers read ahead of the
+  steps; at `on_epoch_end` the batches read ahead but not yet taken stay
+  in its queue, and the next epoch takes them first, as read before the
+  dataset's `on_epoch_end` changed it.
+
+A shuffled order is drawn as the base's `PyDatasetAdapter` draws it (see
+`_pass_order`): from Python's `random` on Keras 3.15, from the epoch's
+number on Keras master.
+"""
+
+import collections
+import inspect
+import pickle
+import random
+
+import torch
+import torch.distributed as dist
+
+from keras.src import tree
+from keras.src.backend.torch.distributed.core import runtime
+from keras.src.backend.torch.distributed.inputs import data_parts
+from keras.src.trainers.data_adapters import data_adapter_utils
+from keras.src.trainers.data_adapters.py_dataset_adapter import OrderedEnqueuer
+from keras.src.trainers.data_adapters.py_dataset_adapter import PyDataset
+
+
+class PyDatasetShares(data_parts.SharedAdapter):
+    """A finite `PyDataset` read in shares: each batch on one process.
+
+    Each batch is read on one process (the processes take turns, each
+    reading ahead its own batches with the dataset's workers, or one
+    thread), then scattered from its reader to the processes that hold
+    its rows. The batches and the dataset's state each is read in are
+    those of one process (`PyDatasetAdapter`), with or without Keras'
+    enqueuer.
+    """
+
+    def __init__(self, adapter, distribution):
+        super().__init__(adapter, distribution)
+        self._dataset = adapter.py_dataset
+        self._reader = None
+        # The adapter's count of ended epochs, where the base seeds a pass'
+        # order with it (Keras master), kept as the adapter keeps it: this
+        # object takes the adapter's `on_epoch_end`.
+        self._epoch = getattr(adapter, "_epoch", None)
+        # Keras reads through an enqueuer exactly when it made one.
+        self._queue = None
+        if adapter.enqueuer is not None:
+            self._queue = _QueuedBatches(adapter)
+
+    def get_torch_dataloader(self):
+        # Wrapped as `PyDatasetAdapter` wraps its batches (the `DTensor`s
+        # are kept as they are), so that each pass draws torch's random
+        # state as in one process.
+        if self._queue is not None:
+            batches = self._queued_batches()
+        else:
+            batches = self._batches()
+        return data_adapter_utils.get_torch_dataloader(batches)
+
+    def on_epoch_begin(self):
+        if self._queue is not None:
+            self._queue.start(self._epoch)
+        self._dataset.on_epoch_begin()
+
+    def on_epoch_end(self):
+        if self._queue is not None:
+            self._queue.stop()
+        elif self._reader is not None:
+            # An epoch of `steps_per_epoch` ended within a pass, which the
+            # next epoch goes on with: what was read ahead is read again
+            # after `on_epoch_end`, as one process reads it.
+            self._reader.rewind()
+        self._dataset.on_epoch_end()
+        if self._epoch is not None:
+            self._epoch += 1
+
+    def _batches(self):
+        """A pass read in line, in rounds of N batches: its own one each.
+
+        Batch `i` of the pass' order is read on process `i % N`.
+        """
+        order = _pass_order(self._adapter, self._epoch)
+        rank, size = runtime.rank(), runtime.world_size()
+        reader = self._reader = _ShareReader(self._adapter, order[rank::size])
+        try:
+            for first in range(0, len(order), size):
+                own = reader.next() if first + rank < len(order) else None
+                for src in range(min(size, len(order) - first)):
+                    if src == rank and reader.stale:
+                        own = reader.reread()
+                    batch = own if src == rank else None
+                    yield self._shared_batch(batch, src)
+                    # Resumed: more than Keras' peek at the first batch.
+                    reader.read_ahead()
+        finally:
+            reader.close()
+            if self._reader is reader:
+                self._reader = None
+
+    def _queued_batches(self):
+        """A pass through the enqueuer, as `PyDatasetAdapter` takes it."""
+        self._queue.start(self._epoch)
+        for _ in range(self._dataset.num_batches):
+            src, batch = self._queue.next()
+            yield self._shared_batch(batch, src)
+        # Only when resumed after its last batch, as Keras' pass.
+        self._queue.stop()
+
+    def _shared_batch(self, batch, src):
+        """The global batch `batch`, read on process `src`, as `DTensor`s."""
+        rows, global_size = self._scatter_rows(batch, src)
+        # Tensors as `PyDatasetAdapter` gives them to torch.
+        rows = tree.map_structure(data_parts.to_tensor, rows)
+        return self._global_batch(rows, global_size)
+
+    def _scatter_rows(self, batch, src):
+        """Sends each process its rows of `batch`, read on process `src`.
+
+        Returns:
+            `(rows, global_size)`: this process' rows of the batch.
+        """
+        parts = None
+        if batch is not None:
+            global_size = data_parts.batch_size(batch)
+            parts = []
+            for rank in range(runtime.world_size()):
+                start, stop = self._rows.of(global_size, rank)
+                parts.append(
+                    (data_parts.take_rows(batch, start, stop), global_size)
+                )
+        return _scatter_objects(parts, src)
+
+
+class _QueuedBatches:
+    """The batches Keras' `OrderedEnqueuer` gives, read in shares.
+
+    Each `start()` opens a `_Window`: an order of all the batches, which
+    the workers read ahead. `stop()` keeps the batches the enqueuer had
+    read ahead, which `next()` returns first after that: its queue of
+    `max_queue_size` batches, and the one its thread was waiting to put
+    (with a queue of any size, all the rest of the order).
+    """
+
+    def __init__(self, adapter):
+        self._adapter = adapter
+        queue_size = adapter.py_dataset.max_queue_size
+        self._kept_at_stop = queue_size + 1 if queue_size > 0 else None
+        self._kept = collections.deque()
+        self._window = None
+        # The turn of the next window's first batch: the processes take
+        # turns over the batches of all windows.
+        self._turn = 0
+
+    def start(self, epoch):
+        """Opens a window unless one is open, as the enqueuer's `start`.
+
+        Args:
+            epoch: see `_pass_order`.
+        """
+        if self._window is not None:
+            return
+        order = _pass_order(self._adapter, epoch)
+        self._window = _Window(self._adapter, order, self._turn)
+        self._turn += len(order)
+
+    def stop(self):
+        if self._window is None:
+            return
+        self._kept.extend(self._window.close(self._kept_at_stop))
+        self._window = None
+
+    def next(self):
+        """Returns `(src, batch)`: the next batch, read on process `src`.
+
+        `batch` is None on the other processes.
+        """
+        if self._window is None:
+            # As Keras' enqueuer, which has stopped.
+            raise ValueError(
+                "Iterator called after `on_epoch_end` or before "
+                "`on_epoch_begin`."
+            )
+        if self._kept:
+            return self._kept.popleft()
+        return self._window.next()
+
+
+class _Window:
+    """An order of the batches, from `start()` to `stop()` of the enqueuer.
+
+    Batch `j` of the order is read on process `(turn + j) % N`, which
+    reads its batches in order, ahead of the steps.
+    """
+
+    def __init__(self, adapter, order, turn):
+        self._order = order
+        self._turn = turn
+        self._taken = 0
+        rank, size = runtime.rank(), runtime.world_size()
+        own = order[(rank - turn) % size :: size]
+        self._reader = _ShareReader(adapter, own)
+
+    def next(self):
+        if self._taken == len(self._order):
+            # Keras' enqueuer would wait for a batch forever.
+            raise ValueError(
+                "The PyDataset's enqueuer has no batch left in this epoch."
+            )
+        src = (self._turn + self._taken) % runtime.world_size()
+        self._taken += 1
+        if src != runtime.rank():
+            return src, None
+        batch = self._reader.next()
+        self._reader.read_ahead()
+        return src, batch
+
+    def close(self, limit):
+        """Reads the batches the enqueuer has read ahead; stops reading.
+
+        Args:
+            limit: how many batches the enqueuer reads ahead; None for
+                all of them.
+
+        Returns:
+            Those batches, as `next()` returns them: read now, before the
+            dataset's `on_epoch_end`, as the enqueuer read them.
+        """
+        left = len(self._order) - self._taken
+        count = left if limit is None else min(left, limit)
+        kept = [self.next() for _ in range(count)]
+        self._reader.close()
+        return kept
+
+
+def _pass_order(adapter, epoch):
+    """The order of the batches of a pass, as the base's adapter takes it.
+
+    Keras' `PyDatasetAdapter` (in line) and `OrderedEnqueuer` draw the
+    same order at each pass they start. Keras 3.15 draws it from Python's
+    global `random` state, process 0's here; Keras master seeds a
+    `random.Random` with the number of epochs the adapter has ended, the
+    same on every process.
+
+    Args:
+        adapter: the `PyDatasetAdapter` Keras made.
+        epoch: the epochs it has ended, on a base that seeds with it; else
+            `None`.
+
+    Returns:
+        The batch indices, the same on every process.
+    """
+    order = list(range(adapter.py_dataset.num_batches))
+    if not adapter.shuffle:
+        return order
+    if epoch is None:
+        random.shuffle(order)
+        return _process_zero_order(order)
+    random.Random(epoch).shuffle(order)
+    return order
+
+
+class _ShareReader:
+    """Reads one process' batches of a pass (or window), in order.
+
+    The first batch is read at once; the dataset's workers (at least one
+    thread) start reading the others ahead only on `read_ahead()`, so that
+    Keras' peek at the first batch reads no more.
+    """
+
+    def __init__(self, adapter, indices):
+        self._adapter = adapter
+        self._dataset = adapter.py_dataset
+        self._indices = indices
+        self._read = 0
+        self._enqueuer = None
+        self._batches = None
+        # The last batch `next()` returned was read before `rewind()`.
+        self.stale = False
+
+    def next(self):
+        index = self._indices[self._read]
+        self._read += 1
+        self.stale = False
+        if self._batches is not None:
+            batch = next(self._batches)
+        else:
+            batch = self._dataset[index]
+        return self._adapter._standardize_batch(batch)
+
+    def reread(self):
+        """Reads the last batch `next()` returned again, in line."""
+        self.stale = False
+        batch = self._dataset[self._indices[self._read - 1]]
+        return self._adapter._standardize_batch(batch)
+
+    def rewind(self):
+        """Drops what was read ahead; the next batches are read anew."""
+        self.close()
+        self.stale = self._read > 0
+
+    def read_ahead(self):
+        rest = self._indices[self._read :]
+        if self._enqueuer or not rest:
+            return
+        # Even a dataset of one worker, which one process reads between
+        # steps, is read here while the steps run: a process waits for
+        # every other's batch, so reading in line would add up its steps'
+        # time and its reading.
+        self._enqueuer = OrderedEnqueuer(
+            _Share(self._dataset, rest),
+            workers=max(1, self._dataset.workers),
+            use_multiprocessing=self._dataset.use_multiprocessing,
+            max_queue_size=self._dataset.max_queue_size,
+        )
+        start_enqueuer(self._enqueuer)
+        self._batches = self._enqueuer.get()
+
+    def close(self):
+        if self._enqueuer is None:
+            return
+        # With every batch read there is nothing to wait for: draining
+        # the queue would wait out its 0.1 s poll at each epoch's end.
+        # Otherwise it is joined: no read overlaps what comes next.
+        done = self._read == len(self._indices)
+        self._enqueuer.stop(drain_queue_and_join=not done)
+        self._enqueuer = self._batches = None
+
+
+class _Share(PyDataset):
+    """The batches `indices` of a `PyDataset`, with its reading options."""
+
+    def __init__(self, dataset, indices):
+        super().__init__(
+            workers=dataset.workers,
+            use_multiprocessing=dataset.use_multiprocessing,
+            max_queue_size=dataset.max_queue_size,
+        )
+        self._dataset = dataset
+        self._indices = list(indices)
+
+    def __len__(self):
+        return len(self._indices)
+
+    def __getitem__(self, index):
+        return self._dataset[self._indices[index]]
+
+
+def _process_zero_order(order):
+    """Process 0's `order` of the batches, on every process."""
+    agreed = torch.tensor(
+        order, dtype=torch.int64, device=runtime.comm_device()
+    )
+    dist.broadcast(agreed, src=0)
+    return agreed.tolist()
+
+
+def _scatter_objects(objects, src):
+    """Gives process `i` `objects[i]` from process `src`; returns its own.
+
+    Two collectives: the pickled sizes, then the padded bytes.
+    """
+    device = runtime.comm_device()
+    size = runtime.world_size()
+    sizes = torch.zeros(size, dtype=torch.int64, device=device)
+    if objects is not None:
+        data = [
+            pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL) for o in objects
+        ]
+        sizes = torch.tensor([len(d) for d in data], device=device)
+    dist.broadcast(sizes, src=src)
+    longest = int(sizes.max())
+    received = torch.empty(longest, dtype=torch.uint8, device=device)
+    parts = None
+    if objects is not None:
+        parts = [_padded_bytes(d, longest, device) for d in data]
+    dist.scatter(received, parts, src=src)
+    own = received[: int(sizes[runtime.rank()])].cpu().numpy()
+    return pickle.loads(own.tobytes())
+
+
+def _padded_bytes(data, length, device):
+    padded = torch.zeros(length, dtype=torch.uint8)
+    padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return padded.to(device)
+
+
+def start_enqueuer(enqueuer):
+    """Starts a Keras `OrderedEnqueuer`, on either Keras base.
+
+    Keras master's `start` takes the epoch, its shuffle seed (Keras 3.15
+    shuffles unseeded); our shares are never shuffled by the enqueuer, so
+    any epoch reads them in order.
+    """
+    if "epoch" in inspect.signature(enqueuer.start).parameters:
+        enqueuer.start(epoch=0)
+    else:
+        enqueuer.start()

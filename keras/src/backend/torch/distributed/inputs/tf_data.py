@@ -1,0 +1,149 @@
+"""`tf.data` input under a multi-process distribution.
+
+Upstream shards a `tf.data.Dataset` across processes by the batch size it
+computes from the dataset (`Distribution.distribute_dataset`), and refuses
+a dataset whose batch size it cannot compute, e.g. one whose batches pass
+through `map` and `prefetch` (keras-hub's `fit` on arrays builds one).
+
+Here a dataset is sharded upstream's way when every batch has the same,
+static size that the processes along the batch axis can split evenly in
+the order of the device mesh; each process then reads its own part and
+the parts are assembled into the global batch. Any other dataset is read
+whole by every process as global batches, each process keeping its rows,
+as arrays and the other data sources are. Either way the steps compute
+on the same global batches as one process, and every process runs the
+same number of steps.
+
+A dataset read as global batches must yield the same batches on every
+process: shuffle it with a seed.
+
+`keras.src.backend.torch.distribution_lib` imports this module when it is
+first used: it needs the data adapters, which need the backend.
+"""
+
+from keras.src import tree
+from keras.src.backend.torch.distributed.core import runtime
+from keras.src.backend.torch.distributed.inputs import data_input
+from keras.src.trainers.data_adapters.tf_dataset_adapter import TFDatasetAdapter
+
+
+def tf_dataset_adapter(dataset, class_weight=None, distribution=None):
+    """Makes the data adapter of a `tf.data.Dataset`.
+
+    Args:
+        dataset: a `tf.data.Dataset`.
+        class_weight: optional dict of class ids to weights.
+        distribution: the `keras.distribution.Distribution` in effect, or
+            `None`.
+
+    Returns:
+        A `TFDatasetAdapter`. Under a multi-process distribution that
+        shards the data, its batches are either this process' parts of
+        the global batches, yielded already assembled into global
+        `DTensor` batches, or the global batches themselves.
+    """
+    if not _shards_data(distribution):
+        return TFDatasetAdapter(
+            dataset, class_weight=class_weight, distribution=distribution
+        )
+    adapter = TFDatasetAdapter(dataset, class_weight=class_weight)
+    batch_size = _shardable_batch_size(adapter.get_tf_dataset(), distribution)
+    if batch_size is None:
+        runtime.log_debug("tf.data input: read as global batches")
+        return adapter
+    runtime.log_debug("tf.data input: sharded, global batch %d", batch_size)
+    return _ProcessPartsAdapter(dataset, class_weight, distribution, batch_size)
+
+
+def _shards_data(distribution):
+    return (
+        distribution is not None
+        and getattr(distribution, "_is_multi_process", False)
+        and getattr(distribution, "auto_shard_dataset", False)
+    )
+
+
+def _shardable_batch_size(dataset, distribution):
+    """The global batch size if upstream's sharding can split `dataset`.
+
+    Upstream's sharding cuts each batch into equal parts, one per data
+    shard, and gives part `distribution.data_shard_id` to this process.
+    That is this process' rows only when the shards are the processes
+    along the batch axis, in mesh order, and every batch divides evenly.
+
+    Returns:
+        The batch size, or `None` when the dataset must be read as global
+        batches.
+    """
+    from tensorflow.python.data.experimental.ops import (
+        distribute as tf_data_distribute,
+    )
+
+    sizes = {
+        spec.shape[0] if getattr(spec, "shape", None) else None
+        for spec in tree.flatten(dataset.element_spec)
+    }
+    if len(sizes) != 1 or None in sizes:
+        return None
+    (batch_size,) = sizes
+    if int(tf_data_distribute.compute_batch_size(dataset)) != batch_size:
+        return None
+    mesh = distribution.device_mesh.backend_mesh
+    batch_dim = mesh.mesh_dim_names.index(distribution.batch_dim_name)
+    num_parts = mesh.size(batch_dim)
+    if (
+        batch_size % num_parts
+        or distribution.num_model_replicas != num_parts
+        or distribution.data_shard_id != mesh.get_coordinate()[batch_dim]
+    ):
+        return None
+    return batch_size
+
+
+class _ProcessPartsAdapter(TFDatasetAdapter):
+    """Reads this process' parts, yields global `DTensor` batches."""
+
+    def __init__(self, dataset, class_weight, distribution, batch_size):
+        super().__init__(
+            dataset, class_weight=class_weight, distribution=distribution
+        )
+        self._distribution = distribution
+        self._global_batch_size = batch_size
+
+    def get_torch_dataloader(self):
+        return _GlobalBatches(
+            super().get_torch_dataloader(),
+            self._distribution,
+            self._global_batch_size,
+        )
+
+    @property
+    def batch_size(self):
+        return self._global_batch_size
+
+
+class _GlobalBatches:
+    """Assembles the global batch from each batch of this process' part."""
+
+    def __init__(self, parts, distribution, global_batch_size):
+        self._parts = parts
+        self._distribution = distribution
+        self._global_batch_size = global_batch_size
+
+    def __iter__(self):
+        for part in self._parts:
+            yield tree.map_structure(self._assemble, part)
+
+    def __len__(self):
+        return len(self._parts)
+
+    def _assemble(self, x):
+        if not hasattr(x, "shape") or len(x.shape) == 0:
+            return x
+        shape = (self._global_batch_size,) + tuple(x.shape[1:])
+        return data_input.distribute_data_input(
+            x,
+            self._distribution.get_data_layout(shape),
+            self._distribution.batch_dim_name,
+            global_batch_size=self._global_batch_size,
+        )

@@ -1,0 +1,430 @@
+"""Einsum, batched matmul and attention computed on each process' shards.
+
+Tensor parallelism splits these ops along a dimension no shard needs
+another's values of: attention heads, batch rows, a contracted head axis
+(whose parts sum to the result). On `DTensor`s torch computes them through
+views that merge such a dimension into a larger one (a strided shard, which
+`fallback` gathers), or through the math decomposition of attention, so
+every process would compute every head. The torch backend's `einsum`,
+`matmul` and `dot_product_attention` are wrapped here: where the operands
+split, each process computes its part on its local tensors and the result
+is laid out along the split; otherwise the backend's function runs as it
+is. With no distribution set, each wrapper only checks that.
+"""
+
+import functools
+
+import torch
+
+from keras.src.backend.common.variables import Variable as KerasVariable
+from keras.src.backend.torch.distributed.core import layouts
+from keras.src.backend.torch.distributed.core import runtime
+from keras.src.backend.torch.distributed.core.runtime import DTensor
+from keras.src.backend.torch.distributed.core.runtime import Partial
+from keras.src.backend.torch.distributed.core.runtime import Replicate
+from keras.src.backend.torch.distributed.core.runtime import Shard
+
+# Labels of the stacked dimensions of a batched matmul, as an einsum.
+_STACK_LABELS = "abcdefghlmnopq"
+
+
+def local_einsum(function):
+    """Runs `einsum` on each process' shards, as tensor parallelism does.
+
+    An einsum is a sum of products: split along one label, each process
+    computes its part on its shards. A label kept in the output (a batch
+    row, an attention head) gives the output's shards: the query-key product
+    and the weighted sum of values of head-sharded attention. A contracted
+    label gives a partial sum: the attention output projection, row
+    parallel over heads. On `DTensor`s, torch would compute an einsum
+    through views merging such a label into a larger dimension (a strided
+    shard, which the fallback gathers), so every process would compute all
+    heads, and the projections' gradients would need an all-reduce. Here
+    each mesh axis may shard one label, the same way in every operand that
+    has it (operands without it replicated there); other layouts (two
+    labels on one mesh axis, an operand replicated along the split label,
+    a partial operand, uneven shards, an ellipsis, a plain operand) go to
+    `function`, their dimensions DTensor cannot contract sharded gathered
+    first (`_einsum_operands`).
+
+    Args:
+        function: the backend's `einsum`.
+
+    Returns:
+        The wrapped function.
+    """
+
+    @functools.wraps(function)
+    def einsum(subscripts, *operands, **kwargs):
+        if runtime.current_distribution() is None:
+            return function(subscripts, *operands, **kwargs)
+        split = _shard_local_einsum(subscripts, operands)
+        if split is None:
+            operands = _einsum_operands(operands)
+            return function(subscripts, *operands, **kwargs)
+        mesh, placements, local_operands = split
+        output = function(subscripts, *local_operands, **kwargs)
+        return DTensor.from_local(output, mesh, placements, run_check=False)
+
+    return einsum
+
+
+def _einsum_operands(operands):
+    """Lays out einsum operands the way DTensor can contract them.
+
+    DTensor computes an einsum through views, which cannot keep a dimension
+    sharded unevenly or a dimension of size 1 sharded (e.g. Gemma's single
+    key/value head on a model axis of 1 or 2): such dimensions are gathered
+    first. Gathering is differentiable:
+    gradients come back sharded like the operand.
+
+    Args:
+        operands: the einsum operands.
+
+    Returns:
+        The operands, as a list.
+    """
+    return [_gather_uneven_dims(x) for x in operands]
+
+
+def _gather_uneven_dims(x):
+    if isinstance(x, KerasVariable):
+        x = x.value
+    if not isinstance(x, DTensor):
+        return x
+    mesh = x.device_mesh
+    placements = [
+        Replicate() if p.is_shard() and _uneven(x, p.dim, mesh.size(i)) else p
+        for i, p in enumerate(x.placements)
+    ]
+    if placements == list(x.placements):
+        return x
+    return layouts.redistribute(x, mesh, placements)
+
+
+def _uneven(x, dim, num_shards):
+    # DTensor's views cannot keep a dimension of size 1 sharded either,
+    # even over a mesh axis of size 1 (where gathering costs nothing).
+    return x.shape[dim] % num_shards or x.shape[dim] == 1
+
+
+def local_matmul(function):
+    """Runs a batched `matmul` on each process' shards, as `local_einsum`.
+
+    A product of stacks of matrices (`(batch, heads, i, j) @ (batch, heads,
+    j, k)`) is the einsum `...ij,...jk->...ik`: split along a stacked
+    dimension, each process multiplies its own matrices. On `DTensor`s
+    torch merges the stacked dimensions into one first (a strided shard,
+    which the fallback gathers): keras-hub's Qwen3.5 gated delta net
+    gathered its heads for every step of its chunk loop.
+
+    Args:
+        function: the backend's `matmul`.
+
+    Returns:
+        The wrapped function.
+    """
+
+    @functools.wraps(function)
+    def matmul(x1, x2):
+        if runtime.current_distribution() is None:
+            return function(x1, x2)
+        split = _shard_local_matmul(x1, x2)
+        if split is None:
+            return function(x1, x2)
+        mesh, placements, (local1, local2) = split
+        output = function(local1, local2)
+        return DTensor.from_local(output, mesh, placements, run_check=False)
+
+    return matmul
+
+
+def _shard_local_matmul(x1, x2):
+    """How a batched `matmul` splits into one per shard, or `None`: operands
+    of one rank above 2 with the same stacked dimensions."""
+    shapes = [getattr(getattr(x, "value", x), "shape", None) for x in (x1, x2)]
+    if any(shape is None or len(shape) < 3 for shape in shapes):
+        return None
+    if len(shapes[0]) != len(shapes[1]) or shapes[0][:-2] != shapes[1][:-2]:
+        return None
+    stacked = _STACK_LABELS[: len(shapes[0]) - 2]
+    return _shard_local_einsum(
+        f"{stacked}ij,{stacked}jk->{stacked}ik", (x1, x2)
+    )
+
+
+def _shard_local_einsum(subscripts, operands):
+    """How `einsum` splits into one per shard, or `None`.
+
+    Returns:
+        `(mesh, output placements, local operands)`.
+    """
+    if torch.compiler.is_compiling():
+        # Compiled steps trace DTensor's own einsum: dynamo fails on this
+        # path in a compiled MultiHeadAttention step
+        # (`InternalTorchDynamoError`).
+        return None
+    projection = any(isinstance(x, KerasVariable) for x in operands)
+    operands = [
+        x.value if isinstance(x, KerasVariable) else x for x in operands
+    ]
+    # A plain operand's part would need this process' mesh coordinates,
+    # and its gradient a reduction: such einsums go to DTensor.
+    if not operands or not all(isinstance(x, DTensor) for x in operands):
+        return None
+    if "." in subscripts or "->" not in subscripts:
+        return None
+    inputs, output = subscripts.replace(" ", "").split("->")
+    inputs = inputs.split(",")
+    mesh = operands[0].device_mesh
+    if len(inputs) != len(operands) or any(
+        x.device_mesh != mesh for x in operands
+    ):
+        return None
+    for labels, x in zip(inputs, operands):
+        if len(set(labels)) != len(labels) or len(labels) != x.ndim:
+            return None
+    split_labels = []
+    for mesh_dim in range(mesh.ndim):
+        label = _split_label(inputs, operands, mesh_dim, mesh.size(mesh_dim))
+        if label is False:
+            return None
+        split_labels.append(label)
+    if projection and not any(split_labels):
+        # A replicated projection (key/value heads read by split query
+        # heads) goes to DTensor, whose backward keeps a partial-sum output
+        # gradient partial: the weight's gradient joins the step's
+        # reduction, the input's the partial sums its producer reduces
+        # once. A product of two activations reduces it here instead, once,
+        # rather than leave both operands' gradients partial.
+        return None
+    placements = [_output_placement(label, output) for label in split_labels]
+    local_operands = [
+        _local_part(x, labels, split_labels)
+        for labels, x in zip(inputs, operands)
+    ]
+    return mesh, placements, local_operands
+
+
+def _output_placement(label, output):
+    """A kept label's shards are the output's; a contracted label's sum to
+    it."""
+    if label is None:
+        return Replicate()
+    if label in output:
+        return Shard(output.index(label))
+    return Partial()
+
+
+def _split_label(inputs, operands, mesh_dim, num_shards):
+    """The one label sharded on `mesh_dim` (`None`: none, `False`: a layout
+    that does not split: several labels, a partial sum, an uneven shard, an
+    operand replicated along the label)."""
+    found = set()
+    for labels, x in zip(inputs, operands):
+        placement = x.placements[mesh_dim]
+        if placement.is_partial() or not (
+            placement.is_replicate() or type(placement) is Shard
+        ):
+            return False
+        if placement.is_shard():
+            found.add(labels[placement.dim])
+    if len(found) > 1:
+        return False
+    if not found:
+        return None
+    (label,) = found
+    for labels, x in zip(inputs, operands):
+        if label not in labels:
+            continue
+        # Slicing an operand replicated along the label costs nothing
+        # forward, but an all-gather of its gradient backward.
+        if not x.placements[mesh_dim].is_shard():
+            return False
+        if x.shape[labels.index(label)] % num_shards:
+            return False
+    return label
+
+
+def _local_part(x, labels, split_labels):
+    """This process' part of an einsum operand: its local tensor, whose
+    gradient is a partial sum where the einsum splits on a label the
+    operand lacks (each process' part of the output reads all of it)."""
+    grad_placements = []
+    for label in split_labels:
+        if label is None:
+            grad_placements.append(Replicate())
+        elif label in labels:
+            grad_placements.append(Shard(labels.index(label)))
+        else:
+            grad_placements.append(Partial())
+    return x.to_local(grad_placements=grad_placements)
+
+
+def local_attention(function):
+    """Runs `dot_product_attention` on each process' shards of its operands.
+
+    Attention is computed per batch row and per head, so operands sharded
+    only on those dimensions are attended shard by shard, as tensor
+    parallelism does, with no collective. On `DTensor`s DTensor would
+    instead decompose the math kernel into views that it cannot shard
+    under `torch.compile` (torch 2.13), and, eagerly, into strided shards
+    that the fallback gathers: every process would attend every head. A
+    mask or a bias (that needs no gradient) goes along when it is laid out
+    like the scores it masks: its batch and head dimensions sharded as the
+    query's, or of size 1 and replicated (a causal or padding mask
+    broadcast over the heads). Grouped-query attention with fewer
+    key/value heads than processes keeps its key and value replicated
+    (whole heads, from split input features: `auto_plan`): each process
+    attends its query heads with the key/value heads they read, and the key
+    and value get a partial gradient. Upstream's flash attention probe
+    (`SDPAParams`) is skipped there too: dynamo cannot trace it, and
+    torch's own kernel choice takes the flash kernel first where it can
+    run. Other operands (a partial or uneven layout, a mask laid out
+    otherwise) go to `function` as they are.
+
+    Args:
+        function: the backend's `dot_product_attention`.
+
+    Returns:
+        The wrapped function.
+    """
+
+    @functools.wraps(function)
+    def attention(query, key, value, *args, **kwargs):
+        if runtime.current_distribution() is None or not _shard_local_attention(
+            query, key, value, args, kwargs
+        ):
+            return function(query, key, value, *args, **kwargs)
+        if kwargs.get("flash_attention") is None:
+            kwargs["flash_attention"] = False
+        for name in ("mask", "bias"):
+            if isinstance(kwargs.get(name), DTensor):
+                kwargs[name] = kwargs[name].to_local()
+        key, value = (_local_key_value_heads(x, query) for x in (key, value))
+        output = function(query.to_local(), key, value, **kwargs)
+        return DTensor.from_local(
+            output, query.device_mesh, query.placements, run_check=False
+        )
+
+    return attention
+
+
+def _shard_local_attention(query, key, value, args, kwargs):
+    """Whether attention splits into one per shard: `DTensor` operands laid
+    out alike, sharded evenly on batch (0) or heads (2) only, and a mask or
+    bias laid out like the scores (see `local_attention`)."""
+    if not all(isinstance(x, DTensor) for x in (query, key, value)):
+        return False
+    if args:
+        return False
+    mesh, placements = query.device_mesh, query.placements
+    if key.placements != value.placements or key.ndim != 4:
+        return False
+    if value.ndim != 4 or key.shape[2] != value.shape[2]:
+        return False
+    # At most one mesh dimension splits the query's heads but not the
+    # key's and value's (see `_reads_whole_heads`).
+    differing = [
+        mesh_dim
+        for mesh_dim, own in enumerate(key.placements)
+        if own != placements[mesh_dim]
+    ]
+    if len(differing) > 1:
+        return False
+    for x in (key, value):
+        if x.device_mesh != mesh:
+            return False
+        if differing and not _reads_whole_heads(query, x, differing[0]):
+            return False
+    for mesh_dim, placement in enumerate(placements):
+        if placement.is_replicate():
+            continue
+        if not placement.is_shard() or placement.dim not in (0, 2):
+            return False
+        size = mesh.size(mesh_dim)
+        if any(
+            x.shape[placement.dim] % size
+            for x in (query, key, value)
+            if x.placements[mesh_dim] == placement
+        ):
+            return False
+    return all(
+        _scores_like(kwargs.get(name), query) for name in ("mask", "bias")
+    )
+
+
+def _reads_whole_heads(query, key, mesh_dim):
+    """Whether a `key` (or value) replicated over `mesh_dim`, over which
+    the query's heads are split, gives each process the key/value heads its
+    query heads read, whole: grouped-query attention with fewer key/value
+    heads than processes (a plan computes them whole on each process)."""
+    placement = query.placements[mesh_dim]
+    if not (
+        key.placements[mesh_dim].is_replicate()
+        and type(placement) is Shard
+        and placement.dim == 2
+    ):
+        return False
+    heads, key_heads = query.shape[2], key.shape[2]
+    size = query.device_mesh.size(mesh_dim)
+    if heads % size or heads % key_heads:
+        return False
+    local_heads, group = heads // size, heads // key_heads
+    # Each process' query heads are whole groups, or within one group.
+    return local_heads % group == 0 or group % local_heads == 0
+
+
+def _local_key_value_heads(x, query):
+    """This process' tensor of key or value `x`: on the mesh dimensions
+    where it is replicated and the query's heads are split, the key/value
+    heads of this process' query heads. Their gradient there is a partial
+    sum: each process' query heads give their key/value heads' part."""
+    mesh = query.device_mesh
+    whole = [
+        mesh_dim
+        for mesh_dim, own in enumerate(x.placements)
+        if own != query.placements[mesh_dim]
+    ]
+    if not whole:
+        return x.to_local()
+    grad_placements = list(x.placements)
+    for mesh_dim in whole:
+        grad_placements[mesh_dim] = Partial()
+    local = x.to_local(grad_placements=grad_placements)
+    heads, key_heads = query.shape[2], x.shape[2]
+    group = heads // key_heads
+    for mesh_dim in whole:
+        local_heads = heads // mesh.size(mesh_dim)
+        first = mesh.get_local_rank(mesh_dim) * local_heads
+        start, stop = first // group, (first + local_heads - 1) // group + 1
+        local = local[:, :, start:stop]
+    return local
+
+
+def _scores_like(mask, query):
+    """Whether `mask` (absent, or broadcast to the scores' `(batch, heads,
+    queries, keys)`) splits as the query `(batch, queries, heads, size)`
+    does: each sharded dimension of the query sharded alike in the mask,
+    or of size 1 there and replicated."""
+    if mask is None:
+        return True
+    if not isinstance(mask, DTensor) or mask.requires_grad or mask.ndim != 4:
+        return False
+    if mask.device_mesh != query.device_mesh:
+        return False
+    # The query's batch (0) and heads (2) are the scores' 0 and 1.
+    scores_dim = {0: 0, 2: 1}
+    for placement, own in zip(query.placements, mask.placements):
+        if placement.is_replicate():
+            if not own.is_replicate():
+                return False
+            continue
+        dim = scores_dim[placement.dim]
+        if own.is_replicate() and mask.shape[dim] == 1:
+            continue
+        if not (type(own) is Shard and own.dim == dim):
+            return False
+        if mask.shape[dim] != query.shape[placement.dim]:
+            return False
+    return True

@@ -1,0 +1,299 @@
+"""Gradients reduced once per step, in buckets, before the optimizer.
+
+Gradients of replicated weights computed on a sharded batch come out of
+autograd as partial sums (`Partial` DTensors). Left so, every optimizer op
+that reads one would all-reduce it again; here each is all-reduced once, in
+buckets of about `BUCKET_BYTES`, as DDP does, and the optimizer issues no
+collectives.
+
+In Keras' own train step the buckets are all-reduced while the backward
+pass runs (see `step_reduction`).
+"""
+
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from keras.src.backend.torch.distributed.core import layouts
+from keras.src.backend.torch.distributed.core import local_state
+from keras.src.backend.torch.distributed.core import runtime
+from keras.src.backend.torch.distributed.core.runtime import DTensor
+from keras.src.backend.torch.distributed.core.runtime import Partial
+
+BUCKET_BYTES = 25 * 1024 * 1024
+# The first bucket of an overlapped reduction is small, as DDP's (1 MiB):
+# its all-reduce starts early in the backward pass.
+FIRST_BUCKET_BYTES = 1024 * 1024
+
+# Each optimizer's flat gradient buffers, kept from one step to the next:
+# allocated anew, they would cost fresh memory pages every step.
+_GRADIENT_BUFFERS = weakref.WeakKeyDictionary()
+
+
+def apply_gradients(apply_function, optimizer, grads, trainable_variables):
+    """Runs `optimizer.apply` on distributed gradients.
+
+    Partial gradients are first reduced once (see `reduce_gradients`). When
+    every variable and gradient is replicated (data parallelism), the update
+    then runs on the local tensors, which hold the whole values: the math is
+    the same and skips DTensor's dispatch on every optimizer op. Without a
+    distribution, `apply_function` runs as it is.
+
+    Args:
+        apply_function: the optimizer's own `apply(grads, variables)`.
+        optimizer: the optimizer.
+        grads: list of gradients.
+        trainable_variables: the variables, or `None` for the optimizer's.
+
+    Returns:
+        What `apply_function` returns.
+    """
+    if runtime.current_distribution() is None:
+        return apply_function(grads, trainable_variables)
+    grads = reduce_gradients(grads, buffers=optimizer_buffers(optimizer))
+    variables = trainable_variables
+    if variables is None:
+        variables = optimizer._trainable_variables
+    grads = laid_out_as(grads, variables)
+    state = list(optimizer.variables) + list(variables)
+    if not (
+        optimizer.built and local_state.all_replicated(state + list(grads))
+    ):
+        return apply_function(grads, trainable_variables)
+    with torch.no_grad(), local_state.on_local_values(state):
+        return apply_function(
+            [local_state.local_value(g) for g in grads], trainable_variables
+        )
+
+
+def laid_out_as(gradients, variables):
+    """Each gradient in its variable's layout, redistributed once.
+
+    Autograd's layout of a gradient can differ from its variable's (a
+    kernel sharded on its output features, contracted with an input
+    sharded on the same mesh axis, gets a gradient sharded on its input
+    features): left so, every optimizer op that reads it would
+    redistribute it again (Adam: 3 times).
+    """
+    laid_out = []
+    for g, v in zip(gradients, variables):
+        value = getattr(v, "value", v)
+        if (
+            isinstance(g, DTensor)
+            and isinstance(value, DTensor)
+            and g.device_mesh == value.device_mesh
+            and not any(p.is_partial() for p in g.placements)
+        ):
+            g = layouts.redistribute(g, g.device_mesh, value.placements)
+        laid_out.append(g)
+    return laid_out
+
+
+def reduces_to_replicated(values):
+    """Whether every `DTensor` in `values` is partial or replicated on
+    each of its mesh axes, so that it is replicated once reduced."""
+    return all(
+        all(p.is_partial() or p.is_replicate() for p in x.placements)
+        for x in values
+        if isinstance(x, DTensor)
+    )
+
+
+def optimizer_buffers(optimizer):
+    """The optimizer's kept flat buffers; none in a compiled step.
+
+    Compiled, the buffers are the graph's own: a dict filled on the first
+    step would fail a guard on the second and compile the step again.
+    """
+    if torch.compiler.is_compiling():
+        return None
+    return _GRADIENT_BUFFERS.setdefault(optimizer, {})
+
+
+def reduce_gradients(gradients, buffers=None, as_local=False):
+    """Turns partial-sum gradients into the replicated or sharded ones.
+
+    Partial sums and partial averages of one mesh and dtype, partial over
+    the same mesh axes, share buckets whatever their layout on the other
+    axes (a kernel's gradient sharded over the model axis beside a norm's
+    replicated one): each bucket is summed once, and an average's part is
+    then divided.
+
+    Args:
+        gradients: list of gradients (`DTensor`, tensor or `None`).
+        buffers: optional dict in which the flat buffers the buckets are
+            packed into are kept for the next call. The gradients returned
+            by a call are views of these buffers: the next call with the
+            same dict overwrites them.
+        as_local: if `True`, a value replicated once reduced comes back as
+            its local tensor (the whole value) instead of a `DTensor`.
+
+    Returns:
+        The list with every `Partial` placement reduced.
+    """
+    gradients = list(gradients)
+    groups = {}
+    for i, g in enumerate(gradients):
+        if isinstance(g, DTensor) and any(p.is_partial() for p in g.placements):
+            key = (id(g.device_mesh), _reduced_axes(g), g.dtype, g.device)
+            groups.setdefault(key, []).append(i)
+    for key, indices in groups.items():
+        if not _needs_reduction(gradients[indices[0]]):
+            for i in indices:
+                gradients[i] = _relabel_reduced(gradients[i], as_local)
+            continue
+        flat = flat_buffer(buffers, key, [gradients[i] for i in indices])
+        offset = 0
+        for bucket in _buckets(indices, gradients):
+            bucket_gradients = [gradients[i] for i in bucket]
+            size = sum(g.to_local().numel() for g in bucket_gradients)
+            reduced = _all_reduce_bucket(
+                bucket_gradients, flat[offset : offset + size], as_local
+            )
+            offset += size
+            for i, g in zip(bucket, reduced):
+                gradients[i] = g
+    return gradients
+
+
+def _reduced_axes(value):
+    """The placements `value` is all-reduced over: its partial ones, as
+    sums. An all-reduce over an axis sums the local values of the
+    processes that differ only on that axis, which hold the same part of
+    a value sharded or replicated over the other axes: values laid out
+    otherwise on those can share the collective."""
+    return tuple(
+        _summed([p])[0] if p.is_partial() else None for p in value.placements
+    )
+
+
+def _summed(placements):
+    """`placements` with partial averages taken as partial sums."""
+    return tuple(
+        Partial("sum") if p.is_partial() and p.reduce_op == "avg" else p
+        for p in placements
+    )
+
+
+def flat_buffer(buffers, key, gradients):
+    """A 1-D buffer for the local values of `gradients`, reused if cached."""
+    size = sum(local_state.local_value(g).numel() for g in gradients)
+    first = gradients[0]
+    buffer = None if buffers is None else buffers.get(key)
+    if buffer is None or buffer.numel() < size:
+        buffer = torch.empty(size, dtype=first.dtype, device=first.device)
+        if buffers is not None:
+            buffers[key] = buffer
+    return buffer[:size]
+
+
+def _needs_reduction(gradient):
+    """Whether a partial gradient is partial over more than one process."""
+    mesh = gradient.device_mesh
+    return any(
+        p.is_partial() and mesh.size(d) > 1
+        for d, p in enumerate(gradient.placements)
+    )
+
+
+def _relabel_reduced(gradient, as_local):
+    """A gradient partial only over mesh axes of size one is already whole."""
+    return reduced_value(gradient, gradient.to_local(), as_local)
+
+
+def reduced_value(value, local, as_local):
+    """The reduced `value` whose local part is `local`: a `DTensor`, or
+    `local` itself if `as_local` and the value is replicated."""
+    placements = layouts.reduced_placements(value.placements)
+    if as_local and all(p.is_replicate() for p in placements):
+        return local
+    return layouts.dtensor_from_local(
+        local,
+        value.device_mesh,
+        placements,
+        shape=value.shape,
+        stride=value.stride(),
+    )
+
+
+def _all_reduce_bucket(gradients, flat, as_local):
+    """All-reduces values of one mesh, summed placements and dtype at once.
+
+    Args:
+        gradients: the bucket's `Partial` values (sums or averages).
+        flat: a 1-D tensor of their total local size to pack them into.
+        as_local: see `reduce_gradients`.
+
+    Returns:
+        The reduced values, views of `flat`.
+    """
+    torch.cat([g.to_local().reshape(-1) for g in gradients], out=flat)
+    for group, op in _all_reduces(gradients[0]):
+        dist.all_reduce(flat, op=op, group=group)
+    return unpack_bucket(gradients, flat, as_local)
+
+
+def _all_reduces(value):
+    """`(process group, op)` of each all-reduce that sums `value`'s parts.
+
+    One per mesh axis it is partial over; one over every process instead
+    when it is partial, by one op, over every axis longer than one of a
+    mesh of every process (the gradient of a weight replicated on a 2-D
+    mesh: one collective, not two).
+    """
+    mesh = value.device_mesh
+    partial = [
+        (dim, p)
+        for dim, p in enumerate(value.placements)
+        if p.is_partial() and mesh.size(dim) > 1
+    ]
+    every_axis = len(partial) == sum(1 for n in mesh.shape if n > 1)
+    if (
+        len(partial) > 1
+        and every_axis
+        and len({_summed([p])[0] for _, p in partial}) == 1
+        and mesh.size() == dist.get_world_size()
+    ):
+        return [(None, reduce_op(partial[0][1]))]
+    return [(mesh.get_group(dim), reduce_op(p)) for dim, p in partial]
+
+
+def reduce_op(placement):
+    return getattr(dist.ReduceOp, _summed([placement])[0].reduce_op.upper())
+
+
+def unpack_bucket(gradients, flat, as_local):
+    """The reduced values of a bucket's `gradients`, views of `flat`."""
+    reduced, offset = [], 0
+    for g in gradients:
+        local = g.to_local()
+        part = flat[offset : offset + local.numel()].view(local.shape)
+        offset += local.numel()
+        divisor = _average_divisor(g)
+        if divisor > 1:
+            part /= divisor
+        reduced.append(reduced_value(g, part, as_local))
+    return reduced
+
+
+def _average_divisor(value):
+    """The number of parts a partial average of `value` was summed over."""
+    divisor = 1
+    for mesh_dim, placement in enumerate(value.placements):
+        if placement.is_partial() and placement.reduce_op == "avg":
+            divisor *= value.device_mesh.size(mesh_dim)
+    return divisor
+
+
+def _buckets(indices, gradients):
+    bucket, size = [], 0
+    for i in indices:
+        local = gradients[i].to_local()
+        bucket.append(i)
+        size += local.numel() * local.element_size()
+        if size >= BUCKET_BYTES:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
