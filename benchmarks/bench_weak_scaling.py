@@ -23,7 +23,12 @@ the slowest process'. Each job also says which path the model took
 Models, on (rows, 32, 256) sequences: ``dense`` (Dense(256) x 4),
 ``dense_dropout`` (each followed by Dropout(0.1)), ``lstm_dropout``
 (LSTM(64) x 2 with dropout between), ``conv_dropout`` (Conv1D(128, 3) x 4
-with SpatialDropout1D), ``own_layer`` (a user's Dense-like layer x 3);
+with SpatialDropout1D), ``own_layer`` (a user's Dense-like layer x 3),
+``activity_reg`` (Dense(256) x 4, the second with an L2 activity
+regularizer: that layer alone through DTensor, the rest on the local
+rows) and ``activity_reg_whole`` (the same model with its probe made to
+find the whole model coupling samples: all of it through DTensor, as
+before a layer could be called alone; DataParallel side only changes);
 ``llama`` and ``llama_dropout``: a keras-hub `LlamaCausalLM` (2 layers,
 hidden 256, 8 query and 4 key/value heads, 128 tokens a row; its
 backbone's `dropout` 0 or 0.1; keras-hub must be installed).
@@ -48,6 +53,8 @@ MODELS = (
     "lstm_dropout",
     "conv_dropout",
     "own_layer",
+    "activity_reg",
+    "activity_reg_whole",
     "llama",
     "llama_dropout",
     "llama_mp",
@@ -111,6 +118,16 @@ def _model(kind):
             stack.append(layers.SpatialDropout1D(0.1))
     elif kind == "own_layer":
         stack += [OwnDense(FEATURES) for _ in range(3)]
+    elif kind.startswith("activity_reg"):
+        for i in range(4):
+            regularizer = "l2" if i == 1 else None
+            stack.append(
+                layers.Dense(
+                    FEATURES,
+                    activation="relu",
+                    activity_regularizer=regularizer,
+                )
+            )
     else:
         raise ValueError(f"Unknown model {kind!r}; choose from {MODELS}.")
     stack.append(layers.Dense(8))
@@ -167,6 +184,15 @@ def _data(kind, rows):
     return x, y
 
 
+def _whole_model_couples():
+    """Makes the probe find every model coupling samples as a whole (the
+    path of a model whose layer couples samples, before such a layer was
+    called alone): for the `_whole` models' side by side comparison."""
+    from keras.src.backend.torch.distributed.data_parallel import batch_coupling
+
+    batch_coupling.coupling_layers = lambda model, watch: None
+
+
 def _peak_kib():
     with open("/proc/self/status") as f:
         for line in f:
@@ -197,6 +223,8 @@ def worker(impl, kind, args):
         kd.set_distribution(_model_parallel(size))
     elif impl == "keras_dp":
         kd.set_distribution(kd.DataParallel())
+    if impl == "keras_dp" and kind.endswith("_whole"):
+        _whole_model_couples()
     model = _model(kind)
     x, y = _data(kind, args.rows * size)
     if impl == "keras_dp":
@@ -249,6 +277,8 @@ def worker(impl, kind, args):
     elif impl == "keras_dp":
         verdict = step_lib.call_verdict(model, "train", training=True)
         path = "local" if verdict.per_sample else f"dtensor: {verdict.reason}"
+        if verdict.per_sample and verdict.coupled:
+            path = f"local, {len(verdict.coupled)} layer(s) on DTensor"
     if rank == 0:
         print(
             "RESULT "

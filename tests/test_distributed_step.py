@@ -21,16 +21,17 @@ from tests.harness import run_on_ranks
 # The modules a step runs through, and the module-level state they may
 # keep, with why (each is also said in a comment where it is defined).
 STEP_MODULES = (
-    "step",
-    "compiled_step",
-    "step_reduction",
-    "local_rows",
-    "local_loss",
-    "local_state",
-    "layer_call",
-    "fsdp",
-    "fsdp_call",
-    "fsdp_schedule",
+    "training.step",
+    "training.compiled_step",
+    "training.step_reduction",
+    "data_parallel.local_rows",
+    "data_parallel.coupled_layers",
+    "data_parallel.local_loss",
+    "core.local_state",
+    "training.layer_call",
+    "fsdp.fsdp",
+    "fsdp.fsdp_call",
+    "fsdp.fsdp_schedule",
 )
 ALLOWED_MODULE_STATE = {
     # Mirror torch's process-wide `implicit_replication` flag: the open
@@ -45,6 +46,8 @@ ALLOWED_MODULE_STATE = {
     # Per layer, weakly: the probe's verdicts on calls outside a step (a
     # step keeps its own).
     ("local_rows", "_verdicts"),
+    # Per thread: the coupled layers of the local call running now.
+    ("coupled_layers", "_state"),
     # Per thread: the layer calls whose gathered values stand for their
     # variables now, and those variables (a layer called inside its own
     # call, or inside the call that gathered them, keeps them).
@@ -94,7 +97,7 @@ def _module_state(name):
                 node.targets if isinstance(node, ast.Assign) else [node.target]
             )
             found.update(t.id for t in targets if isinstance(t, ast.Name))
-    return {(name, x) for x in found}
+    return {(name.rpartition(".")[2], x) for x in found}
 
 
 def test_no_step_state_in_module_globals():
