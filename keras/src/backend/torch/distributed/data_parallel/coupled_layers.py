@@ -41,8 +41,8 @@ _state = threading.local()
 
 
 class NotRows(Exception):
-    """A coupled layer's output is not a batch of the global rows: the
-    call cannot go on on the local rows."""
+    """A coupled layer's output is not split by the rows of the batch:
+    the call cannot go on on the local rows."""
 
 
 def innermost_layer():
@@ -327,14 +327,24 @@ def _local_rows(x, batch):
 
 
 def _rows_of(x, batch):
-    if x.device_mesh is not batch.mesh or (
-        x.ndim == 0 or x.shape[0] != batch.global_rows
-    ):
+    """This process' rows of `x`: of a batch of the global rows, or of one
+    whose first axis holds `k` items per row (a layer's tokens flattened,
+    `(batch * sequence, ...)`)."""
+    if x.device_mesh is not batch.mesh or x.ndim == 0:
         raise NotRows(f"an output of shape {tuple(x.shape)}")
+    per_row, rest = divmod(x.shape[0], batch.global_rows)
+    if rest or not per_row:
+        raise NotRows(f"an output of shape {tuple(x.shape)}")
+    start = batch.start * per_row
+    stop = start + batch.local_rows * per_row
     if tuple(x.placements) == tuple(batch.placements):
-        return x.to_local()
+        local = x.to_local()
+        if local.shape[0] != stop - start:
+            # Split otherwise than the rows.
+            raise NotRows(f"an output of shape {tuple(x.shape)}")
+        return local
     # Whole on every process: each takes its rows; their gradients, zero
     # elsewhere, are partial sums of the whole gradient.
     whole = x.redistribute(batch.mesh, [Replicate()] * batch.mesh.ndim)
     local = whole.to_local(grad_placements=[Partial()] * batch.mesh.ndim)
-    return local[batch.start : batch.start + batch.local_rows]
+    return local[start:stop]

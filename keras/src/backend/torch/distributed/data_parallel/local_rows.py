@@ -284,8 +284,8 @@ def _checking_call(
                 with local_state.stateless_scope(mapping, True) as scope:
                     entered = dict(scope.state_mapping)
                     outputs = call_function(layer, *local_args, **local_kwargs)
-    except coupled_layers.NotRows as error:
-        return None, f"a layer that couples samples returns {error}", None
+    except coupled_layers.NotRows:
+        return None, "a layer that couples samples returns other values", None
     rows = batch.local_rows
     variables = [v for v, _ in mapping]
     updated = [
@@ -341,8 +341,8 @@ def _call_locally(call_function, layer, args, kwargs, variables, verdict, step):
                 with local_state.stateless_scope(mapping, True) as scope:
                     entered = dict(scope.state_mapping)
                     outputs = call_function(layer, *local_args, **local_kwargs)
-    except coupled_layers.NotRows as error:
-        unseen = f"a layer that couples samples returns {error}"
+    except coupled_layers.NotRows:
+        unseen = "a layer that couples samples returns other values"
     leaves = [x for x in tree.flatten(outputs) if x is not None]
     updated = [
         (v, scope.get_current_value(v))
