@@ -13,8 +13,10 @@ and every layer that adds a loss.
 
 In such a call the layer's weights are its local values made replicated
 `DTensor`s whose gradients return to the local values as the partial sums
-every weight of a local call gets (`local_rows`); its losses are
-`DTensor`s, kept for the loss as Keras keeps a layer's losses.
+every weight of a local call gets (`local_rows`); its losses are kept for
+the loss as Keras keeps a layer's losses. How a batch of DTensors splits
+into each process' rows (`batch_of`, a `Batch`) is this module's too: the
+call on the local rows and its coupled layers share it.
 """
 
 import contextlib
@@ -34,6 +36,7 @@ from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.core.runtime import DTensor
 from keras.src.backend.torch.distributed.core.runtime import Partial
 from keras.src.backend.torch.distributed.core.runtime import Replicate
+from keras.src.backend.torch.distributed.core.runtime import Shard
 
 # Per thread, as layer calls are: the coupled layers of the local call
 # running now.
@@ -83,6 +86,58 @@ class Batch:
         return layouts.chunk_bounds(
             self.global_rows, self.mesh.size(), self.mesh.get_local_rank()
         )[0]
+
+
+def batch_of(values):
+    """The `Batch` of `values` if every tensor in it is a DTensor sharded
+    on its first axis over a 1-D mesh, each process holding at least one
+    row; else `None`.
+
+    On a mesh of one process, inputs left whole (`Replicate`, as
+    `distribute_tensor` leaves a batch on an axis of size one) are that
+    process' rows too: a `DataParallel` job of one process computes on
+    plain tensors, as one with several does.
+    """
+    leaves = [x for x in tree.flatten(values) if hasattr(x, "shape")]
+    if not leaves or not all(isinstance(x, DTensor) for x in leaves):
+        return None
+    mesh = leaves[0].device_mesh
+    global_rows = leaves[0].shape[0] if leaves[0].ndim else 0
+    placements = tuple(leaves[0].placements)
+    if mesh.ndim != 1 or placements not in _batch_placements(mesh):
+        return None
+    for x in leaves:
+        if (
+            x.ndim == 0
+            or x.device_mesh is not mesh
+            or tuple(x.placements) != placements
+            or x.shape[0] != global_rows
+        ):
+            return None
+    parts = [
+        layouts.chunk_bounds(global_rows, mesh.size(), i)
+        for i in range(mesh.size())
+    ]
+    if any(stop <= start for start, stop in parts):
+        return None
+    start, stop = parts[mesh.get_local_rank()]
+    return Batch(mesh, global_rows, stop - start, placements)
+
+
+def _batch_placements(mesh):
+    """The placements of a batch split over the 1-D `mesh`."""
+    if mesh.size() == 1:
+        return ((Shard(0),), (Replicate(),))
+    return ((Shard(0),),)
+
+
+def replicated_on(value, mesh):
+    """Whether `value` is a DTensor replicated on `mesh`."""
+    return (
+        isinstance(value, DTensor)
+        and value.device_mesh is mesh
+        and all(p.is_replicate() for p in value.placements)
+    )
 
 
 @dataclasses.dataclass

@@ -3,32 +3,20 @@
 When every weight is replicated and the batch is sharded, a call that
 treats each sample on its own computes on a process' rows exactly what
 DTensor computes on them, without DTensor's dispatch on every op. Which
-calls do is measured on the first one (`batch_coupling`'s probe: DTensor's
-own collectives, then the same call on the local rows compared), whatever
+calls do is measured on the first one (`batch_coupling`'s probe), whatever
 the classes of the layers. A per-sample model is then called on the local
 rows as plain tensors: the weights enter as their local values with
 partial-sum gradients (torch's `local_map`), and the outputs leave as
 batch-sharded DTensors, so the loss, the metrics and anything else that
-reduces over the batch still see the global batch and keep one process'
-numbers.
+reduces over the batch see the global batch: one process' numbers.
 
-What couples the samples of a batch inside the model is made global by
-one mechanism each:
-
-- moments over the batch axis (`BatchNormalization` in training) are
-  computed from sums all-reduced across processes
-  (`batch_statistics.batch_moments`), as torch's `SyncBatchNorm` does; the
-  moving statistics a layer updates are written back to its variables;
-- random numbers are drawn by position (`random_draws`): a draw over the
-  batch draws this process' rows of the global batch's draw, the same
-  numbers whatever the number of processes;
-- a model whose call assigns a trainable variable
-  (`SpectralNormalization`), adds a loss (an activity regularizer's,
-  taken over the global batch), reduces over the batch, or computes
-  anything else on its local rows than on the global batch (a draw not
-  over the batch's rows included), runs through DTensor (in that step
-  function: its train step may, its test step, in inference, may not;
-  the step remembers).
+What couples samples inside such a model is made global by one mechanism
+each: batch moments all-reduced (`batch_statistics`), random numbers drawn
+by position (`random_draws`), a layer that sums over the batch or adds a
+loss called alone through DTensor (`coupled_layers`). A model that couples
+samples otherwise (a sum outside its layers, an assigned trainable
+variable, other values on its local rows) runs through DTensor, in that
+step function from then on.
 """
 
 import contextlib
@@ -48,8 +36,6 @@ from keras.src.backend.torch.distributed.core import random_draws
 from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.core.runtime import DTensor
 from keras.src.backend.torch.distributed.core.runtime import Partial
-from keras.src.backend.torch.distributed.core.runtime import Replicate
-from keras.src.backend.torch.distributed.core.runtime import Shard
 from keras.src.backend.torch.distributed.data_parallel import batch_coupling
 from keras.src.backend.torch.distributed.data_parallel import coupled_layers
 from keras.src.backend.torch.distributed.dtensor_gaps import fallback
@@ -121,10 +107,10 @@ def call(call_function, layer, args, kwargs, through_dtensor):
         tensor, and learns whether the call must run through DTensor.
     """
     step = running_step(layer)
-    sharding = _batch_sharding((args, kwargs))
-    if sharding is None or (step is not None and step.runs_through_dtensor):
+    batch = coupled_layers.batch_of((args, kwargs))
+    if batch is None or (step is not None and step.runs_through_dtensor):
         return None
-    mesh = sharding[0]
+    mesh = batch.mesh
     # A step decides once, for its step function (`step.local_variables`).
     if step is not None:
         variables = step.local_variables(mesh)
@@ -184,7 +170,8 @@ def _probe(call_function, layer, args, kwargs, through_dtensor, variables):
         (`None`) if the call built a layer (its variables are not all known
         yet: the next call probes again).
     """
-    mesh, global_rows, local_rows, placements = _batch_sharding((args, kwargs))
+    batch = coupled_layers.batch_of((args, kwargs))
+    mesh = batch.mesh
     before = [(v, v.value.to_local().clone()) for v in variables]
     rng_states = generator_states.take()
     watch = batch_coupling.PartialWatch()
@@ -194,18 +181,13 @@ def _probe(call_function, layer, args, kwargs, through_dtensor, variables):
         outputs = through_dtensor(args, kwargs)
     if len(layer.variables) != len(variables):
         return outputs, None
-    rows = [
-        _own_rows(x, mesh, global_rows, placements)
-        for x in tree.flatten(outputs)
-        if x is not None
-    ]
+    rows = [_own_rows(x, batch) for x in tree.flatten(outputs) if x is not None]
     split = all(x is not None for x in rows)
     coupled = batch_coupling.coupling_layers(layer, watch)
     local_leaves, reason, plan = None, None, None
     if split and coupled is not None:
         after = generator_states.take()
         generator_states.restore(rng_states)
-        batch = coupled_layers.Batch(mesh, global_rows, local_rows, placements)
         losses = [x for c in coupled[0] for x in c._get_own_losses()]
         local_leaves, reason, plan = _checking_call(
             call_function,
@@ -237,7 +219,7 @@ def _probe(call_function, layer, args, kwargs, through_dtensor, variables):
     return outputs, verdict
 
 
-def _own_rows(x, mesh, global_rows, placements):
+def _own_rows(x, batch):
     """This process' rows of a probe's output, or `None` if it has none.
 
     An output split as the inputs are is its local tensor; one left whole
@@ -245,18 +227,16 @@ def _own_rows(x, mesh, global_rows, placements):
     """
     if not (
         isinstance(x, DTensor)
-        and x.device_mesh is mesh
+        and x.device_mesh is batch.mesh
         and x.ndim > 0
-        and x.shape[0] == global_rows
+        and x.shape[0] == batch.global_rows
     ):
         return None
-    if tuple(x.placements) == placements:
+    if tuple(x.placements) == batch.placements:
         return x.to_local()
     if all(p.is_replicate() for p in x.placements):
-        start, stop = layouts.chunk_bounds(
-            global_rows, mesh.size(), mesh.get_local_rank()
-        )
-        return x.to_local()[start:stop]
+        start = batch.start
+        return x.to_local()[start : start + batch.local_rows]
     return None
 
 
@@ -327,8 +307,13 @@ def _same_losses(losses, local_losses):
 def _call_locally(call_function, layer, args, kwargs, variables, verdict, step):
     """Calls `layer` on the local rows; `None` if the call must run
     through DTensor after all (then nothing it did is kept)."""
-    mesh, global_rows, local_rows, placements = _batch_sharding((args, kwargs))
-    batch = coupled_layers.Batch(mesh, global_rows, local_rows, placements)
+    batch = coupled_layers.batch_of((args, kwargs))
+    mesh, global_rows, local_rows = (
+        batch.mesh,
+        batch.global_rows,
+        batch.local_rows,
+    )
+    placements = batch.placements
     local_args, local_kwargs = tree.map_structure(_to_local, (args, kwargs))
     mapping = [(v, _local_weight(v, step)) for v in variables]
     # A call dropped below must leave the generators as it found them.
@@ -424,7 +409,7 @@ def local_variables(model, mesh):
         probe's (see `call`).
     """
     variables = list(model.variables)
-    if not all(_replicated_on(v.value, mesh) for v in variables):
+    if not all(coupled_layers.replicated_on(v.value, mesh) for v in variables):
         return None
     return variables
 
@@ -441,57 +426,6 @@ def classification_final(model):
     return all(
         sublayer.built
         for sublayer in model._flatten_layers(include_self=True, recursive=True)
-    )
-
-
-def _batch_sharding(values):
-    """`(mesh, global rows, local rows, placements)` if every tensor in
-    `values` is a DTensor sharded on its first axis over a 1-D mesh, each
-    process holding at least one row; else `None`.
-
-    On a mesh of one process, inputs left whole (`Replicate`, as
-    `distribute_tensor` leaves a batch on an axis of size one) are that
-    process' rows too: a `DataParallel` job of one process computes on
-    plain tensors, as one with several does.
-    """
-    leaves = [x for x in tree.flatten(values) if hasattr(x, "shape")]
-    if not leaves or not all(isinstance(x, DTensor) for x in leaves):
-        return None
-    mesh = leaves[0].device_mesh
-    global_rows = leaves[0].shape[0] if leaves[0].ndim else 0
-    placements = tuple(leaves[0].placements)
-    if mesh.ndim != 1 or placements not in _batch_placements(mesh):
-        return None
-    for x in leaves:
-        if (
-            x.ndim == 0
-            or x.device_mesh is not mesh
-            or tuple(x.placements) != placements
-            or x.shape[0] != global_rows
-        ):
-            return None
-    parts = [
-        layouts.chunk_bounds(global_rows, mesh.size(), i)
-        for i in range(mesh.size())
-    ]
-    if any(stop <= start for start, stop in parts):
-        return None
-    start, stop = parts[mesh.get_local_rank()]
-    return mesh, global_rows, stop - start, placements
-
-
-def _batch_placements(mesh):
-    """The placements of a batch split over the 1-D `mesh`."""
-    if mesh.size() == 1:
-        return ((Shard(0),), (Replicate(),))
-    return ((Shard(0),),)
-
-
-def _replicated_on(value, mesh):
-    return (
-        isinstance(value, DTensor)
-        and value.device_mesh is mesh
-        and all(p.is_replicate() for p in value.placements)
     )
 
 
