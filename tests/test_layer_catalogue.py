@@ -385,7 +385,9 @@ def test_data_parallel_path(run, name, run_results):
             if coupled is None:
                 assert path == "local", path
             else:
-                assert path.startswith(f"local but coupled layers: {coupled}")
+                assert path.startswith(
+                    f"local but coupled layers: {coupled}"
+                ), path
             # Nothing gathered over the batch axis after the probe's step
             # (whose DTensor call may gather what DTensor refuses).
             gathered = result["gathered_bytes"]

@@ -1,8 +1,8 @@
 """Einsum and attention run on each process' shards where they split.
 
 `local_einsum`, `local_matmul` and `local_attention`
-(`distributed/shard_local.py`). Each case computes the torch backend's `einsum`,
-`matmul` or `dot_product_attention` on
+(`distributed/tensor_parallel/shard_local.py`). Each case computes the
+torch backend's `einsum`, `matmul` or `dot_product_attention` on
 `DTensor` operands laid out on a gloo mesh, forward and backward, and
 returns global values, which the parent compares with the op on plain
 tensors in one process.
