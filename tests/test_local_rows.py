@@ -271,6 +271,10 @@ _PROBED = {
     # A user's layer that adds a loss over the batch, and one that centers
     # its inputs on the batch's mean: each alone runs through DTensor.
     "own_add_loss": (True, "adds a loss"),
+    # A user's layer with a weight that adds a loss of its outputs over the
+    # batch and of its weight alone: the weight's gradient, partial from
+    # the first, replicated from the second, is counted once.
+    "own_weighted_loss": (True, "adds a loss"),
     "own_batch_centered": (True, "sums over the batch"),
     # A mean over the batch between two layers, outside any layer's call:
     # the model couples samples itself.
@@ -303,6 +307,16 @@ def _probed_model(kind):
             self.add_loss(0.1 * ops.mean(ops.square(x)))
             return x
 
+    class WeightedLoss(keras.layers.Layer):
+        def build(self, shape):
+            self.w = self.add_weight((shape[-1], shape[-1]))
+
+        def call(self, x):
+            y = ops.matmul(x, self.w)
+            self.add_loss(0.1 * ops.mean(ops.square(y)))
+            self.add_loss(0.5 * ops.sum(self.w**2))
+            return y
+
     class BatchCentered(keras.layers.Layer):
         def call(self, x):
             return x - ops.mean(x, axis=0, keepdims=True)
@@ -322,6 +336,8 @@ def _probed_model(kind):
         x = keras.layers.Dense(6, activity_regularizer="l2")(x)
     elif kind == "own_add_loss":
         x = SquaresLoss()(OwnDense(6)(x))
+    elif kind == "own_weighted_loss":
+        x = WeightedLoss()(x)
     elif kind == "own_batch_centered":
         x = OwnDense(6)(BatchCentered()(x))
     elif kind == "batch_centered":
@@ -372,3 +388,47 @@ def test_the_probe_decides_the_path_whatever_the_layers_classes():
             # 2 epochs of 2 train steps, the first one the probe's.
             assert calls == (3 if per_sample else 0), (kind, calls)
             pm.assert_close(result, reference, f"{kind}, rank {rank}")
+
+
+def _replicated_weight_body(rank, world_size):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import distribute_tensor
+
+    from keras.src.backend.torch.distributed.data_parallel import coupled_layers
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    weight = torch.arange(6, dtype=torch.float32).reshape(3, 2) / 7.0
+    rows = torch.arange(12, dtype=torch.float32).reshape(4, 3).cos()
+    grads = {}
+    # A loss of the weight alone: DTensor's gradient is replicated, every
+    # process holding the whole; and one of a batch-sharded product: a
+    # partial sum, each process its rows' part.
+    for kind in ("weight_only", "rows"):
+        leaf = weight.clone().requires_grad_()
+        replicated = coupled_layers._replicated(leaf, mesh)
+        if kind == "weight_only":
+            loss = (replicated**2).sum()
+        else:
+            x = distribute_tensor(rows, mesh, [Shard(0)])
+            loss = (x @ replicated).sum()
+        loss.backward()
+        # The step sums the processes' partial gradients.
+        total = leaf.grad.clone()
+        torch.distributed.all_reduce(total)
+        grads[kind] = total.numpy()
+    return grads
+
+
+def test_a_coupled_layers_weight_gradient_is_counted_once():
+    import numpy as np
+    import torch
+
+    weight = torch.arange(6, dtype=torch.float32).reshape(3, 2) / 7.0
+    rows = torch.arange(12, dtype=torch.float32).reshape(4, 3).cos()
+    expected = {"weight_only": 2 * weight.numpy()}
+    expected["rows"] = (rows.sum(0, keepdim=True).T * torch.ones(1, 2)).numpy()
+    for grads in run_on_ranks(_replicated_weight_body, world_size=2):
+        for kind, grad in grads.items():
+            np.testing.assert_allclose(grad, expected[kind], rtol=1e-6)
