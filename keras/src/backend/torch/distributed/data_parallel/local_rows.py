@@ -340,10 +340,12 @@ def _call_locally(call_function, layer, args, kwargs, variables, verdict, step):
         unseen = batch_coupling.unseen_by_probe(
             plan, rng_states, scope, entered, updated, routing
         )
-    if (plan.draws or plan.python_draws) and global_rows % mesh.size():
-        # Whether a draw fits the plan can depend on a process' number of
-        # rows, which differ here: every process must leave the local rows
-        # alike. (Processes of as many rows decide alike.)
+    varies = plan.draws or plan.python_draws or verdict.coupled
+    if varies and global_rows % mesh.size():
+        # Whether a draw fits the plan, or a coupled layer's output splits
+        # by rows, can depend on a process' number of rows, which differ
+        # here: every process must leave the local rows alike. (Processes
+        # of as many rows decide alike.)
         unseen = batch_coupling.agreed_unseen(unseen, mesh)
     if unseen:
         # What the probe did not see in its call (a draw of another shape,
