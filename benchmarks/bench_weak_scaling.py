@@ -27,8 +27,9 @@ with SpatialDropout1D), ``own_layer`` (a user's Dense-like layer x 3),
 ``activity_reg`` (Dense(256) x 4, the second with an L2 activity
 regularizer: that layer alone through DTensor, the rest on the local
 rows) and ``activity_reg_whole`` (the same model with its probe made to
-find the whole model coupling samples: all of it through DTensor, as
-before a layer could be called alone; DataParallel side only changes);
+find the whole model coupling samples: all of it through DTensor, the
+path of a model that couples samples outside its layers; the
+DataParallel side only changes);
 ``llama`` and ``llama_dropout``: a keras-hub `LlamaCausalLM` (2 layers,
 hidden 256, 8 query and 4 key/value heads, 128 tokens a row; its
 backbone's `dropout` 0 or 0.1; keras-hub must be installed).
@@ -186,8 +187,8 @@ def _data(kind, rows):
 
 def _whole_model_couples():
     """Makes the probe find every model coupling samples as a whole (the
-    path of a model whose layer couples samples, before such a layer was
-    called alone): for the `_whole` models' side by side comparison."""
+    path of a model that couples samples outside its layers): for the
+    `_whole` models' side by side comparison."""
     from keras.src.backend.torch.distributed.data_parallel import batch_coupling
 
     batch_coupling.coupling_layers = lambda model, watch: None

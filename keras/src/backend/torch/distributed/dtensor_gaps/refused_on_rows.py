@@ -10,10 +10,11 @@ whole: only the axes other than the batch's are gathered.
 
 Whether an op does is measured the first time it meets a signature (the
 op, its operands' placements and shapes but for the number of rows, its
-other arguments): it runs on global values, as before, and on the local
+other arguments): it runs on global values, and on the local
 rows; each process compares its rows of the first with the second, and
-the processes agree in one all-reduce. From then on, that signature is
-computed on the local rows, or always on global values.
+the processes agree (one all-reduce per mesh dimension). From then on,
+that signature is computed on the local rows, or always on global
+values.
 """
 
 import threading
