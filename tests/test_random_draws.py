@@ -197,12 +197,34 @@ def _draws_body(rank, world_size, mesh_shape):
         spatial = keras.random.dropout(x, 0.5, noise_shape=(None, 1), seed=5)
     finally:
         random_draws.random_bits = random_bits
+    out["model"], out["broadcasts"] = _unseeded_model_draws(x)
     out["local_rows"] = int(seeded.to_local().shape[0])
     out["dropout"] = numpy(seeded)
     out["unseeded"] = numpy(unseeded)
     out["spatial"] = numpy(spatial)
     keras.distribution.set_distribution(None)
     return out
+
+
+def _unseeded_model_draws(x):
+    """A model of three unseeded dropouts called twice on `x`: the second
+    call's values, and the broadcasts it made."""
+    import keras
+
+    model = keras.Sequential([keras.layers.Dropout(0.5) for _ in range(3)])
+    model(x, training=True)  # The first call checks the local rows.
+    broadcast, calls = torch.distributed.broadcast, []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return broadcast(*args, **kwargs)
+
+    torch.distributed.broadcast = counting
+    try:
+        outputs = model(x, training=True)
+    finally:
+        torch.distributed.broadcast = broadcast
+    return keras.ops.convert_to_numpy(outputs), len(calls)
 
 
 @pytest.fixture(scope="module")
@@ -231,11 +253,19 @@ def test_same_numbers_on_any_mesh(world_size, mesh_shape, one_process):
             result["unseeded"], one_process["unseeded"]
         )
         np.testing.assert_array_equal(result["spatial"], one_process["spatial"])
+        # A model's unseeded draws: one key from process 0 for the call.
+        np.testing.assert_array_equal(result["model"], one_process["model"])
+        assert result["broadcasts"] == 1, result["broadcasts"]
         # The seeded dropout's mask: this process' rows (8 / parts), one
         # counter for two elements.
         assert result["local_rows"] == 8 // batch_parts
         assert result["drawn"] == [8 // batch_parts * 6 // 2], result["drawn"]
     assert one_process["drawn"] == [8 * 6 // 2]
+    assert one_process["broadcasts"] == 0
+    # The model's three masks are independent (each its own key): about an
+    # eighth of the elements is kept, half were the keys the same.
+    kept = (one_process["model"] != 0).mean()
+    assert 0 < kept < 0.3, kept
     kept = one_process["dropout"] != 0
     assert 0 < kept.mean() < 1
     # Each noise row of the spatial dropout keeps or drops a whole row.

@@ -322,13 +322,39 @@ def seed_key(seed):
     return mix(seed[0] * _GAMMA + seed[1])
 
 
+@contextlib.contextmanager
+def one_key_per_call():
+    """Unseeded draws in the block share one key of torch's generator.
+
+    The first takes a key from torch's global generator (process 0's, one
+    collective); each later one takes the next of a sequence derived from
+    it, with no collective. A model's call is the block: its draws are the
+    same on every process, in the same order, and a call repeated from the
+    same generator state (the probe's) draws the same keys. Nested blocks
+    are one.
+    """
+    if getattr(_state, "keys", None) is not None:
+        yield
+        return
+    _state.keys = [None, 0]
+    try:
+        yield
+    finally:
+        _state.keys = None
+
+
 def unseeded_key():
     """The key of a draw without a seed, from torch's global generator.
 
     Process 0's: processes may have seeded their generators differently
     (a script's own per-process randomness), and every process must draw
-    the same numbers. A collective of one number, on every process.
+    the same numbers. A collective of one number, on every process, once
+    per `one_key_per_call` block.
     """
+    keys = getattr(_state, "keys", None)
+    if keys is not None and keys[0] is not None:
+        keys[1] += 1
+        return mix(keys[0] + _wrapped(keys[1] * _GAMMA))
     rows = getattr(_state, "rows", None)
     if rows is not None:
         rows[3].unseeded += 1
@@ -336,7 +362,15 @@ def unseeded_key():
     if runtime.world_size() > 1:
         key = key.to(runtime.comm_device())
         torch.distributed.broadcast(key, src=0)
-    return mix(key)
+    if keys is not None:
+        keys[0] = key
+    return mix(key.clone())
+
+
+def _wrapped(value):
+    """A Python integer as the int64 it is modulo 2**64."""
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 def _draw_box(shape):
@@ -401,15 +435,21 @@ def dropout(inputs, rate, noise_shape, seed):
         )
     keep = 1.0 - rate
     if isinstance(inputs, DTensor):
-        mask = _dtensor_mask(inputs, shape, key, keep)
+        scale = _dtensor_scale(inputs, shape, key, keep)
     else:
         mask = keep_mask(key, _draw_box(shape), inputs.device, keep)
-    scaled = inputs / keep
-    return torch.where(mask, scaled, torch.zeros_like(scaled))
+        scale = _scale(mask, inputs.dtype, keep)
+    # One product, as torch's own dropout: its gradient is one product too.
+    return inputs * scale
 
 
-def _dtensor_mask(inputs, shape, key, keep):
-    """The mask of `shape` for a `DTensor`'s local part, as a `DTensor`."""
+def _scale(mask, dtype, keep):
+    """`1 / keep` where `mask` keeps an element, 0 where it drops it."""
+    return mask.to(dtype).mul_(1.0 / keep)
+
+
+def _dtensor_scale(inputs, shape, key, keep):
+    """The scale of `shape` for a `DTensor`'s local part, as a `DTensor`."""
     mesh, placements = inputs.device_mesh, tuple(inputs.placements)
     region = layouts.local_region(inputs.shape, mesh, placements)
     offsets = [r.start for r in region]
@@ -419,6 +459,7 @@ def _dtensor_mask(inputs, shape, key, keep):
     local_shape = [s if n != 1 else 1 for s, n in zip(local_shape, shape)]
     device = inputs.to_local().device
     mask = keep_mask(key, (shape, offsets, local_shape), device, keep)
+    mask = _scale(mask, inputs.dtype, keep)
     # A partial input's mask, and a mask dimension of 1, are whole.
     mask_placements = [
         _replicate()

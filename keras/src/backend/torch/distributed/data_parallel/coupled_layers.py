@@ -80,12 +80,7 @@ class Batch:
     global_rows: int
     local_rows: int
     placements: tuple
-
-    @property
-    def start(self):
-        return layouts.chunk_bounds(
-            self.global_rows, self.mesh.size(), self.mesh.get_local_rank()
-        )[0]
+    start: int
 
 
 def batch_of(values):
@@ -121,7 +116,7 @@ def batch_of(values):
     if any(stop <= start for start, stop in parts):
         return None
     start, stop = parts[mesh.get_local_rank()]
-    return Batch(mesh, global_rows, stop - start, placements)
+    return Batch(mesh, global_rows, stop - start, placements, start)
 
 
 def _batch_placements(mesh):

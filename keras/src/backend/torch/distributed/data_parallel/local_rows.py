@@ -141,7 +141,7 @@ def call(call_function, layer, args, kwargs, through_dtensor):
     if not verdict.per_sample:
         return None
     return _call_locally(
-        call_function, layer, args, kwargs, variables, verdict, step
+        call_function, layer, (args, kwargs), batch, variables, verdict, step
     )
 
 
@@ -304,17 +304,19 @@ def _same_losses(losses, local_losses):
     )
 
 
-def _call_locally(call_function, layer, args, kwargs, variables, verdict, step):
-    """Calls `layer` on the local rows; `None` if the call must run
-    through DTensor after all (then nothing it did is kept)."""
-    batch = coupled_layers.batch_of((args, kwargs))
+def _call_locally(
+    call_function, layer, inputs, batch, variables, verdict, step
+):
+    """Calls `layer` on the `inputs` (`(args, kwargs)`) `batch` of local
+    rows; `None` if the call must run through DTensor after all (then
+    nothing it did is kept)."""
     mesh, global_rows, local_rows = (
         batch.mesh,
         batch.global_rows,
         batch.local_rows,
     )
     placements = batch.placements
-    local_args, local_kwargs = tree.map_structure(_to_local, (args, kwargs))
+    local_args, local_kwargs = tree.map_structure(_to_local, inputs)
     mapping = [(v, _local_weight(v, step)) for v in variables]
     # A call dropped below must leave the generators as it found them.
     rng_states = generator_states.take()
@@ -381,6 +383,7 @@ def _in_local_call(batch, plan, coupled):
     _local_call.current = (batch.mesh.get_group(), batch.global_rows)
     try:
         with (
+            random_draws.one_key_per_call(),
             random_draws.local_rows_scope(
                 batch.start, batch.local_rows, batch.global_rows, plan
             ),

@@ -26,6 +26,7 @@ from keras.src.backend.common.masking import get_keras_mask
 from keras.src.backend.common.masking import set_keras_mask
 from keras.src.backend.torch.distributed.core import layout_rules
 from keras.src.backend.torch.distributed.core import layouts
+from keras.src.backend.torch.distributed.core import random_draws
 from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.core.runtime import DTensor
 from keras.src.backend.torch.distributed.core.runtime import (
@@ -139,6 +140,7 @@ def _call_with_dtensors(call_function, layer, distribution, args, kwargs):
     _calls.depth = _call_depth() + 1
     try:
         with (
+            random_draws.one_key_per_call(),
             replicated_plain_tensors(),
             fallback.dtensor_fallback(),
             # Weights sharded over the batch axis, one layer at a time.
