@@ -30,6 +30,12 @@ rows) and ``activity_reg_whole`` (the same model with its probe made to
 find the whole model coupling samples: all of it through DTensor, the
 path of a model that couples samples outside its layers; the
 DataParallel side only changes);
+``mlp``, ``mlp_dropout``, ``mlp_own`` and ``attention``: the data-parallel
+step of a multilayer perceptron on (rows, 256) features (256 -> 512 ->
+512 -> 10; with Dropout(0.1) after each hidden layer; of a user's
+Dense-like layer) and of an attention block (MultiHeadAttention(4 heads
+of 64), LayerNormalization, Dense(512) -> Dense(256), residual) on (rows,
+32, 256) sequences;
 ``llama`` and ``llama_dropout``: a keras-hub `LlamaCausalLM` (2 layers,
 hidden 256, 8 query and 4 key/value heads, 128 tokens a row; its
 backbone's `dropout` 0 or 0.1; keras-hub must be installed).
@@ -56,6 +62,10 @@ MODELS = (
     "own_layer",
     "activity_reg",
     "activity_reg_whole",
+    "mlp",
+    "mlp_dropout",
+    "mlp_own",
+    "attention",
     "llama",
     "llama_dropout",
     "llama_mp",
@@ -65,6 +75,7 @@ MODELS = (
 LM_SEQUENCE, LM_VOCAB = 128, 1000
 IMPLS = ("keras_dp", "keras_ddp")
 SEQUENCE, FEATURES = 32, 256
+MLP_HIDDEN, MLP_CLASSES = 512, 10
 MIB = 1024 * 1024
 
 
@@ -74,6 +85,12 @@ def parse_args():
     p.add_argument("--procs", nargs="+", type=int, default=[1, 2, 4])
     p.add_argument("--rows", type=int, default=32, help="rows per process")
     p.add_argument("--steps", type=int, default=12, help="timed steps")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="jobs per side, alternated; the median of their medians",
+    )
     p.add_argument("--worker", nargs=2, metavar=("IMPL", "MODEL"))
     return p.parse_args()
 
@@ -100,6 +117,10 @@ def _model(kind):
     keras.utils.set_random_seed(0)
     if kind.startswith("llama"):
         return _llama(dropout=0.1 if "dropout" in kind else 0.0)
+    if kind.startswith("mlp"):
+        return _mlp(kind, OwnDense)
+    if kind == "attention":
+        return _attention()
     stack = []
     if kind in ("dense", "dense_dropout"):
         for _ in range(4):
@@ -133,6 +154,39 @@ def _model(kind):
         raise ValueError(f"Unknown model {kind!r}; choose from {MODELS}.")
     stack.append(layers.Dense(8))
     model = keras.Sequential([keras.Input((SEQUENCE, FEATURES))] + stack)
+    model.compile(optimizer="adam", loss="mse")
+    return model
+
+
+def _mlp(kind, own_dense):
+    import keras
+    from keras import layers
+
+    stack = []
+    for _ in range(2):
+        if kind == "mlp_own":
+            stack.append(own_dense(MLP_HIDDEN))
+        else:
+            stack.append(layers.Dense(MLP_HIDDEN, activation="relu"))
+        if kind == "mlp_dropout":
+            stack.append(layers.Dropout(0.1))
+    stack.append(layers.Dense(MLP_CLASSES))
+    model = keras.Sequential([keras.Input((FEATURES,))] + stack)
+    model.compile(optimizer="adam", loss="mse")
+    return model
+
+
+def _attention():
+    import keras
+    from keras import layers
+
+    inputs = keras.Input((SEQUENCE, FEATURES))
+    attended = layers.MultiHeadAttention(4, FEATURES // 4)(inputs, inputs)
+    x = layers.LayerNormalization()(inputs + attended)
+    hidden = layers.Dense(2 * FEATURES, activation="relu")(x)
+    x = layers.LayerNormalization()(x + layers.Dense(FEATURES)(hidden))
+    outputs = layers.Dense(8)(x)
+    model = keras.Model(inputs, outputs)
     model.compile(optimizer="adam", loss="mse")
     return model
 
@@ -180,6 +234,10 @@ def _data(kind, rows):
             "padding_mask": np.ones((rows, LM_SEQUENCE), "bool"),
         }
         return x, tokens[:, 1:].astype("int32")
+    if kind.startswith("mlp"):
+        x = rng.normal(size=(rows, FEATURES)).astype("float32")
+        y = rng.normal(size=(rows, MLP_CLASSES)).astype("float32")
+        return x, y
     x = rng.normal(size=(rows, SEQUENCE, FEATURES)).astype("float32")
     y = rng.normal(size=(rows, SEQUENCE, 8)).astype("float32")
     return x, y
@@ -326,6 +384,24 @@ def _job(impl, kind, nproc, args):
     )
 
 
+def _jobs(kind, nproc, args):
+    """Both sides' results on `nproc` processes: with `--repeats`, their
+    jobs alternate, and each number is the median of the jobs'."""
+    runs = {impl: [] for impl in IMPLS}
+    for _ in range(args.repeats):
+        for impl in IMPLS:
+            runs[impl].append(_job(impl, kind, nproc, args))
+    results = {}
+    for impl, jobs in runs.items():
+        result = dict(jobs[0])
+        for key in ("step_ms", "peak_mib"):
+            result[key] = statistics.median(job[key] for job in jobs)
+        if len(jobs) > 1:
+            result["step_ms_runs"] = [job["step_ms"] for job in jobs]
+        results[impl] = result
+    return results
+
+
 def main():
     args = parse_args()
     if args.worker:
@@ -339,14 +415,10 @@ def main():
         procs = [
             n for n in args.procs if not kind.endswith("_mp") or n % 2 == 0
         ]
-        results = {
-            (impl, n): _job(impl, kind, n, args)
-            for n in procs
-            for impl in IMPLS
-        }
+        results = {n: _jobs(kind, n, args) for n in procs}
         print(
             f"\n{kind} (DataParallel path: "
-            f"{results[('keras_dp', procs[-1])]['path']})"
+            f"{results[procs[-1]]['keras_dp']['path']})"
         )
         print(
             f"{'procs':>5} {'dp step ms':>11} {'ddp step ms':>12} "
@@ -354,13 +426,22 @@ def main():
             f"{'ratio':>6}"
         )
         for n in procs:
-            dp, ddp = results[("keras_dp", n)], results[("keras_ddp", n)]
+            dp, ddp = results[n]["keras_dp"], results[n]["keras_ddp"]
             print(
                 f"{n:>5} {dp['step_ms']:>11.1f} {ddp['step_ms']:>12.1f} "
                 f"{dp['step_ms'] / ddp['step_ms']:>6.2f} "
                 f"{dp['peak_mib']:>12.1f} {ddp['peak_mib']:>13.1f} "
                 f"{dp['peak_mib'] / max(ddp['peak_mib'], 1e-3):>6.2f}"
             )
+            if args.repeats > 1:
+                ratios = [
+                    a / b
+                    for a, b in zip(dp["step_ms_runs"], ddp["step_ms_runs"])
+                ]
+                print(
+                    "      step ratio of each repeat: "
+                    + ", ".join(f"{r:.2f}" for r in ratios)
+                )
 
 
 if __name__ == "__main__":

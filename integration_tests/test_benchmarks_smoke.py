@@ -242,18 +242,25 @@ def test_bench_weak_scaling_prints_both_sides_and_the_path():
         "bench_weak_scaling.py",
         [
             "--models",
-            "own_layer",
+            "mlp_own",
             "--procs",
             "2",
             "--rows",
             "4",
             "--steps",
             "2",
+            "--repeats",
+            "2",
         ],
         timeout=600,
     )
     # A user's layer is per-sample: the local rows.
-    assert "own_layer (DataParallel path: local)" in out, out
+    assert "mlp_own (DataParallel path: local)" in out, out
+    # Two alternated jobs a side: the ratio of each.
+    repeats = re.search(
+        r"step ratio of each repeat: ([\d.]+), ([\d.]+)$", out, re.M
+    )
+    assert repeats is not None, out
     row = re.search(r"^\s+2\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", out, re.M)
     assert row is not None, out
     dp, ddp, ratio = map(float, row.groups())

@@ -636,3 +636,7 @@ def test_only_dtensors_own_assertions_are_refusals():
     assert not fallback.is_refusal(
         raised("import torch; raise torch.cuda.OutOfMemoryError()", "x.py")
     )
+    # The CPU allocator's own error, raised by a real allocation.
+    assert not fallback.is_refusal(
+        raised("import torch; torch.empty(2**50)", "x.py")
+    )

@@ -81,6 +81,9 @@ _REFUSALS = (
     IndexError,
 )
 _DTENSOR_PACKAGE = os.path.join("torch", "distributed", "tensor", "")
+# What torch's CPU allocator says when it runs out of memory (a
+# `RuntimeError` of its own, where CUDA's is `torch.OutOfMemoryError`).
+_CPU_OUT_OF_MEMORY = "DefaultCPUAllocator: can't allocate memory"
 
 _state = threading.local()
 
@@ -258,7 +261,9 @@ def is_refusal(error):
     cause = error
     while cause is not None:
         # DTensor's dispatch may re-raise a kernel's error as its cause.
-        if isinstance(cause, torch.cuda.OutOfMemoryError):
+        if isinstance(cause, torch.cuda.OutOfMemoryError) or (
+            _CPU_OUT_OF_MEMORY in str(cause)
+        ):
             return False
         cause = cause.__cause__ or cause.__context__
     if isinstance(error, AssertionError):
