@@ -30,10 +30,11 @@ rows) and ``activity_reg_whole`` (the same model with its probe made to
 find the whole model coupling samples: all of it through DTensor, the
 path of a model that couples samples outside its layers; the
 DataParallel side only changes);
-``mlp``, ``mlp_dropout``, ``mlp_own`` and ``attention``: the data-parallel
-step of a multilayer perceptron on (rows, 256) features (256 -> 512 ->
-512 -> 10; with Dropout(0.1) after each hidden layer; of a user's
-Dense-like layer) and of an attention block (MultiHeadAttention(4 heads
+``mlp``, ``mlp_dropout``, ``mlp_own``, ``mlp_reg`` and ``attention``: the
+data-parallel step of a multilayer perceptron on (rows, 256) features (256
+-> 512 -> 512 -> 10; with Dropout(0.1) after each hidden layer; of a
+user's Dense-like layer; with L2 kernel regularizers on the hidden layers)
+and of an attention block (MultiHeadAttention(4 heads
 of 64), LayerNormalization, Dense(512) -> Dense(256), residual) on (rows,
 32, 256) sequences;
 ``llama`` and ``llama_dropout``: a keras-hub `LlamaCausalLM` (2 layers,
@@ -65,6 +66,7 @@ MODELS = (
     "mlp",
     "mlp_dropout",
     "mlp_own",
+    "mlp_reg",
     "attention",
     "llama",
     "llama_dropout",
@@ -167,7 +169,14 @@ def _mlp(kind, own_dense):
         if kind == "mlp_own":
             stack.append(own_dense(MLP_HIDDEN))
         else:
-            stack.append(layers.Dense(MLP_HIDDEN, activation="relu"))
+            regularizer = "l2" if kind == "mlp_reg" else None
+            stack.append(
+                layers.Dense(
+                    MLP_HIDDEN,
+                    activation="relu",
+                    kernel_regularizer=regularizer,
+                )
+            )
         if kind == "mlp_dropout":
             stack.append(layers.Dropout(0.1))
     stack.append(layers.Dense(MLP_CLASSES))
@@ -309,6 +318,9 @@ def worker(impl, kind, args):
         def step():
             model.zero_grad()
             loss = loss_fn(local_y, ddp(local_x, training=True))
+            if model.losses:
+                # Regularization and the layers' losses, as Keras adds them.
+                loss = loss + sum(model.losses)
             loss.backward()
             variables = model.trainable_variables
             grads = [v.value.grad for v in variables]

@@ -69,13 +69,21 @@ def _fit(
     else:
         distributions.use_setting(setting, layout_rules=MODEL_PARALLEL_RULES)
     keras.utils.set_random_seed(pm.SEED)
-    regularizer = None
+    regularizer = activity = None
     if "regularizer" in options:
         regularizer = keras.regularizers.L2(0.5)
+    if "activity" in options:
+        activity = keras.regularizers.L2(0.1)
     model = keras.Sequential(
         [
             keras.Input((5,)),
-            keras.layers.Dense(8, activation="relu", name="hidden"),
+            keras.layers.Dense(
+                8,
+                activation="relu",
+                name="hidden",
+                kernel_regularizer=regularizer,
+                activity_regularizer=activity,
+            ),
             keras.layers.Dense(3, name="out", kernel_regularizer=regularizer),
         ]
     )
@@ -129,8 +137,23 @@ def _check(kwargs):
         dict(
             loss="mse", batch_size=8, options=("sample_weight",), setting="mp"
         ),
+        # The weights' regularization, computed on their local values, and
+        # an activity regularizer's loss (its layer alone through DTensor),
+        # added by the mesh's first process.
+        dict(
+            loss="mse",
+            batch_size=7,
+            options=("regularizer", "sample_weight", "loss_weight"),
+        ),
+        dict(loss="mse", batch_size=8, options=("regularizer", "activity")),
     ],
-    ids=["mse-uneven-weighted", "sparse-logits-loss-weight", "mp-replicated"],
+    ids=[
+        "mse-uneven-weighted",
+        "sparse-logits-loss-weight",
+        "mp-replicated",
+        "regularization-loss",
+        "regularization-and-activity-losses",
+    ],
 )
 def test_per_sample_loss_on_local_rows_like_one_process(kwargs):
     local_losses = _check(kwargs)
@@ -145,9 +168,11 @@ def test_per_sample_loss_on_local_rows_like_one_process(kwargs):
     "kwargs",
     [
         dict(loss="batch_mean", batch_size=8),
-        dict(loss="mse", batch_size=8, options=("regularizer",)),
+        # Model-parallel outputs are replicated: the whole loss on every
+        # process, to which the other losses are not added.
+        dict(loss="mse", batch_size=8, options=("regularizer",), setting="mp"),
     ],
-    ids=["custom-loss", "regularization-loss"],
+    ids=["custom-loss", "mp-regularization-loss"],
 )
 def test_other_losses_run_on_dtensor(kwargs):
     assert _check(kwargs) == [0, 0]

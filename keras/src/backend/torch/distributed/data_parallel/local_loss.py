@@ -12,10 +12,17 @@ runs on plain tensors from the loss down to the weights. Through DTensor
 the loss and its backward were about 15 dispatched ops a step. Outputs
 replicated on every process (a model-parallel model's, after its
 row-parallel layer) with replicated targets are computed on as plain
-tensors too: each process computes the whole loss. Anything else (a custom
-or batch-wide loss, several outputs, masks, regularization losses, an
+tensors too: each process computes the whole loss. The model's other
+losses join a partial loss on the local rows: the weights' regularization
+computed on their local values, and the losses its layers added, each
+counted once over the processes. Anything else (a custom or batch-wide
+loss, several outputs, masks, other losses beside replicated outputs, an
 overridden `compute_loss`) runs through DTensor.
 """
+
+import functools
+
+import torch
 
 from keras.src import tree
 from keras.src.backend.common.masking import get_keras_mask
@@ -106,8 +113,18 @@ def _softmax_of_logits(loss):
     )
 
 
-def local_compiled_loss(model, y, y_pred, sample_weight, local_y_pred):
-    """The train step's compiled loss, computed on local tensors.
+def local_compiled_loss(
+    model, y, y_pred, sample_weight, local_y_pred, local_weight=None
+):
+    """The train step's loss, computed on local tensors.
+
+    The compiled loss, plus, for outputs of a call on the local rows, the
+    model's other losses (Keras' `compute_loss` adds them): its weights'
+    regularization, computed on the weights' local values, and the losses
+    its layers added. A whole value (a regularization, a loss made whole)
+    is counted by the mesh's first process, a partial sum by every process
+    its part: the processes' shares add up to one process' loss, and so do
+    their gradients.
 
     Args:
         model: the model being trained.
@@ -117,6 +134,8 @@ def local_compiled_loss(model, y, y_pred, sample_weight, local_y_pred):
         local_y_pred: the plain tensor of this process' rows that `y_pred`
             was made of, if it is the output of a call on the local rows
             (see `local_rows`), else `None`.
+        local_weight: `local_weight(variable)`, the local value a weight
+            had in that call (its gradient a partial sum), or `None`.
 
     Returns:
         The loss as a `DTensor`: each process' share a partial sum for
@@ -136,7 +155,11 @@ def local_compiled_loss(model, y, y_pred, sample_weight, local_y_pred):
     local_y_pred, placements = _local_prediction(
         y_pred, local_y_pred, [y, sample_weight]
     )
-    if local_y_pred is None or model.losses:
+    if local_y_pred is None:
+        return None
+    mesh = y_pred.device_mesh
+    others = _other_losses(model, mesh, placements, local_weight)
+    if others is None:
         return None
     with runtime.distribution_suspended():
         share = _loss_share(
@@ -151,9 +174,68 @@ def local_compiled_loss(model, y, y_pred, sample_weight, local_y_pred):
         share = ops.cast(share, model._compile_loss.dtype)
         if loss_weight is not None:
             share = ops.multiply(share, loss_weight)
-    return DTensor.from_local(
-        share, y_pred.device_mesh, placements, run_check=False
-    )
+        if others:
+            first = 1.0 if mesh.get_local_rank() == 0 else 0.0
+            parts = [
+                ops.multiply(
+                    model._aggregate_additional_loss(value()),
+                    1.0 if is_part else first,
+                )
+                for value, is_part in others
+            ]
+            share = ops.add(share, ops.sum(parts))
+    return DTensor.from_local(share, mesh, placements, run_check=False)
+
+
+def _other_losses(model, mesh, placements, local_weight):
+    """The model's losses besides the compiled one, each as `(a function
+    computing its local tensor, whether that is this process' part of a
+    partial sum)`; `None` if one cannot be computed so.
+
+    Only for a loss that is a partial sum (outputs of a call on the local
+    rows, with `local_weight`), outside a compiled step.
+    """
+    if model._losses_override:
+        return None
+    added = [
+        x
+        for layer in model._flatten_layers(include_self=True)
+        for x in layer._get_own_losses()
+    ]
+    regularized = [
+        v for v in model.trainable_weights if v.regularizer is not None
+    ]
+    if not added and not regularized:
+        return []
+    if (
+        placements != [Partial()]
+        or local_weight is None
+        or torch.compiler.is_compiling()
+    ):
+        return None
+    others = []
+    for x in added:
+        # A layer's loss (see `coupled_layers`): whole, or a partial sum.
+        if not (isinstance(x, DTensor) and x.device_mesh == mesh):
+            return None
+        if x.placements == (Replicate(),):
+            # Counted once: its gradient a partial sum.
+            others.append((functools.partial(_local, x, Partial()), False))
+        elif x.placements == (Partial(),):
+            # Each process its part: the whole gradient on each.
+            others.append((functools.partial(_local, x, Replicate()), True))
+        else:
+            return None
+    for v in regularized:
+        others.append(
+            (functools.partial(v.regularizer, local_weight(v)), False)
+        )
+    return others
+
+
+def _local(x, grad_placement):
+    """`x`'s local tensor, its gradient laid out as `grad_placement`."""
+    return x.to_local(grad_placements=[grad_placement])
 
 
 def _local_prediction(y_pred, local_y_pred, batch):
@@ -161,7 +243,11 @@ def _local_prediction(y_pred, local_y_pred, batch):
     unless `y_pred` comes from a call on the local rows (`local_y_pred`)
     and `batch` is sharded like it, or `y_pred` and `batch` are
     replicated."""
-    if local_y_pred is not None and _sharded_like(y_pred, batch):
+    if local_y_pred is not None and (
+        _sharded_like(y_pred, batch)
+        # One process' rows are the whole batch: a sum of one part.
+        or (y_pred.device_mesh.size() == 1 and _replicated_like(y_pred, batch))
+    ):
         return local_y_pred, [Partial()]
     if _replicated_like(y_pred, batch):
         # Every process' gradient of the loss is the whole gradient.

@@ -317,7 +317,7 @@ def _call_locally(
     )
     placements = batch.placements
     local_args, local_kwargs = tree.map_structure(_to_local, inputs)
-    mapping = [(v, _local_weight(v, step)) for v in variables]
+    mapping = [(v, local_weight(v, step)) for v in variables]
     # A call dropped below must leave the generators as it found them.
     rng_states = generator_states.take()
     plan = verdict.draws.following()
@@ -434,7 +434,7 @@ def classification_final(model):
     )
 
 
-def _local_weight(variable, step):
+def local_weight(variable, step):
     """A replicated weight's local value; its gradient a partial sum.
 
     In Keras' own train step a trainable weight enters as a plain leaf

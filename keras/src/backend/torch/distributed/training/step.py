@@ -256,7 +256,12 @@ class DistributedStep:
     def local_compiled_loss(self, y, y_pred, sample_weight):
         """See `local_loss` (the hook)."""
         loss = local_loss_lib.local_compiled_loss(
-            self.model, y, y_pred, sample_weight, self.local_output(y_pred)
+            self.model,
+            y,
+            y_pred,
+            sample_weight,
+            self.local_output(y_pred),
+            functools.partial(local_rows.local_weight, step=self),
         )
         if loss is None:
             # Keras computes the loss through DTensor.
