@@ -127,34 +127,44 @@ class KnownFailure(AssertionError):
 # `batch_coupling` finds it per-sample; random draws by position included),
 # but these, which run through DTensor for the reason given (the start of
 # the probe's reason).
-_DIFFER = "its outputs on"
 DATA_PARALLEL_ON_DTENSOR = {
-    # Samples mixed with other samples of the batch.
-    "CutMix": _DIFFER,
-    "MixUp": _DIFFER,
     # Its displacement noise comes from torch's generator (the backend's
-    # `elastic_transform`), not from a draw by position.
-    "RandomElasticTransform": _DIFFER,
+    # `elastic_transform`), not from a draw by position: as much of it as
+    # the rows are.
+    "RandomElasticTransform": "draws from a global generator otherwise",
     # Its normalized kernel is written in the call, then differentiated.
     "SpectralNormalization": "assigns a trainable variable",
-    # A histogram of the whole batch.
-    "Equalization": _DIFFER,
     # The wrapped module computes with its own (replicated) parameters.
     "TorchModuleWrapper": "its outputs on the local rows are not plain",
 }
 # Cases on the local rows but for their layer, which couples samples and
 # runs through DTensor alone (`coupled_layers`), for the reason given.
+_MIXES = "its outputs on the local rows differ"
 COUPLED_LAYER_ON_DTENSOR = {
     # A loss summed over the global batch.
     "ActivityRegularization": "sums over the batch",
     "Dense-activity_regularizer": "sums over the batch",
+    # Samples mixed with other samples of the batch: the layer whose
+    # outputs on the local rows first differ.
+    "CutMix": _MIXES,
+    "MixUp": _MIXES,
+    # A histogram of the whole batch.
+    "Equalization": _MIXES,
 }
 # Per run: a draw of a fixed shape whose first dimension is the number of
 # each process' rows (2 of the 8 on 4 processes) is taken for rows: the
-# probe finds the call's outputs differ (`RandomGaussianBlur`'s 2 blur
-# factors, `RandAugment`'s), and the model runs through DTensor.
-DATA_PARALLEL_ON_DTENSOR_IN_RUN = {
-    "dp4": {"RandomGaussianBlur": _DIFFER, "RandAugment": _DIFFER},
+# probe finds the layer's outputs differ (`RandomGaussianBlur`'s 2 blur
+# factors, `RandAugment`'s), and that layer runs through DTensor.
+COUPLED_LAYER_ON_DTENSOR_IN_RUN = {
+    "dp4": {"RandomGaussianBlur": _MIXES, "RandAugment": _MIXES},
+}
+# Coupled layers that gather over the batch axis in every step, and why:
+# ops DTensor refuses, computed on the global values of their input.
+GATHERING_COUPLED_LAYERS = {
+    "Equalization": "its histogram of the whole batch",
+}
+GATHERING_COUPLED_LAYERS_IN_RUN = {
+    "dp4": {"RandAugment": "its image transforms, refused by DTensor"},
 }
 
 
@@ -375,10 +385,13 @@ def _data_parallel_params():
 def test_data_parallel_path(run, name, run_results):
     """Each case's train step on the local rows, gathering nothing over
     the batch axis, or why not."""
-    expected = DATA_PARALLEL_ON_DTENSOR_IN_RUN.get(run, {}).get(
-        name, DATA_PARALLEL_ON_DTENSOR.get(name)
+    expected = DATA_PARALLEL_ON_DTENSOR.get(name)
+    coupled = COUPLED_LAYER_ON_DTENSOR_IN_RUN.get(run, {}).get(
+        name, COUPLED_LAYER_ON_DTENSOR.get(name)
     )
-    coupled = COUPLED_LAYER_ON_DTENSOR.get(name)
+    gathers = GATHERING_COUPLED_LAYERS_IN_RUN.get(run, {}).get(
+        name, GATHERING_COUPLED_LAYERS.get(name)
+    )
     for result in run_results(run)[name]:
         path = result.get("path", result.get("error"))
         if expected is None:
@@ -389,9 +402,11 @@ def test_data_parallel_path(run, name, run_results):
                     f"local but coupled layers: {coupled}"
                 ), path
             # Nothing gathered over the batch axis after the probe's step
-            # (whose DTensor call may gather what DTensor refuses).
+            # (whose DTensor call may gather what DTensor refuses), but by
+            # a coupled layer listed.
             gathered = result["gathered_bytes"]
-            assert len(gathered) == 6 and not any(gathered[1:]), gathered
+            assert len(gathered) == 6, gathered
+            assert bool(any(gathered[1:])) == bool(gathers), gathered
         else:
             assert path.startswith(f"dtensor: {expected}"), path
 

@@ -262,9 +262,16 @@ _PROBED = {
     # DTensor refuses the recurrent loop's op on a batch-split sequence
     # (computed on global values in the probe): per-sample all the same.
     "lstm": (True, ""),
-    # A layer that divides by the batch size: DTensor issues no
-    # collective, but its values on the local rows differ.
-    "batch_size_as_number": (False, "differ from DTensor's"),
+    # A layer that divides by the batch size (DTensor issues no
+    # collective, but its values on the local rows differ) and a user's
+    # layer that mixes the samples of the batch (rolls it): the layer whose
+    # outputs differ first alone runs through DTensor.
+    "batch_size_as_number": (True, "its outputs on the local rows differ"),
+    "own_batch_rolled": (True, "its outputs on the local rows differ"),
+    # Samples mixed outside any layer's call (the batch flipped between
+    # two layers): the next layer's inputs differ already, and the model
+    # runs through DTensor.
+    "batch_flipped": (False, "differ from DTensor's"),
     # An activity regularizer's loss, a sum over the global batch: its
     # layer alone runs through DTensor.
     "activity_regularizer": (True, "sums over the batch"),
@@ -321,6 +328,10 @@ def _probed_model(kind):
         def call(self, x):
             return x - ops.mean(x, axis=0, keepdims=True)
 
+    class BatchRolled(keras.layers.Layer):
+        def call(self, x):
+            return ops.roll(x, 1, axis=0)
+
     keras.utils.set_random_seed(pm.SEED)
     inputs = keras.Input((8,))
     x = keras.layers.Dense(8)(inputs)
@@ -342,6 +353,10 @@ def _probed_model(kind):
         x = OwnDense(6)(BatchCentered()(x))
     elif kind == "batch_centered":
         x = x - ops.mean(x, axis=0, keepdims=True)
+    elif kind == "own_batch_rolled":
+        x = OwnDense(6)(BatchRolled()(x))
+    elif kind == "batch_flipped":
+        x = OwnDense(6)(ops.flip(x, axis=0))
     model = keras.Model(inputs, keras.layers.Dense(2)(x))
     model.compile(optimizer="sgd", loss="mse")
     return model

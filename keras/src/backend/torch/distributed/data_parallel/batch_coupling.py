@@ -20,6 +20,10 @@ Keras' own layers), but measured on the first call, the probe:
 
 A call is per-sample when neither step finds coupling, its outputs are
 batches of the global rows, and it adds no loss (a loss over the batch).
+Where the second step finds other values, the layer whose outputs first
+differ (recorded layer call by layer call in both calls, `recording`) is
+taken for the one that mixes samples, and the call is checked again with
+that layer called through DTensor (`first_differing_layer`).
 """
 
 import contextlib
@@ -29,6 +33,7 @@ import threading
 import torch
 from torch.overrides import TorchFunctionMode
 
+from keras.src import tree
 from keras.src.backend.torch.distributed.core import collectives
 from keras.src.backend.torch.distributed.core import generator_states
 from keras.src.backend.torch.distributed.core.runtime import DTensor
@@ -38,7 +43,15 @@ from keras.src.backend.torch.distributed.data_parallel import coupled_layers
 RTOL = 1e-5
 ATOL = 1e-6
 
+# Why a call is not per-sample when only its outputs on the local rows
+# differ from DTensor's: here, or on another process.
+DIFFERS = "its outputs on the local rows differ from DTensor's"
+OTHER_PROCESS_DIFFERS = (
+    "its outputs on another process' rows differ from DTensor's"
+)
+
 _explained = threading.local()
+_recorded = threading.local()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,28 +180,99 @@ def verdict_of(watch, outputs, local_outputs, reason=None, coupled=None):
         return Verdict(False, "its outputs on the local rows differ in shape")
     for output, local in zip(outputs, local_outputs):
         if not same(output, local):
-            return Verdict(
-                False, "its outputs on the local rows differ from DTensor's"
-            )
+            return Verdict(False, DIFFERS)
     layers, why = coupled
     return Verdict(True, why, coupled=layers)
 
 
-def agreed(verdict, mesh):
-    """`verdict` if every process of `mesh` reached it, else not per-sample.
+@contextlib.contextmanager
+def recording():
+    """Records each layer call's output leaves in the block, in the order
+    the calls return (an inner layer's before its caller's).
+
+    Yields:
+        The list of `(layer, output leaves)` recorded.
+    """
+    previous = getattr(_recorded, "calls", None)
+    _recorded.calls = calls = []
+    try:
+        yield calls
+    finally:
+        _recorded.calls = previous
+
+
+def record(layer, outputs):
+    """`outputs` of a call of `layer`, recorded if `recording`."""
+    if torch.compiler.is_compiling():
+        return outputs
+    calls = getattr(_recorded, "calls", None)
+    if calls is not None:
+        calls.append(
+            (layer, [x for x in tree.flatten(outputs) if x is not None])
+        )
+    return outputs
+
+
+def first_differing_layer(model, dtensor_calls, local_calls, own_rows, skip):
+    """Where the layer whose outputs on the local rows first differ from
+    this process' rows of its DTensor call's sits in the model.
+
+    Args:
+        model: the model called.
+        dtensor_calls: `recording`'s list of the DTensor call.
+        local_calls: `recording`'s list of the call on the local rows.
+        own_rows: `own_rows(x)`: this process' rows of a DTensor output,
+            or `None` if it is not a batch of the global rows.
+        skip: layers already called through DTensor.
+
+    Returns:
+        Its position in `model._flatten_layers(include_self=False)`, or -1
+        if no layer's outputs differ (or the first that does is in `skip`).
+    """
+    layers = list(model._flatten_layers(include_self=False))
+    seen = {}
+    for layer, local in local_calls:
+        count = seen[id(layer)] = seen.get(id(layer), -1) + 1
+        outputs = [o for called, o in dtensor_calls if called is layer]
+        # A layer called inside one called through DTensor returns DTensors.
+        if (
+            layer not in layers
+            or len(outputs) <= count
+            or any(isinstance(x, DTensor) for x in local)
+        ):
+            continue
+        rows = [own_rows(x) for x in outputs[count]]
+        if len(rows) != len(local) or any(r is None for r in rows):
+            continue
+        if not all(same(r, x) for r, x in zip(rows, local)):
+            return -1 if layer in skip else layers.index(layer)
+    return -1
+
+
+def agreed(verdict, mesh, differing=-1):
+    """The verdict every process of `mesh` reaches, and the layer to call
+    through DTensor next.
 
     A call can give DTensor's rows on some processes only (one that reads
     the first row of the batch, a draw not over the batch): every process
-    must take the same path. One collective, on the probe only.
+    must take the same path. Where every process that is not per-sample
+    found only a layer whose outputs differ (`differing`, see
+    `first_differing_layer`), the first of those layers in the model is
+    the one to try next. One collective of two numbers, on the probe only.
+
+    Returns:
+        `(verdict, position of the layer to try next, or -1)`.
     """
     if mesh.size() == 1:
-        return verdict
-    differs = collectives.any_process(not verdict.per_sample, mesh.get_group())
-    if verdict.per_sample and differs:
-        return Verdict(
-            False, "its outputs on another process' rows differ from DTensor's"
-        )
-    return verdict
+        return verdict, differing
+    code = 0 if verdict.per_sample else 1 if differing >= 0 else 2
+    answers = collectives.all_gather_ints([code, differing], mesh.get_group())
+    worst = max(code for code, _ in answers)
+    if worst and verdict.per_sample:
+        verdict = Verdict(False, OTHER_PROCESS_DIFFERS)
+    if worst != 1:
+        return verdict, -1
+    return verdict, min(position for code, position in answers if code == 1)
 
 
 def assigned_outside(scope, entered):

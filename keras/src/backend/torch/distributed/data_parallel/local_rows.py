@@ -21,6 +21,7 @@ step function from then on.
 
 import contextlib
 import dataclasses
+import functools
 import threading
 import weakref
 
@@ -48,6 +49,8 @@ _STEPS_ATTRIBUTE = "_distributed_steps"
 # a call runs in the thread that makes it (its backward pass, which may run
 # elsewhere, reads nothing here).
 _local_call = threading.local()
+# Why a layer whose outputs on the local rows differ is coupled.
+_MIXES = "its outputs on the local rows differ"
 # What the probe found of calls outside a step: `{layer: {training:
 # batch_coupling.Verdict}}` (a step keeps its own, `step.verdicts`).
 _verdicts = weakref.WeakKeyDictionary()
@@ -77,14 +80,8 @@ def model_steps(model):
 
 
 def running_step(model):
-    """The `step.DistributedStep` running a step of `model` now, or `None`.
-
-    Args:
-        model: a layer (the outermost layer of a call).
-
-    Returns:
-        The step its step function set on it, while that function runs.
-    """
+    """The `step.DistributedStep` running a step of `model` (the outermost
+    layer of a call) now, set by its step function; or `None`."""
     steps = getattr(model, _STEPS_ATTRIBUTE, None)
     return None if steps is None else steps.running
 
@@ -177,28 +174,36 @@ def _probe(call_function, layer, args, kwargs, through_dtensor, variables):
     watch = batch_coupling.PartialWatch()
     # The fallback's modes first: within a step they stay on to its end
     # (its backward pass), past the watch.
-    with fallback.dtensor_fallback(), watch:
-        outputs = through_dtensor(args, kwargs)
+    with batch_coupling.recording() as dtensor_calls:
+        with fallback.dtensor_fallback(), watch:
+            outputs = through_dtensor(args, kwargs)
     if len(layer.variables) != len(variables):
         return outputs, None
     rows = [_own_rows(x, batch) for x in tree.flatten(outputs) if x is not None]
     split = all(x is not None for x in rows)
     coupled = batch_coupling.coupling_layers(layer, watch)
-    local_leaves, reason, plan = None, None, None
-    if split and coupled is not None:
-        after = generator_states.take()
-        generator_states.restore(rng_states)
-        losses = [x for c in coupled[0] for x in c._get_own_losses()]
-        local_leaves, reason, plan = _checking_call(
-            call_function,
-            layer,
-            args,
-            kwargs,
-            before,
-            batch,
-            coupled[0],
-            losses,
+    if not split or coupled is None:
+        verdict = batch_coupling.verdict_of(
+            watch, rows if split else None, None, None, coupled
         )
+        return outputs, batch_coupling.agreed(verdict, mesh)[0]
+    after = generator_states.take()
+    own_rows = functools.partial(_own_rows, batch=batch)
+    layers, why = list(coupled[0]), coupled[1]
+    while True:
+        generator_states.restore(rng_states)
+        losses = [x for c in layers for x in c._get_own_losses()]
+        with batch_coupling.recording() as local_calls:
+            local_leaves, reason, plan = _checking_call(
+                call_function,
+                layer,
+                args,
+                kwargs,
+                before,
+                batch,
+                tuple(layers),
+                losses,
+            )
         if reason is None:
             # Draws from a global generator (Python's picking operations,
             # torch's for an op of its own) must take from it what the
@@ -209,11 +214,22 @@ def _probe(call_function, layer, args, kwargs, through_dtensor, variables):
             plan.python_draws = generator_states.python_advanced(
                 rng_states, after
             )
-        generator_states.restore(after)
-    verdict = batch_coupling.verdict_of(
-        watch, rows if split else None, local_leaves, reason, coupled
-    )
-    verdict = batch_coupling.agreed(verdict, mesh)
+        verdict = batch_coupling.verdict_of(
+            watch, rows, local_leaves, reason, (tuple(layers), why)
+        )
+        differing = -1
+        if verdict.reason == batch_coupling.DIFFERS:
+            # A layer that mixes samples: it alone through DTensor, and
+            # the call checked again.
+            differing = batch_coupling.first_differing_layer(
+                layer, dtensor_calls, local_calls, own_rows, layers
+            )
+        verdict, position = batch_coupling.agreed(verdict, mesh, differing)
+        if position < 0:
+            break
+        layers.append(list(layer._flatten_layers(include_self=False))[position])
+        why = ", ".join(x for x in (why, _MIXES) if x)
+    generator_states.restore(after)
     if verdict.per_sample:
         verdict = dataclasses.replace(verdict, draws=plan)
     return outputs, verdict

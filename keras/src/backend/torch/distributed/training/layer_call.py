@@ -32,6 +32,7 @@ from keras.src.backend.torch.distributed.core.runtime import DTensor
 from keras.src.backend.torch.distributed.core.runtime import (
     implicit_replication,
 )
+from keras.src.backend.torch.distributed.data_parallel import batch_coupling
 from keras.src.backend.torch.distributed.data_parallel import coupled_layers
 from keras.src.backend.torch.distributed.data_parallel import local_rows
 from keras.src.backend.torch.distributed.dtensor_gaps import fallback
@@ -66,16 +67,11 @@ def call_layer(call_function, layer, *args, **kwargs):
     """Calls a Keras layer under the distribution in effect.
 
     Plain tensor inputs are global values: they enter the call as replicated
-    DTensors (so that autograd saves DTensors, and a backward pass run later
-    outside the call still works); inside the call, see
-    `replicated_plain_tensors`. Outputs that are partial sums are
-    all-reduced as the layer returns them; in the backward pass, partial-sum
-    gradients of replicated outputs (left by column-parallel consumers) are
-    all-reduced as they reach the layer, unless its backward keeps them
-    partial at no cost (`_partial_gradient_axes`). With
-    `KERAS_DISTRIBUTION_CHECK_REPLICATION=1`, the plain inputs of the
-    outermost layer call are first checked to be identical on all processes.
-    A model's first call checks its layout rules (`layout_rules`).
+    DTensors (so that autograd saves DTensors); inside the call, see
+    `replicated_plain_tensors`. Partial sums: see the module docstring and
+    `_partial_gradient_axes`. With `KERAS_DISTRIBUTION_CHECK_REPLICATION=1`,
+    the outermost call's plain inputs are first checked to be identical on
+    all processes. A model's first call checks its layout rules.
 
     Args:
         call_function: `call_function(layer, *args, **kwargs)` calls it.
@@ -90,15 +86,17 @@ def call_layer(call_function, layer, *args, **kwargs):
     # Inside `torch.compile` the step function has entered the context
     # already: dynamo cannot trace the context manager itself.
     if distribution is None or torch.compiler.is_compiling():
-        batch = None
-        if runtime.suspended_depth:
-            batch = coupled_layers.routing(layer)
-        if batch is not None:
-            # A layer that couples samples, in a call on the local rows.
+        if not runtime.suspended_depth:
+            return call_function(layer, *args, **kwargs)
+        batch = coupled_layers.routing(layer)  # In a call on local rows.
+        if batch is None:
+            outputs = call_function(layer, *args, **kwargs)
+        else:
+            # A layer that couples samples, through DTensor.
             through_dtensor = functools.partial(
                 _call_with_dtensors, call_function, layer, None
             )
-            return coupled_layers.call(
+            outputs = coupled_layers.call(
                 through_dtensor,
                 replicated_plain_tensors,
                 layer,
@@ -106,7 +104,7 @@ def call_layer(call_function, layer, *args, **kwargs):
                 args,
                 kwargs,
             )
-        return call_function(layer, *args, **kwargs)
+        return batch_coupling.record(layer, outputs)
     trace = pairing_check.active_trace()
     if trace is not None:
         # The auto plan's trace of a block, on stand-ins: no layout.
@@ -124,7 +122,10 @@ def call_layer(call_function, layer, *args, **kwargs):
         if outputs is not None:
             layout_rules.check_model(layer, distribution)
             return outputs
-    return _call_with_dtensors(call_function, layer, distribution, args, kwargs)
+    outputs = _call_with_dtensors(
+        call_function, layer, distribution, args, kwargs
+    )
+    return batch_coupling.record(layer, outputs)
 
 
 def _call_with_dtensors(call_function, layer, distribution, args, kwargs):
