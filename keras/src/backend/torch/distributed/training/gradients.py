@@ -145,7 +145,7 @@ def reduce_gradients(gradients, buffers=None, as_local=False):
             continue
         flat = flat_buffer(buffers, key, [gradients[i] for i in indices])
         offset = 0
-        for bucket in _buckets(indices, gradients):
+        for bucket in buckets(indices, lambda i: nbytes(gradients[i])):
             bucket_gradients = [gradients[i] for i in bucket]
             size = sum(g.to_local().numel() for g in bucket_gradients)
             reduced = _all_reduce_bucket(
@@ -286,14 +286,25 @@ def _average_divisor(value):
     return divisor
 
 
-def _buckets(indices, gradients):
-    bucket, size = [], 0
-    for i in indices:
-        local = gradients[i].to_local()
-        bucket.append(i)
-        size += local.numel() * local.element_size()
-        if size >= BUCKET_BYTES:
-            yield bucket
+def buckets(items, nbytes, first_cap=None):
+    """`items` in consecutive buckets of `BUCKET_BYTES` or more (the first
+    of `first_cap`, if given), as DDP's reducer groups gradients;
+    `nbytes(item)` is an item's size."""
+    result, bucket, size = [], [], 0
+    for item in items:
+        bucket.append(item)
+        size += nbytes(item)
+        cap = first_cap if first_cap is not None and not result else None
+        if size >= (BUCKET_BYTES if cap is None else cap):
+            result.append(bucket)
             bucket, size = [], 0
     if bucket:
-        yield bucket
+        result.append(bucket)
+    return result
+
+
+def nbytes(value):
+    """The bytes of a value's local part."""
+    with torch.no_grad():
+        local = local_state.local_value(value)
+    return local.numel() * local.element_size()

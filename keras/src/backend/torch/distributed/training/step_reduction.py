@@ -134,25 +134,13 @@ def overlapped_reduction(model, leaves, plans=None):
 
 
 def _reverse_buckets(variables):
-    """`variables` in reverse order, in buckets of DDP's sizes."""
-    buckets, bucket, size = [], [], 0
-    for v in reversed(variables):
-        # Sizes only: no autograd node for the local view.
-        with torch.no_grad():
-            local = v.value.to_local()
-        bucket.append(v)
-        size += local.numel() * local.element_size()
-        cap = (
-            gradients_lib.BUCKET_BYTES
-            if buckets
-            else gradients_lib.FIRST_BUCKET_BYTES
-        )
-        if size >= cap:
-            buckets.append(bucket)
-            bucket, size = [], 0
-    if bucket:
-        buckets.append(bucket)
-    return buckets
+    """`variables` in reverse order (the backward pass'), in buckets of
+    DDP's sizes, the first small."""
+    return gradients_lib.buckets(
+        variables[::-1],
+        lambda v: gradients_lib.nbytes(v.value),
+        gradients_lib.FIRST_BUCKET_BYTES,
+    )
 
 
 class _BucketPlan:
