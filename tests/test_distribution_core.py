@@ -544,7 +544,16 @@ def _int_and_bool_variables_body(rank, world_size):
         trainable=False,
         name="flags",
     )
-    sharded.assign(np.arange(6, dtype="int32") * 10 + 1)
+    sharded.assign(np.arange(6, dtype="int32") * 10)
+    # State without gradients is written through its local tensors: a
+    # replicated value too, each process copying its own entries.
+    value = sharded.value
+    sharded.assign(
+        value.redistribute(
+            value.device_mesh, [_replicate()] * value.device_mesh.ndim
+        )
+        + 1
+    )
     facts = {
         name: _variable_facts(variable)
         for name, variable in (
@@ -748,6 +757,14 @@ def _assign_arithmetic_body(rank, world_size, new_kernel):
     steps["assign_add"] = _variable_facts(layer.kernel)
     layer.kernel.assign_sub(np.full_like(new_kernel, 3.0))
     steps["assign_sub"] = _variable_facts(layer.kernel)
+    # A value laid out otherwise (replicated) is written in the kernel's
+    # layout: each process copies its own columns.
+    value = layer.kernel.value
+    replicated = value.redistribute(
+        value.device_mesh, [_replicate()] * value.device_mesh.ndim
+    )
+    layer.kernel.assign(replicated * 2.0)
+    steps["assign_replicated"] = _variable_facts(layer.kernel)
     return steps
 
 
@@ -805,6 +822,7 @@ def test_assign_add_and_assign_sub_keep_layout():
         {
             "assign_add": new_kernel + 1,
             "assign_sub": new_kernel - 2,
+            "assign_replicated": (new_kernel - 2) * 2.0,
         },
     )
 

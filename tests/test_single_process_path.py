@@ -49,7 +49,7 @@ ALLOWED_DISTRIBUTION_FRAMES = {
     "training/step.py:local_metric_state",
     "training/layer_call.py:call_layer",
     "training/gradients.py:apply_gradients",
-    "core/variables.py:match_layout",
+    "core/variables.py:assign",
     "core/variables.py:operand_like",
     "core/variables.py:to_global_value",
     "dtensor_gaps/ops.py:conv_operands",

@@ -165,6 +165,36 @@ def match_layout(value, reference):
     )
 
 
+def assign(target, value):
+    """Copies `value` into the variable value `target`, in its layout.
+
+    The state that takes no gradient (metrics, optimizer slots, moving
+    statistics) is written through its local tensor: each process copies
+    its own part, without DTensor's dispatch of the copy. A weight that
+    takes gradients is written through DTensor, whose version counter
+    autograd's saved tensors and the gathered weights of `fsdp_call` are
+    checked against.
+
+    Args:
+        target: the variable's value, a plain tensor or a `DTensor`.
+        value: the new value, of the variable's shape: a plain tensor (a
+            global value, the same on every process) or a `DTensor`.
+    """
+    if not isinstance(target, DTensor):
+        target.copy_(to_global_value(value))
+        return
+    if target.requires_grad:
+        target.copy_(match_layout(value, target))
+        return
+    mesh, placements = target.device_mesh, target.placements
+    if isinstance(value, DTensor):
+        local = value.redistribute(mesh, placements).to_local()
+    else:
+        value = torch.as_tensor(value, device=target.device)
+        local = value[layouts.local_region(value.shape, mesh, placements)]
+    target.to_local().copy_(local)
+
+
 def operand_like(value, reference):
     """Makes `value` fit for arithmetic with the variable value `reference`.
 

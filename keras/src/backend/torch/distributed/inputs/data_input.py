@@ -6,11 +6,19 @@ global batch is assembled as a `DTensor`, without communication when the
 global batch size is known.
 """
 
+import weakref
+
 from keras.src import tree
 from keras.src.backend.torch.distributed.core import collectives
 from keras.src.backend.torch.distributed.core import layouts
 from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.core.runtime import DTensor
+
+# Each distribution's data layouts, by global shape: built once, not for
+# every input of every batch.
+_DATA_LAYOUTS = weakref.WeakKeyDictionary()
+# A bound on the shapes kept per distribution (batches of varying lengths).
+_MAX_DATA_LAYOUTS = 64
 
 
 def distribute_global_batch(data, distribution):
@@ -47,12 +55,24 @@ def distribute_global_batch(data, distribution):
             )
         return distribute_data_input(
             x[start:stop],
-            distribution.get_data_layout(tuple(x.shape)),
+            _data_layout(distribution, tuple(x.shape)),
             distribution.batch_dim_name,
             global_batch_size=global_batch_size,
         )
 
     return _map_structure(put, data)
+
+
+def _data_layout(distribution, shape):
+    """`distribution.get_data_layout(shape)`, as a `TorchLayout`."""
+    known = _DATA_LAYOUTS.setdefault(distribution, {})
+    layout = known.get(shape)
+    if layout is None:
+        if len(known) >= _MAX_DATA_LAYOUTS:
+            known.clear()
+        layout = layouts.as_torch_layout(distribution.get_data_layout(shape))
+        known[shape] = layout
+    return layout
 
 
 def _flatten(data):
