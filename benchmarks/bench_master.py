@@ -327,6 +327,12 @@ def main():
     args = parser.parse_args()
     if args.worker:
         return _worker(args)
+    unknown = sorted(set(args.settings.split(",")) - set(SETTINGS))
+    if unknown:
+        parser.error(
+            f"--settings: unknown {unknown}; choose among {sorted(SETTINGS)} "
+            "(the one-process reference always runs)"
+        )
     impls = {"master": args.master, "ours": args.ours}
     # Not resolved: a venv's python is a link out of the venv.
     impls = {k: os.path.abspath(v) for k, v in impls.items() if v}

@@ -99,3 +99,43 @@ def test_buckets_are_launched_during_the_backward_pass():
     # kernel, the last bucket, after it, together with the loss.
     assert events[:end] == [("all_reduce", True)] * 5
     assert events[end + 1 :] == [("all_reduce", False)]
+
+
+def _shared_layer_run():
+    """Three train steps of a model that calls one Dense layer twice: its
+    weights accumulate two gradients in each backward pass."""
+    import numpy as np
+
+    import keras
+
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((8,))
+    shared = keras.layers.Dense(8, activation="tanh", name="shared")
+    x = shared(keras.layers.Dense(8, name="first")(inputs))
+    outputs = keras.layers.Dense(3, name="head")(shared(x))
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    rng = np.random.RandomState(0)
+    x = rng.rand(8, 8).astype("float32")
+    y = rng.rand(8, 3).astype("float32")
+    losses = [float(model.train_on_batch(x, y)) for _ in range(3)]
+    return {
+        "losses": losses,
+        "weights": [np.asarray(w) for w in model.get_weights()],
+    }
+
+
+def _shared_layer_body(rank, world_size):
+    distributions.use_setting("dp")
+    return _with_one_variable_buckets(_shared_layer_run)
+
+
+def test_a_weight_used_twice_is_reduced_with_both_gradients():
+    # The shared layer's kernel and bias each complete their bucket at
+    # their first gradient; the second, accumulated later in the same
+    # backward pass, must reach the reduction too.
+    per_rank = run_on_ranks(_shared_layer_body, world_size=2)
+    reference = pm.run_single(_shared_layer_run)
+    for rank, result in enumerate(per_rank):
+        pm.assert_close(result, reference, f"rank {rank}")
+    pm.assert_ranks_agree(per_rank)

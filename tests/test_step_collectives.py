@@ -56,9 +56,9 @@ def _step_collectives_body(rank, world_size, setting, kind):
     # A step, with the gradients its reduction takes and gives.
     weights = model.trainable_weights
     taken, given = {}, []
-    reduce_with_loss = distribution_lib.reduce_with_loss
+    reduce_gradients = distribution_lib.reduce_gradients
 
-    def recording_reduce_with_loss(model, gradients, loss):
+    def recording_reduce_gradients(model, gradients):
         # Under data parallelism the weights enter as plain leaves, whose
         # gradients are each process' partial sums (see `local_leaf`).
         reduction = local_rows.running_step(model)._reduction
@@ -70,15 +70,15 @@ def _step_collectives_body(rank, world_size, setting, kind):
             else:
                 partial = any(p.is_partial() for p in g.placements)
                 taken[w.path] = ("dtensor", partial)
-        result = reduce_with_loss(model, gradients, loss)
-        given.extend(result[0])
+        result = reduce_gradients(model, gradients)
+        given.extend(result)
         return result
 
-    distribution_lib.reduce_with_loss = recording_reduce_with_loss
+    distribution_lib.reduce_gradients = recording_reduce_gradients
     try:
         model.train_on_batch(x, y)
     finally:
-        distribution_lib.reduce_with_loss = reduce_with_loss
+        distribution_lib.reduce_gradients = reduce_gradients
     reduced, given = given, [float(_local_sum(g)) for g in given]
     with CommDebugMode() as step:
         model.train_on_batch(x, y)
@@ -138,7 +138,9 @@ def test_model_parallel_block_all_reduces_once_each_way():
 def test_data_parallel_step_reduces_the_loss_in_the_gradient_bucket():
     # One collective: the gradient bucket (all weights are far below
     # 25 MiB), which also carries the loss Keras reports (the global
-    # batch's, which DDP does not compute).
+    # batch's, which DDP does not compute): the loss tracker takes it as a
+    # partial sum before the backward pass, and its total is written whole
+    # once reduced with the bucket.
     counts = _counts("dp", "block")
     assert counts["step"] == {"c10d.allreduce_": 1}
     assert counts["update"] == 0
@@ -800,3 +802,37 @@ def test_a_block_with_heads_the_model_axis_does_not_divide_is_gathered():
         np.testing.assert_allclose(gathered["loss"], row["loss"], rtol=1e-6)
         for a, b in zip(gathered["weights"], row["weights"]):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _partial_metric_update_body(rank, world_size):
+    import torch
+    from torch.distributed.tensor import Partial
+
+    import keras
+    from keras.src.backend.torch.distributed.core import layouts
+    from keras.src.backend.torch.distributed.core import local_state
+    from keras.src.backend.torch.distributed.training import layer_call
+
+    distributions.use_setting("dp")
+    mesh = layouts.as_torch_layout(
+        keras.distribution.distribution().get_data_layout((2,))
+    ).device_mesh
+    # Process r holds r + 1 of the loss: the loss is 1 + 2 = 3.
+    loss = layouts.dtensor_from_local(
+        torch.tensor(float(rank + 1)), mesh, [Partial()], shape=()
+    )
+    tracker = keras.metrics.Mean()
+    with layer_call.replicated_plain_tensors():
+        with local_state.local_metric_state(tracker):
+            tracker.update_state(loss, sample_weight=4)
+    values = [float(v.value.to_local()) for v in tracker.variables]
+    keras.distribution.set_distribution(None)
+    return values
+
+
+def test_a_partial_loss_updates_the_tracker_with_its_whole_value():
+    # The tracker's replicated state runs on local tensors; the partial
+    # loss that meets it is reduced before it is written back, not
+    # written as this process' share.
+    results = run_on_ranks(_partial_metric_update_body, world_size=2)
+    assert results == [[12.0, 4.0], [12.0, 4.0]]

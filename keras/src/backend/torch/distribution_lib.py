@@ -54,7 +54,7 @@ DistributedStep = step.DistributedStep
 loss_predictions = step.loss_predictions
 local_loss = step.local_loss
 metric_predictions = step.metric_predictions
-reduce_with_loss = step.reduce_with_loss
+reduce_gradients = step.reduce_gradients
 local_metric_state = step.local_metric_state
 
 

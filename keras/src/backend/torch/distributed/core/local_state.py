@@ -15,6 +15,7 @@ import torch
 from keras.src.backend.common.stateless_scope import StatelessScope
 from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.core.runtime import DTensor
+from keras.src.backend.torch.distributed.core.runtime import Replicate
 
 
 def all_replicated(values):
@@ -58,15 +59,20 @@ def local_value(x):
 
 
 @contextlib.contextmanager
-def on_local_values(variables):
+def on_local_values(variables, defer=None):
     """Runs the block with `variables` read and assigned as local tensors.
 
     Updates made in place change the variables' local tensors directly;
     values assigned anew are copied into them when the block ends (nothing
-    is written back if it raises).
+    is written back if it raises), whole: a `DTensor` value still partial
+    or sharded is replicated first.
 
     Args:
         variables: replicated variables (see `all_replicated`).
+        defer: optionally, `defer(local, value)` takes a partial `DTensor`
+            value assigned to the variable of local tensor `local`, to
+            write it whole later, and returns whether it did (see
+            `step_reduction.OverlappedReduction.defer`).
 
     Yields:
         Nothing.
@@ -77,22 +83,37 @@ def on_local_values(variables):
     with torch.no_grad():
         for variable, local in local_values:
             new_value = scope.get_current_value(variable)
-            if new_value is not local:
-                local.copy_(local_value(new_value))
+            if new_value is local:
+                continue
+            if defer is None or not defer(local, new_value):
+                local.copy_(local_value(_replicated(new_value)))
+
+
+def _replicated(x):
+    """`x` replicated on its mesh if it is a `DTensor` (a collective where
+    it is partial or sharded); anything else as it is."""
+    if not isinstance(x, DTensor) or all(
+        p.is_replicate() for p in x.placements
+    ):
+        return x
+    mesh = x.device_mesh
+    return x.redistribute(mesh, [Replicate()] * mesh.ndim)
 
 
 @contextlib.contextmanager
-def local_metric_state(metric):
+def local_metric_state(metric, defer=None):
     """Runs a metric's update on the local values of its replicated state.
 
-    Meant for values every process holds whole (the loss after its
-    reduction): a `DTensor` still sharded or partial that reaches the
-    update is computed on by DTensor, and its result written
-    back whole. Without a distribution, or with state that is not
-    replicated, the block runs as it is.
+    A `DTensor` still sharded or partial that reaches the update (the loss
+    under data parallelism, each process' share of it) is computed on by
+    DTensor, which reduces it where it meets the replicated state (one
+    all-reduce of one number), and the result is written back whole.
+    Without a distribution, or with state that is not replicated, the
+    block runs as it is.
 
     Args:
         metric: a `keras.metrics.Metric`.
+        defer: see `on_local_values`.
 
     Yields:
         Nothing.
@@ -104,5 +125,5 @@ def local_metric_state(metric):
     if not all_replicated(variables):
         yield
         return
-    with on_local_values(variables):
+    with on_local_values(variables, defer):
         yield

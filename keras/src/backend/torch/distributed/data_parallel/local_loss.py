@@ -6,8 +6,8 @@ treats each sample on its own and sums over the batch ("sum_over_batch_size")
 is, on the global batch, the sum of every process' rows' weighted values
 divided by the global number of values. Each process computes its share of
 that sum on its plain local tensors, divides it by the global count, and
-returns it as a partial sum, which the train step reduces with the
-gradients (see `step_reduction.reduce_with_loss`); the backward pass then
+returns it as a partial sum, which only the loss tracker reduces (one
+number, see `local_state.local_metric_state`); the backward pass then
 runs on plain tensors from the loss down to the weights. Through DTensor
 the loss and its backward were about 15 dispatched ops a step. Outputs
 replicated on every process (a model-parallel model's, after its

@@ -103,9 +103,9 @@ def divide_no_nan_local(numerator, divisor):
     A loss reduced over a sharded batch is a partial sum (each process
     holds its rows' share). `where(d == 0, 0, x / d)` is linear in `x`, so
     computed on each process' share it sums to the quotient of the whole:
-    the quotient stays partial, to be reduced later with the gradients (see
-    `step_reduction.reduce_with_loss`), with no look at the divisor's values and
-    no collective. On `DTensor`s, `divide_no_nan`'s `where` would reduce it
+    the quotient stays partial, to be reduced where its whole value is read
+    (the loss tracker), with no look at the divisor's values and no
+    collective. On `DTensor`s, `divide_no_nan`'s `where` would reduce it
     at once. A replicated numerator (a metric's total, divided by its
     count) is divided on the local values as well: the same numbers,
     without DTensor's dispatch of the four ops.

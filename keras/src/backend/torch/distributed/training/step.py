@@ -95,7 +95,7 @@ class DistributedStep:
                 eager_step_function
             )
         # Keras' own train step takes one backward pass, then reduces its
-        # gradients in `reduce_with_loss`: its buckets can be all-reduced
+        # gradients in `reduce_gradients`: its buckets can be all-reduced
         # while that pass runs.
         self._overlaps_reduction = kind == "train" and _default_train_step(
             model
@@ -276,10 +276,17 @@ class DistributedStep:
             lambda x: x.detach() if isinstance(x, torch.Tensor) else x, y_pred
         )
 
-    def reduce_with_loss(self, gradients, loss):
-        """See `reduce_with_loss` (the hook)."""
-        return step_reduction.reduce_with_loss(
-            self._reduction, self.model.optimizer, gradients, loss
+    def local_metric_state(self, metric):
+        """See `local_metric_state` (the hook): in Keras' own train step
+        the partial loss the tracker meets is reduced with the gradients'
+        last bucket (`OverlappedReduction.defer`)."""
+        defer = None if self._reduction is None else self._reduction.defer
+        return local_state.local_metric_state(metric, defer)
+
+    def reduce_gradients(self, gradients):
+        """See `reduce_gradients` (the hook)."""
+        return step_reduction.reduce_step_gradients(
+            self._reduction, self.model.optimizer, gradients
         )
 
 
@@ -383,23 +390,22 @@ def metric_predictions(model, y_pred):
     return step.metric_predictions(y_pred)
 
 
-def reduce_with_loss(model, gradients, loss):
-    """Reduces a train step's gradients and its loss in one collective.
+def reduce_gradients(model, gradients):
+    """Reduces a train step's gradients once, in buckets.
 
     Args:
         model: the model being trained.
         gradients: list of gradients, in the order of the model's trainable
             weights.
-        loss: the step's loss.
 
     Returns:
-        A tuple `(gradients, loss)`: as they are outside a step under a
-        distribution, else reduced (see `step_reduction.reduce_with_loss`).
+        The gradients: as they are outside a step under a distribution,
+        else reduced (see `step_reduction.reduce_step_gradients`).
     """
     step = local_rows.running_step(model)
     if step is None:
-        return gradients, loss
-    return step.reduce_with_loss(gradients, loss)
+        return gradients
+    return step.reduce_gradients(gradients)
 
 
 def local_metric_state(model, metric):
@@ -413,14 +419,15 @@ def local_metric_state(model, metric):
         A context manager: `local_state.local_metric_state` in a step under
         a distribution, else one that does nothing.
     """
-    if local_rows.running_step(model) is None:
+    step = local_rows.running_step(model)
+    if step is None:
         return contextlib.nullcontext()
-    return local_state.local_metric_state(metric)
+    return step.local_metric_state(metric)
 
 
 def _default_train_step(model):
     """Whether `model` trains with Keras' own step: one backward pass, then
-    `reduce_with_loss`, which takes the overlapped buckets."""
+    `reduce_gradients`, which takes the overlapped buckets."""
     # The torch trainer's own step, whatever the base names its class.
     from keras.src.models.model import Model
 

@@ -1,13 +1,15 @@
 """The gradient reduction of Keras' own train step, overlapped with backward.
 
-In Keras' eager train step (one backward pass, then `reduce_with_loss`)
+In Keras' eager train step (one backward pass, then `reduce_step_gradients`)
 under data parallelism, gradient buckets are all-reduced while the backward
 pass runs, as DDP's reducer does: the variables are grouped in reverse
 order, the order in which the backward pass produces their gradients, the
 first bucket small; a bucket's all-reduce is launched asynchronously as
 soon as its last gradient is accumulated. The last bucket is complete only
-when the backward pass ends: it is reduced with the loss, after the others
-are waited for, so a step issues one collective per bucket.
+when the backward pass ends: it is reduced then, after the others are
+waited for, together with the loss the loss tracker took as a partial sum
+before the backward pass (`defer`), so a step issues one collective per
+bucket.
 
 A per-sample model runs on each process' rows (see `local_rows`). In this
 step its trainable weights enter as plain leaf tensors that share their
@@ -35,22 +37,18 @@ import torch.distributed as dist
 from keras.src.backend.torch.distributed.core import local_state
 from keras.src.backend.torch.distributed.core.runtime import DTensor
 from keras.src.backend.torch.distributed.core.runtime import Partial
-from keras.src.backend.torch.distributed.core.runtime import Replicate
 from keras.src.backend.torch.distributed.health import health
 from keras.src.backend.torch.distributed.training import (
     gradients as gradients_lib,
 )
 
 
-def reduce_with_loss(reduction, optimizer, gradients, loss):
-    """Reduces a train step's gradients and its loss in one collective.
+def reduce_step_gradients(reduction, optimizer, gradients):
+    """Reduces a train step's gradients once, in buckets.
 
-    Under data parallelism the loss is a partial value (each process' share
-    of the global batch's loss); it is reduced in the gradients' last
-    bucket instead of by a collective of its own. Values replicated once
-    reduced come back as local tensors (the whole values): the optimizer
-    and the loss tracker compute on those. With nothing to reduce, the
-    arguments come back as they are.
+    Values replicated once reduced come back as local tensors (the whole
+    values): the optimizer computes on those. With nothing to reduce, the
+    gradients come back as they are.
 
     Args:
         reduction: the step's `OverlappedReduction`, or `None` if its
@@ -59,22 +57,16 @@ def reduce_with_loss(reduction, optimizer, gradients, loss):
             are reused).
         gradients: list of gradients (`DTensor`, tensor or `None`), in the
             order of the model's trainable weights.
-        loss: the step's loss.
 
     Returns:
-        A tuple `(gradients, loss)`, reduced.
+        The gradients, reduced.
     """
-    as_local = gradients_lib.reduces_to_replicated([loss] + list(gradients))
-    loss = loss.detach()
+    as_local = gradients_lib.reduces_to_replicated(gradients)
     if reduction is not None:
-        gradients, loss = reduction.finish(gradients, loss, as_local)
-    # The loss goes first: it is in the first bucket whatever its size.
-    reduced = gradients_lib.reduce_gradients(
-        [loss] + list(gradients),
-        gradients_lib.optimizer_buffers(optimizer),
-        as_local,
+        gradients = reduction.finish(gradients, as_local)
+    return gradients_lib.reduce_gradients(
+        list(gradients), gradients_lib.optimizer_buffers(optimizer), as_local
     )
-    return reduced[1:], reduced[0]
 
 
 @contextlib.contextmanager
@@ -82,10 +74,10 @@ def overlapped_reduction(model, leaves, plans=None):
     """All-reduces gradient buckets as the backward pass produces them.
 
     Entered around Keras' own eager train step, which takes the reduced
-    buckets in `reduce_with_loss`. Hooks launch each bucket's all-reduce
+    buckets in `reduce_step_gradients`. Hooks launch each bucket's all-reduce
     asynchronously once its gradients are accumulated; a bucket whose
     gradients cannot be reduced together (not all partial sums of one mesh
-    axis and dtype) is left to `reduce_with_loss`. Only variables on a 1-D
+    axis and dtype) is left to `reduce_step_gradients`. Only variables on a 1-D
     mesh (data parallelism) take part. The hooks hold the reduction itself
     (autograd may run them on threads of its own: CUDA devices').
 
@@ -127,6 +119,7 @@ def overlapped_reduction(model, leaves, plans=None):
         # Launched but not taken (the step did not reduce its gradients):
         # waited for, so that every process leaves the step in step.
         reduction.wait_all(as_local=False)
+        reduction.complete_deferred()
     finally:
         reduction.drop_leaf_gradients()
         for handle in reduction.handles:
@@ -207,6 +200,9 @@ class OverlappedReduction:
         self.launched = []
         # The gradient hooks this step registered.
         self.handles = []
+        # `(mesh, local tensor, partial value)` of replicated state to
+        # write whole with the last bucket (see `defer`).
+        self.deferred = []
 
     def local_leaf(self, variable):
         """The plain leaf standing for a replicated weight in this step.
@@ -240,6 +236,35 @@ class OverlappedReduction:
         )
         return leaf
 
+    def defer(self, local, value):
+        """Takes a partial sum assigned to replicated state, to be written
+        whole once reduced with the last bucket.
+
+        The loss tracker meets the step's loss as a partial sum before the
+        backward pass; nothing reads its state before the optimizer, so
+        its total is reduced with the gradients instead of by a collective
+        of its own.
+
+        Args:
+            local: the state's local tensor.
+            value: its new value.
+
+        Returns:
+            Whether `value` was taken: a sum partial over the data mesh.
+        """
+        mesh = self.trainable[0].value.device_mesh
+        placements = getattr(value, "placements", None)
+        if not (
+            isinstance(value, DTensor)
+            and value.device_mesh == mesh
+            and len(placements) == 1
+            and placements[0].is_partial()
+            and placements[0].reduce_op == "sum"
+        ):
+            return False
+        self.deferred.append((mesh, local, value.to_local().detach()))
+        return True
+
     def gradient_ready(self, variable_id, tensor):
         bucket_index, position = self.positions[variable_id]
         if bucket_index == len(self.buckets) - 1:
@@ -253,8 +278,9 @@ class OverlappedReduction:
     def _launch(self, bucket_index, gradients):
         reduction = self._reduction_of(bucket_index, gradients)
         if reduction is None:
-            return  # Left to `reduce_with_loss`.
+            return  # Left to `reduce_step_gradients`.
         group, op = reduction
+        self._supersede(bucket_index)
         first = gradients[0]
         key = ("overlapped", bucket_index, first.dtype, first.device)
         flat = gradients_lib.flat_buffer(self.buffers, key, gradients)
@@ -264,6 +290,19 @@ class OverlappedReduction:
         )
         work = dist.all_reduce(flat, op=op, group=group, async_op=True)
         self.launched.append((bucket_index, gradients, flat, work))
+
+    def _supersede(self, bucket_index):
+        """Waits for and forgets an earlier launch of a bucket launched
+        again: a weight used twice (a shared layer) accumulates a second
+        gradient after its bucket was complete, and the new launch reuses
+        the buffer the earlier one may still be reducing."""
+        earlier = [e for e in self.launched if e[0] == bucket_index]
+        if not earlier:
+            return
+        timeout = datetime.timedelta(seconds=health.current_timeout())
+        for entry in earlier:
+            entry[3].wait(timeout)
+            self.launched.remove(entry)
 
     def _reduction_of(self, bucket_index, gradients):
         """`(process group, op)` of a bucket, `None` if it has none."""
@@ -303,20 +342,19 @@ class OverlappedReduction:
         self.launched = []
         return reduced
 
-    def finish(self, gradients, loss, as_local):
-        """The step's gradients and loss, with what this reduction reduced.
+    def finish(self, gradients, as_local):
+        """The step's gradients, with what this reduction reduced.
 
         Waits for the launched buckets, then all-reduces the gradients of
-        the leaves not launched yet together with the loss.
+        the leaves not launched yet.
 
         Args:
             gradients: the train step's gradients, in the order of the
                 model's trainable weights (a leaf's is `None` there).
-            loss: the step's detached loss.
             as_local: see `gradients.reduce_gradients`.
 
         Returns:
-            A tuple `(gradients, loss)`.
+            The gradients.
         """
         if len(gradients) != len(self.trainable):
             raise RuntimeError(
@@ -340,36 +378,42 @@ class OverlappedReduction:
                 result[i] = entry[1]
             elif leaf is not None and gradient is not None:
                 pending.append((i, variable, gradient))
-        if pending:
-            loss = self._reduce_pending(pending, loss, result, as_local)
-        return result, loss
+        self._reduce_pending(pending, result)
+        return result
 
-    def _reduce_pending(self, pending, loss, result, as_local):
-        """All-reduces `pending` leaf gradients into `result`, and the loss
-        with them if it is a partial sum on their mesh; returns the loss."""
-        mesh = pending[0][1].value.device_mesh
-        if mesh.size() == 1:
-            for i, _, gradient in pending:
-                result[i] = gradient
-            return loss
+    def _reduce_pending(self, pending, result):
+        """All-reduces `pending` leaf gradients into `result`, and the
+        deferred state (see `defer`) into its local tensors."""
+        deferred, self.deferred = self.deferred, []
+        if not pending and not deferred:
+            return
+        # Grouped by mesh and dtype, the deferred state first in each.
         groups = {}
-        for entry in pending:
-            groups.setdefault(entry[2].dtype, []).append(entry)
-        with_loss = _partial_sum_on(loss, mesh) and loss.dtype in groups
-        for dtype, entries in groups.items():
-            values = [gradient for _, _, gradient in entries]
-            if with_loss and dtype == loss.dtype:
-                values = [loss.to_local()] + values
-            key = ("leaves", dtype, values[0].device)
-            flat = gradients_lib.flat_buffer(self.buffers, key, values)
-            torch.cat([x.reshape(-1) for x in values], out=flat)
-            dist.all_reduce(flat, group=mesh.get_group(0))
-            parts = _views(flat, values)
-            if len(values) > len(entries):
-                loss = _replicated(parts.pop(0), loss, as_local)
-            for (i, _, _), part in zip(entries, parts):
-                result[i] = part
-        return loss
+        for mesh, local, value in deferred:
+            key = (mesh, value.dtype)
+            groups.setdefault(key, []).append((local, value))
+        for i, variable, gradient in pending:
+            key = (variable.value.device_mesh, gradient.dtype)
+            groups.setdefault(key, []).append((i, gradient))
+        for (mesh, dtype), entries in groups.items():
+            values = [value for _, value in entries]
+            if mesh.size() > 1:
+                key = ("leaves", mesh, dtype, values[0].device)
+                flat = gradients_lib.flat_buffer(self.buffers, key, values)
+                torch.cat([x.reshape(-1) for x in values], out=flat)
+                dist.all_reduce(flat, group=mesh.get_group(0))
+                values = _views(flat, values)
+            for (target, _), value in zip(entries, values):
+                if isinstance(target, int):
+                    result[target] = value
+                else:
+                    with torch.no_grad():
+                        target.copy_(value.reshape(target.shape))
+
+    def complete_deferred(self):
+        """Writes the deferred state whole (see `defer`) if the step's
+        gradients were not reduced."""
+        self._reduce_pending([], [])
 
     def drop_leaf_gradients(self):
         """Frees the leaves' gradients: the next step starts without."""
@@ -396,25 +440,6 @@ def _with_leaf_gradient(gradient, leaf_gradient):
         leaf_gradient, mesh, [Partial()] * mesh.ndim, run_check=False
     )
     return gradient + partial
-
-
-def _partial_sum_on(value, mesh):
-    return (
-        isinstance(value, DTensor)
-        and value.device_mesh == mesh
-        and len(value.placements) == 1
-        and value.placements[0].is_partial()
-        and value.placements[0].reduce_op == "sum"
-    )
-
-
-def _replicated(local, like, as_local):
-    """The reduced `like` whose local value is `local`."""
-    if as_local:
-        return local
-    return DTensor.from_local(
-        local, like.device_mesh, [Replicate()], run_check=False
-    )
 
 
 def _single_reduction_dim(gradients):
