@@ -62,11 +62,20 @@ def reduce_step_gradients(reduction, optimizer, gradients):
         The gradients, reduced.
     """
     as_local = gradients_lib.reduces_to_replicated(gradients)
+    deferred = []
     if reduction is not None:
         gradients = reduction.finish(gradients, as_local)
-    return gradients_lib.reduce_gradients(
-        list(gradients), gradients_lib.optimizer_buffers(optimizer), as_local
+        deferred = reduction.take_deferred()
+    # The deferred state first: in the first bucket whatever its size.
+    reduced = gradients_lib.reduce_gradients(
+        [value for _, value in deferred] + list(gradients),
+        gradients_lib.optimizer_buffers(optimizer),
+        as_local,
     )
+    with torch.no_grad():
+        for (local, _), value in zip(deferred, reduced):
+            local.copy_(local_state.local_value(value).reshape(local.shape))
+    return reduced[len(deferred) :]
 
 
 @contextlib.contextmanager
@@ -262,7 +271,7 @@ class OverlappedReduction:
             and placements[0].reduce_op == "sum"
         ):
             return False
-        self.deferred.append((mesh, local, value.to_local().detach()))
+        self.deferred.append((mesh, local, value.detach()))
         return True
 
     def gradient_ready(self, variable_id, tensor):
@@ -378,8 +387,15 @@ class OverlappedReduction:
                 result[i] = entry[1]
             elif leaf is not None and gradient is not None:
                 pending.append((i, variable, gradient))
-        self._reduce_pending(pending, result)
+        if pending:
+            self._reduce_pending(pending, result)
         return result
+
+    def take_deferred(self):
+        """The deferred state (see `defer`) no bucket reduced, as pairs
+        `(local tensor, partial value)`, now the caller's to reduce."""
+        deferred, self.deferred = self.deferred, []
+        return [(local, value) for _, local, value in deferred]
 
     def _reduce_pending(self, pending, result):
         """All-reduces `pending` leaf gradients into `result`, and the
@@ -391,7 +407,7 @@ class OverlappedReduction:
         groups = {}
         for mesh, local, value in deferred:
             key = (mesh, value.dtype)
-            groups.setdefault(key, []).append((local, value))
+            groups.setdefault(key, []).append((local, value.to_local()))
         for i, variable, gradient in pending:
             key = (variable.value.device_mesh, gradient.dtype)
             groups.setdefault(key, []).append((i, gradient))
@@ -413,7 +429,8 @@ class OverlappedReduction:
     def complete_deferred(self):
         """Writes the deferred state whole (see `defer`) if the step's
         gradients were not reduced."""
-        self._reduce_pending([], [])
+        if self.deferred:
+            self._reduce_pending([], [])
 
     def drop_leaf_gradients(self):
         """Frees the leaves' gradients: the next step starts without."""
