@@ -108,70 +108,54 @@ _LOCAL_SCALAR = (
 
 
 @contextlib.contextmanager
-def dtensor_fallback():
+def dtensor_fallback(lazy=False):
     """Computes ops that DTensor refuses on global values, in this thread.
 
-    Entered around eager layer calls; nested entries do nothing more.
-    Inside a step entered with `step_fallback(lazy=True)`, the first entry
-    keeps the mode on until the step ends, so that the backward pass of
-    what ran here has it too. Not under `torch.compile`, which does not
-    trace dispatch modes: a step it cannot compile runs eagerly.
-
-    Yields:
-        None.
-    """
-    if _active() or torch.compiler.is_compiling():
-        yield
-        return
-    if getattr(_state, "lazy_step", None) is not None:
-        activate_for_step()
-        yield
-        return
-    _state.active = True
-    try:
-        with _FunctionFallbackMode(), _FallbackMode():
-            yield
-    finally:
-        _state.active = False
-
-
-@contextlib.contextmanager
-def step_fallback(lazy=False):
-    """Computes ops that DTensor refuses on global values, for one step.
-
-    A torch dispatch mode costs every op of the step some microseconds,
-    plain tensors' too. A model called on each process' local rows (see
-    `local_rows`) runs plain tensors only, forward and backward: with
-    `lazy=True` the mode is entered only if a layer call goes through
-    DTensor after all (`dtensor_fallback`), and stays on to the step's end.
+    The one way into the fallback: entered around eager layer calls and
+    around a step; nested entries do nothing more. A torch dispatch mode
+    costs every op some microseconds, plain tensors' too, so a step that
+    may run on the local rows enters it lazily: the mode goes on at the
+    step's first nested entry (a layer call through DTensor) or when the
+    yielded function is called, and stays on to the step's end, so that
+    its backward pass has it too. Not under `torch.compile`, which does
+    not trace dispatch modes: a step it cannot compile runs eagerly.
 
     Args:
-        lazy: whether to wait for a layer call through DTensor.
+        lazy: whether to wait for a nested entry (a step's).
 
     Yields:
-        None.
+        A function that turns the mode on now (a no-op where it is on).
     """
-    if not lazy:
-        with dtensor_fallback():
-            yield
-        return
-    if _active() or torch.compiler.is_compiling():
-        yield
-        return
-    _state.lazy_step = entered = []
-    try:
-        yield
-    finally:
-        _state.lazy_step = None
-        for mode in reversed(entered):
-            mode.__exit__(None, None, None)
-
-
-def activate_for_step():
-    """In a step entered with `step_fallback(lazy=True)`: the mode from now
-    to the step's end (DTensor code runs after all)."""
     entered = getattr(_state, "lazy_step", None)
-    if entered is None or entered or torch.compiler.is_compiling():
+    if _active() or torch.compiler.is_compiling():
+        yield _on_already
+    elif entered is not None:
+        _enter_modes(entered)
+        yield _on_already
+    elif lazy:
+        _state.lazy_step = entered = []
+        try:
+            yield functools.partial(_enter_modes, entered)
+        finally:
+            _state.lazy_step = None
+            for mode in reversed(entered):
+                mode.__exit__(None, None, None)
+    else:
+        _state.active = True
+        try:
+            with _FunctionFallbackMode(), _FallbackMode():
+                yield _on_already
+        finally:
+            _state.active = False
+
+
+def _on_already():
+    """The mode is on already: nothing to turn on."""
+
+
+def _enter_modes(entered):
+    """Enters the modes for the rest of a lazy step, once."""
+    if entered or torch.compiler.is_compiling():
         return
     for mode in (_FunctionFallbackMode(), _FallbackMode()):
         mode.__enter__()

@@ -117,6 +117,8 @@ class DistributedStep:
         # `(output, local tensor)` of the model's calls on the local rows.
         self._reduction = None
         self._local_outputs = []
+        # Turns the step's lazily entered fallback on (see `_eager_step`).
+        self._fallback_on = None
         # The order of the gathers of weights sharded over the batch axis,
         # learned from one step for the next (see `fsdp_schedule`).
         self._gathers = fsdp_schedule.GatherSchedule()
@@ -176,21 +178,31 @@ class DistributedStep:
         runs its plain tensors without that mode's cost.
         """
         with (
-            fallback.step_fallback(lazy=self._may_run_locally()),
+            fallback.dtensor_fallback(
+                lazy=self._may_run_locally()
+            ) as self._fallback_on,
             fsdp_schedule.following(
                 self._gathers, runtime.current_distribution()
             ),
         ):
-            if not self._overlaps_reduction:
+            try:
+                return self._step_reducing(data)
+            finally:
+                self._fallback_on = None
+
+    def _step_reducing(self, data):
+        """The step function, its gradients reduced as Keras' own train
+        step computes them (see `step_reduction`)."""
+        if not self._overlaps_reduction:
+            return self.eager_step_function(data)
+        with step_reduction.overlapped_reduction(
+            self.model, self._leaves, self._buckets
+        ) as reduction:
+            self._reduction = reduction
+            try:
                 return self.eager_step_function(data)
-            with step_reduction.overlapped_reduction(
-                self.model, self._leaves, self._buckets
-            ) as reduction:
-                self._reduction = reduction
-                try:
-                    return self.eager_step_function(data)
-                finally:
-                    self._reduction = None
+            finally:
+                self._reduction = None
 
     def _may_run_locally(self):
         """Whether the model may be called on the local rows (before the
@@ -263,9 +275,9 @@ class DistributedStep:
             self.local_output(y_pred),
             functools.partial(local_rows.local_weight, step=self),
         )
-        if loss is None:
+        if loss is None and self._fallback_on is not None:
             # Keras computes the loss through DTensor.
-            fallback.activate_for_step()
+            self._fallback_on()
         return loss
 
     def metric_predictions(self, y_pred):
