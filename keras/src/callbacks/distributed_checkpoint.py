@@ -13,23 +13,13 @@ from keras.src.utils import io_utils
 class DistributedCheckpoint(MonitorCallback):
     """Saves sharded checkpoints: every process writes its own shards.
 
-    The counterpart of `OrbaxCheckpoint` for backends that write
-    distributed checkpoints (the torch backend, with
-    `torch.distributed.checkpoint`). Under a `keras.distribution`, each
-    process writes the shards of the variables it holds, in parallel, and
-    a replicated variable is written once: no process ever gathers a whole
-    sharded variable. Without a distribution it works in one process.
-
-    Each save is one checkpoint, the directory `directory/<step>/`, where
-    the step is the epoch (`save_freq="epoch"`) or the number of batches
-    seen. A checkpoint appears there only once it is complete: a save
-    interrupted part way leaves the previous step the latest.
-
-    `model.load_weights(directory)` and `keras.saving.load_model(directory)`
-    load the latest step (or a step's directory), into the model's current
-    layouts: another mesh, another number of processes, or one process
-    without a distribution. `load_model` also restores the optimizer's
-    state, to resume training.
+    The counterpart of `OrbaxCheckpoint` for backends that write distributed
+    checkpoints (torch); it also works without a distribution. Each save is
+    the directory `directory/<step>/` (the epoch, or the number of batches
+    seen), which appears only once complete. `model.load_weights(directory)`
+    and `keras.saving.load_model(directory)` load the latest step into the
+    model's current layouts, on any mesh or number of processes; `load_model`
+    also restores the optimizer's state.
 
     Example:
 
@@ -43,23 +33,17 @@ class DistributedCheckpoint(MonitorCallback):
     ```
 
     Args:
-        directory: path of the directory of the checkpoints, shared by
-            all processes.
+        directory: the checkpoints' directory, shared by all processes.
         monitor: the metric name to monitor (e.g. `"val_loss"`).
         verbose: verbosity mode, 0 or 1.
-        save_best_only: whether to save only when the model is the best
-            so far by the monitored quantity.
+        save_best_only: whether to save only when the monitor improves.
         mode: one of `{"auto", "min", "max"}`, used with `save_best_only`.
         save_freq: `"epoch"` or an integer: save every this many batches.
-        initial_value_threshold: the initial "best" value of the monitor,
-            used with `save_best_only`.
-        max_to_keep: how many of the latest checkpoints to keep; `None`
-            keeps all. Defaults to 1.
-        save_on_background: whether to write in the background: the
-            values are copied to host memory and training goes on while
-            they are written. Defaults to `True`.
-        save_weights_only: whether to save only the model's variables,
-            without the optimizer's state and the model's config.
+        initial_value_threshold: the monitor's initial "best" value.
+        max_to_keep: latest checkpoints kept (`None`: all). Defaults to 1.
+        save_on_background: whether to write in the background, training on
+            once the values are copied to host memory. Defaults to `True`.
+        save_weights_only: whether to skip the optimizer state and config.
     """
 
     def __init__(
@@ -133,8 +117,7 @@ class DistributedCheckpoint(MonitorCallback):
         self.wait_until_finished()
 
     def wait_until_finished(self):
-        """Waits until the checkpoint being written in the background is
-        complete, on every process (each process must call it)."""
+        """Waits for the background save to complete; every process calls it."""
         self._checkpointer.wait()
 
     def _save_if_best(self, step, logs, unit, index):

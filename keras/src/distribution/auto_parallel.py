@@ -1,11 +1,7 @@
 """`AutoModelParallel`: model parallelism with no `LayoutMap` to write.
 
-A `ModelParallel` distribution whose variable layouts come from a plan
-derived from the model's structure (`auto_plan.py`, which says how and why)
-for every variable that no rule of an optional `LayoutMap` lays out. The
-plan is made as variables are created, so it works for models built from a
-preset, functional, `Sequential` and subclassed models alike, and under
-every backend with a `distribution_lib` (it produces `TensorLayout`s).
+Variables no `LayoutMap` rule matches are laid out, as they are created, by
+a plan derived from the model's structure (`auto_plan.py`), on any backend.
 """
 
 import re
@@ -20,7 +16,7 @@ from keras.src.distribution.distribution_lib import list_devices
 
 DEFAULT_BATCH_DIM_NAME = "batch"
 DEFAULT_MODEL_DIM_NAME = "model"
-# What `layout_reason` says of a variable a `LayoutMap` rule laid out.
+# Prefixes of `layout_reason`: a `LayoutMap` rule, or the plan.
 RULE_PREFIX = "rule: "
 AUTO_PREFIX = "auto: "
 
@@ -29,10 +25,9 @@ AUTO_PREFIX = "auto: "
 class AutoModelParallel(ModelParallel):
     """Tensor parallelism planned from the model itself.
 
-    Shards every model Megatron-style over the model axis of the mesh
-    (and, on a mesh whose batch axis is longer than one, each kernel's
-    largest other dimension over the batch axis), with no `LayoutMap` to
-    write. Set it before creating the model:
+    Shards every model Megatron-style over the mesh's model axis (and, if
+    the batch axis is longer than one, each kernel's largest other dimension
+    over it), with no `LayoutMap` to write. Set it before creating the model:
 
     ```python
     keras.distribution.set_distribution(
@@ -44,17 +39,14 @@ class AutoModelParallel(ModelParallel):
     ```
 
     Args:
-        device_mesh: a `DeviceMesh`. Defaults to the mesh of `layout_map`
-            if given, else every device on a `("batch", "model")` mesh of
-            shape `(1, N)`.
+        device_mesh: a `DeviceMesh`. Defaults to `layout_map`'s mesh, else
+            all devices on a `("batch", "model")` mesh of shape `(1, N)`.
         batch_dim_name: the mesh axis the batch is split over. Defaults to
-            `"batch"` if the mesh has that axis, else its first axis.
+            `"batch"` if the mesh has it, else its first axis.
         model_dim_name: the mesh axis tensor parallelism shards over.
-            Defaults to `"model"` if the mesh has that axis, else its last
-            axis.
-        layout_map: an optional `LayoutMap` on the same mesh whose rules
-            override the plan for the variables they match (and lay out
-            layer outputs, as under `ModelParallel`).
+            Defaults to `"model"` if the mesh has it, else its last axis.
+        layout_map: optional `LayoutMap` on the same mesh whose rules
+            override the plan (and lay out outputs, as in `ModelParallel`).
         auto_shard_dataset: as for `ModelParallel`.
     """
 
@@ -112,18 +104,11 @@ class AutoModelParallel(ModelParallel):
         return TensorLayout(axes, self.device_mesh)
 
     def gathered_for_call(self, variable):
-        """Whether the plan stores `variable` sharded over the model axis
-        but has it used whole: gathered for each call of its block.
-
-        The torch backend gathers such weights as FSDP does, one
-        collective per call for all of a block's; under JAX, the layout
-        alone reaches XLA, which places the gathers itself.
+        """Whether `variable` is stored sharded over the model axis but used
+        whole, so gathered (as FSDP does) for each call of its block.
 
         Args:
             variable: a Keras variable this distribution laid out.
-
-        Returns:
-            A `bool`.
         """
         return self._plan.gathered_for_call(variable)
 
@@ -134,34 +119,27 @@ class AutoModelParallel(ModelParallel):
         return self._plan.kernel_role(layer)
 
     def paired_role(self, layer):
-        """The role (`"column"` or `"row"`) `layer`'s kernel got from
-        widths alone, while `check_pairing` has not checked it; else
-        `None`."""
+        """The role (`"column"` or `"row"`) `layer`'s kernel got from widths
+        alone, until `check_pairing` checks it; else `None`."""
         return self._plan.paired_role(layer)
 
     def check_pairing(self, layer, reads_column_output):
-        """Lays `layer`'s kernel (and bias) out again where its first call
-        shows it reads otherwise than its widths paired it.
+        """Lays `layer`'s kernel (and bias) out again if its first call shows
+        it reads otherwise than its widths paired it.
 
-        The plan pairs kernels by width as they are created; where a
-        feed-forward layer is as wide as its block, a kernel reading a
-        column-parallel kernel's output and one reading the block's stream
-        have the same widths. A backend that follows a block's data
-        through its first symbolic call (torch) says here what each
-        kernel paired by widths reads, before weights are loaded or
-        optimizer slots made; the variables returned are to be laid out
-        anew (their values redistributed). Under JAX nothing calls it and
-        the width pairing stands.
+        Width pairing is ambiguous where a feed-forward layer is as wide as
+        its block; torch traces the first symbolic call to tell. Under JAX
+        the widths decide.
 
         Args:
             layer: a layer with a `paired_role`.
-            reads_column_output: whether its call's input is computed from
-                a column-parallel kernel's output (through ops without
-                kernels), which makes it row parallel; else it reads the
-                stream and is column parallel.
+            reads_column_output: whether its input is computed from a
+                column-parallel kernel's output (through kernel-free ops),
+                making it row parallel; else it is column parallel.
 
         Returns:
-            A list of `(variable, TensorLayout)`.
+            A list of `(variable, TensorLayout)` to lay out anew (their
+            values redistributed).
         """
         role = auto_plan.ROW if reads_column_output else auto_plan.COLUMN
         weights = [
@@ -187,8 +165,7 @@ class AutoModelParallel(ModelParallel):
 
         Returns:
             `"rule: <key>"` for a `LayoutMap` rule, `"auto: <reason>"` for
-            the plan, `None` for a variable this distribution did not lay
-            out (created before it was set).
+            the plan, `None` if this distribution did not lay it out.
         """
         return self._reasons.get(path)
 

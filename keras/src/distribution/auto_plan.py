@@ -1,77 +1,31 @@
 """A tensor-parallel plan for any model, decided as each variable is created.
 
 `AutoModelParallel` (`auto_parallel.py`) asks this planner for the layout of
-every variable that no `LayoutMap` rule lays out. The plan is Megatron-style
-tensor parallelism over the mesh's model axis, plus, where the mesh has a
-batch axis longer than one, the kernel's largest other dimension sharded
-over it (as keras-hub's hand-written maps do: FSDP-like), and the vectors
-of a block (norm scales, biases) too: a block's call gathers all of its
-weights in one collective, so they cost no collective of their own.
+every variable no `LayoutMap` rule lays out: Megatron-style tensor parallelism
+over the model axis and, with a batch axis longer than one, FSDP-like sharding
+over it of a kernel's largest other dimension and of a block's vectors. Layouts
+are decided at creation, since `from_preset` creates and loads variables in the
+constructor, and laying them out later would first hold the whole model on every
+process.
 
-When: at variable creation. keras-hub's `from_preset` creates (and then
-loads) every variable in the model's constructor, and a model's variables
-must be laid out when they are created: under JAX an array is placed once,
-and under torch a variable created replicated and re-laid out later would
-hold the whole model on every process first, and its optimizer slots would
-have to move with it. Deciding at creation keeps every process' memory at
-its share from the start, and optimizer slots inherit their variable's
-layout (`add_variable_from_reference`). A model cannot be traced before it
-exists (a preset's constructor builds it).
+Keras builds layers in data-flow order, so within an enclosing layer
+(`layer_reading`) a kernel reading the block's stream is column parallel and a
+later one reading its output row parallel: one all-reduce per pair
+(`plan_pairs`). Where widths cannot tell, a backend that can follow data checks
+the pairing at the block's first symbolic call (`check_pairing`). `EinsumDense`
+equations name head dimensions, an `Embedding` shards its vocabulary (or
+features), and vectors stay replicated over the model axis except
+column-parallel biases.
 
-What it reads (`layer_reading`): the layer that creates the variable (Keras
-opens a name scope with the layer as its caller around `add_weight`) and the
-layer around it.
-Keras builds layers in the order data flows through them: a functional or
-`Sequential` model builds each layer when it is called on its symbolic
-inputs, a subclassed model or block builds its sublayers at its first call
-or in its `build`, in call order. Within one enclosing layer, a kernel
-reading the block's stream is column parallel (its output features
-sharded) and a later one reading that output, through whatever elementwise
-ops lie between, row parallel: one all-reduce per pair (`plan_pairs`).
-Where widths cannot tell (a feed-forward layer as wide as its block), a
-backend that can follow data through a call checks each kernel widths
-paired at its block's first symbolic call, before weights are loaded or
-optimizer slots made, and lays it out again if it reads otherwise
-(`check_pairing`; torch traces the call on stand-ins). Layers explain
-themselves where they can: an `EinsumDense` equation says which
-kernel dimensions are heads (a dimension of the output that is not its
-feature axis: column parallel over heads; one contracted from the input
-that is not the input's feature axis: row parallel over heads), an
-`Embedding` shards its vocabulary (or its features when the vocabulary is
-the smaller or indivisible). Vectors and scalars (norm scales, biases of
-row-parallel layers, counters) stay replicated over the model axis; a
-column-parallel layer's bias follows its output features.
+Heads the model axis does not divide are never sharded unevenly. Beside sharded
+query heads, such (key/value) heads' kernel is replicated, as in Megatron-LM,
+within `REPLICATION_BUDGET`, else stored sharded and gathered for each call of
+its block (`gathered_for_call`, ZeRO-3-like); with a batch axis the projection
+splits its input features instead. Storage beyond an even share is bounded by
+`SHARE_BOUND`.
 
-Heads the model axis does not divide (Gemma's single key/value head) are
-not sharded unevenly, nor is their head size sharded instead. Beside query
-heads sharded over the model axis, their kernel is replicated over it, as
-Megatron-LM does for key/value heads, while the memory this costs stays
-within `REPLICATION_BUDGET` of the model created so far: each process
-computes the key/value heads whole and no collective is added, since
-their gradients, partial sums over the query heads, join the query's.
-Past the budget (a tiny model, whose key/value heads are a sizeable part
-of it), the kernel is stored sharded and gathered whole for each call of
-its block (`gathered_for_call`: ZeRO-3, as FSDP gathers a module's
-weights), in one collective with the block's other gathered weights. Query
-heads the axis does not divide make every einsum kernel of their block
-gathered so: none of its projections can split heads, and splitting their
-input features costs an all-reduce each, forward and backward. Where the
-batch axis is longer than one, kernels are gathered along it for each call
-already, and a second gather costs more (measured): there the projection
-splits its input features, as a row-parallel layer does, and the heads are
-computed whole from an all-reduced output. Any other dimension the model
-axis does not divide gives way to the kernel's next candidate dimension.
-
-What every process stores beyond an even share (replicated vectors,
-narrow projections, key/value heads) is kept within `SHARE_BOUND` of the
-model created so far: past it, a weight the plan would replicate over the
-model axis is sharded over it instead, ZeRO-like (gathered whole for each
-call of its layer or block; with a batch axis, where it is used). Only a
-tiny config (width 16) reaches the bound; a preset stays well inside it.
-
-The plan decides only where data lives, never what is computed: any layout
-gives one process' numbers, so a plan that guesses a pairing wrong costs
-collectives, not correctness.
+The plan decides where data lives, never what is computed: a wrong pairing guess
+costs collectives, not correctness.
 """
 
 import math
@@ -86,21 +40,14 @@ from keras.src.distribution import plan_share
 COLUMN = plan_pairs.COLUMN
 ROW = plan_pairs.ROW
 STACK = "stack"
-# A projection to at most this many features that reads a width no column
-# layer left open (a router, a gate, a classifier head) keeps its output
-# whole: its consumer (softmax, top-k) reads every feature.
+# Projections to at most this many features starting a pair (a router, a gate, a
+# head) keep their output whole: softmax or top-k reads every feature.
 NARROW_WIDTH = 256
-# A kernel replicated over the model axis to save collectives (key/value
-# heads) may bring the parameters each process stores beyond an even
-# share to at most this fraction of the model created so far. Keeps the
-# whole model's excess, norms and biases included, well inside 5%.
+# Storage beyond an even share that kernels replicated to save collectives
+# (key/value heads) may add, as a fraction of the model so far.
 REPLICATION_BUDGET = 0.03
-# What each process stores beyond an even share may reach at most this
-# fraction of the model created so far (the acceptance bound is 5%): past
-# it, a weight the plan would replicate over the model axis (a norm scale,
-# a row-parallel bias, a narrow projection) is sharded over it instead, and
-# gathered where it is used. Only a model whose replicated weights are a
-# sizeable part of it (a tiny config) comes near it.
+# Bound on storage beyond an even share, as a fraction of the model so far; past
+# it, would-be replicated weights are sharded and gathered where used.
 SHARE_BOUND = 0.04
 
 
@@ -110,9 +57,8 @@ class Plan:
     Args:
         mesh_shape: `{axis name: size}` of the device mesh.
         model_dim_name: the mesh axis tensor parallelism shards over.
-        batch_dim_name: the mesh axis the batch is split over; kernels are
-            also sharded over it (on another dimension) when it is longer
-            than one.
+        batch_dim_name: the mesh axis the batch is split over; kernels are also
+            sharded over it (on another dimension) when it is longer than one.
     """
 
     def __init__(self, mesh_shape, model_dim_name, batch_dim_name):
@@ -126,25 +72,19 @@ class Plan:
         )
         self.model_dim_name = model_dim_name
         self.batch_dim_name = batch_dim_name
-        # Which kernel reads which: column and row pairs.
         self._pairs = plan_pairs.Pairs()
         # The role and sharded size of each layer's kernel, for its bias.
         self._roles = weakref.WeakKeyDictionary()
-        # Layers with a trainable kernel sharded over the batch axis.
         self._batch_sharded = weakref.WeakSet()
         # Layers whose attention heads are sharded (a query kernel's).
         self._head_parallel = weakref.WeakSet()
-        # Blocks whose einsum kernels are gathered for each call.
         self._gathered_blocks = weakref.WeakSet()
-        # The variables gathered for each call, by id (Keras variables
-        # are not hashable): a weak reference to each.
+        # Variables gathered per call, id -> weakref (variables are unhashable).
         self._call_gathered = {}
         self._gathering = False
-        # Where the model and batch axes go on a variable's dimensions.
         self._mesh = plan_axes.MeshAxes(
             model_dim_name, self.model_size, batch_dim_name, self.batch_size
         )
-        # What each process stores beyond an even share, so far.
         self._share = plan_share.PlanShare(self._mesh)
 
     def layout_axes(self, variable):
@@ -175,8 +115,7 @@ class Plan:
         return axes, reason
 
     def gathered_for_call(self, variable):
-        """Whether `variable` is stored sharded over the model axis but
-        used whole: gathered for each call of the block holding it."""
+        """Whether `variable` is stored sharded but gathered for each call."""
         ref = self._call_gathered.get(id(variable))
         return ref is not None and ref() is variable
 
@@ -191,13 +130,12 @@ class Plan:
         return None if pairing is None else pairing.role
 
     def check_pairing(self, layer, role, weights):
-        """Lays `layer`'s weights out as `role`, what its first call shows
-        its kernel to be, where its widths paired it otherwise.
+        """Lays `layer`'s weights out as `role` where widths said otherwise.
 
         Args:
             layer: a layer with a `paired_role`.
-            role: `ROW` if the call reads a column-parallel kernel's output
-                (through elementwise ops), else `COLUMN`.
+            role: `ROW` if its first call reads a column-parallel kernel's
+                output (through elementwise ops), else `COLUMN`.
             weights: `[(variable, axes)]`: `layer`'s weights as laid out.
 
         Returns:
@@ -266,11 +204,8 @@ class Plan:
             self._batch_sharded.add(layer)
         return axes, reason
 
-    # Layers, one kind at a time.
-
     def _vector_axes(self, variable, layer):
-        """A bias follows its layer's sharded output; other vectors are
-        replicated."""
+        """Bias follows its layer's sharded output; other vectors replicate."""
         shape = tuple(variable.shape)
         replicated = (None,) * len(shape)
         role = self._roles.get(layer) if layer is not None else None
@@ -293,11 +228,7 @@ class Plan:
         return replicated, "replicated: bias"
 
     def _gathered_with_block(self, layer, parent):
-        """Whether a call gathers `layer`'s weights over the batch axis
-        with others: the weights of a block (a layer, not a model, with
-        layers inside) and of its layers are gathered in the block's one
-        collective, and a layer's vector in the collective of its own
-        batch-sharded kernel."""
+        """Whether `layer`'s weights join a block's or kernel's batch gather."""
         if self.batch_size == 1 or not _is_block(layer):
             return False
         if layer in self._batch_sharded or _is_block(parent):
@@ -346,14 +277,10 @@ class Plan:
                     self._gathered_blocks.add(parent)
                 return self._gathered_for_call(layer, shape, contracted)
             if indivisible and contracted:
-                # Heads the model axis does not divide (Gemma's one
-                # key/value head) are computed whole, from input features
-                # split as a row-parallel layer's: one all-reduce of the
-                # output, and one of its gradient where sharded query heads
-                # read it. Splitting the head size instead splits every
-                # attention score into partial sums: the rotary embedding's
-                # halves and the scores (the size of the attention matrix)
-                # would each take a collective.
+                # Indivisible heads (one key/value head) are computed whole from
+                # row-parallel input features: one all-reduce of the output and
+                # of its gradient. Splitting the head size would cost
+                # collectives for rotary halves and scores.
                 role, letters = ROW, contracted
                 what = "row-parallel over input features (heads indivisible)"
             else:
@@ -395,8 +322,7 @@ class Plan:
         return axes, reason
 
     def _gathered_for_call(self, layer, shape, letters):
-        """Stored sharded on the first of `letters` the model axis divides,
-        gathered whole for each call of its block."""
+        """Shards the first divisible of `letters`; gathered for each call."""
         kernel = layer_reading.parse_equation(layer.equation)[1]
         self._gathering = True
         return self._mesh.shard(
@@ -409,16 +335,14 @@ class Plan:
         )
 
     def _gathers_blocks(self, parent):
-        """Whether the kernels of `parent` can be gathered for each call:
-        it is a block, and its kernels are gathered along no other axis."""
+        """Whether `parent` is a block whose kernels no other axis gathers."""
         return self.batch_size == 1 and _is_block(parent)
 
     def _indivisible(self, heads, size):
         return all(size[c] % self.model_size for c in heads)
 
     def _within_budget(self, shape):
-        """Whether replicating a kernel of `shape` over the model axis keeps
-        the excess within `REPLICATION_BUDGET` of the model so far."""
+        """Whether replicating `shape` over the model axis fits the budget."""
         axes = self._mesh.shard(shape, [], lambda d: "", model=False)[0]
         return self._share.within(shape, axes, REPLICATION_BUDGET)
 
@@ -426,9 +350,9 @@ class Plan:
         in_dim, out_dim = len(shape) - 2, len(shape) - 1
         in_width, out_width = shape[in_dim], shape[out_dim]
         reads = self._pairs.reads(in_width, scope, parent)
-        # A narrow projection starting a pair, or one beside the block's
-        # column kernels whose output the model axis does not divide (a
-        # gate of one feature), keeps its output whole.
+        # A narrow projection starting a pair, or one beside the block's column
+        # kernels with an output the model axis does not divide, keeps its
+        # output whole.
         if (
             reads != ROW
             and _is_narrow(in_width, out_width)
@@ -457,9 +381,7 @@ class Plan:
         return axes, reason
 
     def _stack_axes(self, layer, shape):
-        """A layer's stack of matrices (experts) is split between processes,
-        each multiplying whole matrices: the stacking dimension is sharded,
-        for all the layer's weights that share it (biases included)."""
+        """Shards stacked matrices (experts), biases too, on the stack dim."""
         if (
             self.kernel_role(layer) == STACK
             and shape[0] != self._roles[layer][1]

@@ -1,8 +1,6 @@
-"""What the auto plan reads of a layer (`auto_plan`).
+"""The facts about layers that the auto plan (`auto_plan`) decides from.
 
-Which layer creates a variable (and the layer around it), what kind of
-computation a layer is, and the letters of an `EinsumDense` equation: the
-facts the planner decides from, kept apart from its decisions.
+Which layer creates a variable, what a layer computes, `EinsumDense` letters.
 """
 
 import re
@@ -15,8 +13,7 @@ _EQUATION = re.compile(r"^([a-zA-Z.]+),([a-zA-Z]+)->([a-zA-Z.]+)$")
 def creating_layers():
     """The layer creating a variable now, and the layer around it.
 
-    Keras opens a name scope with the layer as its caller around
-    `add_weight`; the innermost two such layers are read.
+    Read from the `caller`s of the name scopes Keras opens around `add_weight`.
 
     Returns:
         `(layer, parent)`, either `None` where there is none.
@@ -37,8 +34,8 @@ def creating_layers():
 
 
 def layer_kind(layer):
-    """What a layer computes, for the planner: `"embedding"`, `"einsum"`,
-    `"dense"`, `"conv"` or `"layer"` (anything else)."""
+    """What `layer` computes: `"embedding"`, `"einsum"`, `"dense"`, `"conv"`
+    or `"layer"` (anything else)."""
     from keras.src import layers
 
     if isinstance(layer, layers.Embedding):
@@ -53,10 +50,7 @@ def layer_kind(layer):
 
 
 def parse_equation(equation):
-    """The letters of an `EinsumDense` equation.
-
-    Args:
-        equation: e.g. `"btd,ndh->btnh"`.
+    """The letters of an `EinsumDense` equation such as `"btd,ndh->btnh"`.
 
     Returns:
         `(input, kernel, output)` letters (ellipses dropped), or `None` if
@@ -81,8 +75,8 @@ def einsum_bias_axes(layer, shape, letter, axis_name):
         axis_name: the mesh axis it is sharded over.
 
     Returns:
-        A tuple of mesh axis names (or `None`), or `None` if the bias does
-        not have the letter.
+        A tuple of mesh axis names or `None`s, or `None` if the bias does not
+        have the letter.
     """
     parsed = parse_equation(getattr(layer, "equation", ""))
     bias_axes = getattr(layer, "bias_axes", None)

@@ -1,7 +1,6 @@
-"""Mesh axes for a variable's dimensions, as `AutoModelParallel` plans
-them (`auto_plan`): the model axis on the first dimension of a preferred
-order that it divides, the batch axis (when longer than one) on the
-largest dimension left free."""
+"""Mesh axes for a variable's dimensions, as `AutoModelParallel` plans them
+(`auto_plan`): the model axis on the first dimension of a preferred order it
+divides, the batch axis (if longer than one) on the largest free one."""
 
 
 class MeshAxes:
@@ -21,21 +20,18 @@ class MeshAxes:
         self.batch_size = batch_size
 
     def shard(self, shape, order, describe, model=True):
-        """Shards the first dimension of `order` the model axis divides.
-
-        The batch axis, when longer than one, takes the largest other
-        dimension it divides.
+        """Shards the first dimension of `order` the model axis divides,
+        and the batch axis (if longer than one) on the largest other.
 
         Args:
             shape: the variable's shape.
-            order: dimensions for the model axis, in order of preference
-                (any other dimension comes after them).
+            order: preferred dimensions for the model axis (others follow).
             describe: `describe(dimension)`, why the model axis is there.
             model: whether to place the model axis at all.
 
         Returns:
-            `(axes, reason)`: a tuple of mesh axis names (or `None`), one
-            per dimension, and a short text.
+            `(axes, reason)`: a mesh axis name (or `None`) per dimension, and
+            a short text.
         """
         axes = [None] * len(shape)
         reasons = []
@@ -64,11 +60,9 @@ class MeshAxes:
         """`axes` with the batch axis on the largest dimension it divides
         that the model axis leaves whole (FSDP-like, for kernels).
 
-        A vector of a block sharded over the batch axis costs no
-        collective of its own (it joins the block's gather and gradient
-        reduce-scatter) and takes its gradient out of the step's
-        all-reduce buckets; replicated, it would be stored whole by every
-        process (a tiny model's norms are a sizeable part of it).
+        A block's vector sharded over the batch axis joins the block's
+        gather and gradient reduce-scatter, out of the step's all-reduce
+        buckets; replicated, every process would store it whole.
         """
         if self.batch_dim_name in axes:
             return axes, reason
@@ -90,9 +84,6 @@ def on_free_dimension(shape, axes, axis_name, axis_size):
         axes: the mesh axis of each dimension (or `None`).
         axis_name: the mesh axis to add.
         axis_size: its length.
-
-    Returns:
-        A tuple of mesh axis names (or `None`), or `None`.
     """
     free = sorted(
         (d for d, a in enumerate(axes) if a is None), key=lambda d: -shape[d]

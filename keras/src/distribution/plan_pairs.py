@@ -1,20 +1,11 @@
-"""Which kernel reads which, as `AutoModelParallel` plans it: column and row
-pairs, from widths alone.
+"""Column/row kernel pairs for `AutoModelParallel`, from widths alone.
 
-The planner (`auto_plan`) decides each kernel's layout at its creation, in
-the order data flows through the layers (see `auto_plan`). Within one
-enclosing layer, a kernel that reads the block's stream is column parallel
-and leaves its output width "open"; a later kernel whose input has an open
-width consumes that output, through whatever elementwise ops lie between,
-and is row parallel. `Pairs` keeps, per enclosing layer, the widths
-column-parallel kernels read and the widths they left open.
-
-Widths cannot always tell: where a block's feed-forward layers are as wide
-as the block (a tiny config), a kernel reading a column kernel's output
-has the stream's width too. Each kernel paired by widths keeps its
-`Pairing`, how to lay it out either way, until a backend that can follow
-the block's data to its first call (torch) checks what the kernel reads
-(`AutoModelParallel.check_pairing`).
+`auto_plan` lays out each kernel at creation, in data-flow order. Within an
+enclosing layer, a kernel reading the block's stream is column parallel and
+leaves its output width "open"; a later kernel reading an open width is row
+parallel. Where widths are ambiguous (feed-forward as wide as the block), the
+kernel keeps a `Pairing` until a backend that follows data to the first call
+(torch) checks it (`AutoModelParallel.check_pairing`).
 """
 
 import weakref
@@ -25,17 +16,12 @@ ROW = "row"
 
 
 class Pairs:
-    """The widths read and left open by column-parallel kernels, per
-    enclosing layer (`None`: layers created outside any layer)."""
+    """Widths read and left open by column kernels, per enclosing layer."""
 
     def __init__(self):
-        # Widths left open by column-parallel layers, per enclosing layer.
         self._open = weakref.WeakKeyDictionary()
-        # Widths column-parallel layers read, per enclosing layer.
         self._stream = weakref.WeakKeyDictionary()
-        # The root of layers created outside any other layer.
         self._root = _Root()
-        # The `Pairing` of each kernel paired by widths, until checked.
         self._pairings = weakref.WeakKeyDictionary()
 
     def key(self, layer):
@@ -43,8 +29,7 @@ class Pairs:
         return self._root if layer is None else layer
 
     def reads(self, in_width, scope, fallback):
-        """`COLUMN` if a kernel of `in_width` reads the block's stream,
-        `ROW` if it reads an open width, else `None` (it starts a pair)."""
+        """`COLUMN` (reads the stream), `ROW` (an open width) or `None`."""
         for key in (scope, fallback):
             if in_width in self._stream.get(self.key(key), set()):
                 return COLUMN
@@ -53,20 +38,17 @@ class Pairs:
         return None
 
     def ambiguous(self, in_width, scope, fallback=None):
-        """Whether widths cannot tell what a kernel of `in_width` reads: an
-        earlier column kernel read that width and another left it open."""
+        """Whether column kernels both read and left open `in_width`."""
         keys = [self.key(k) for k in (scope, fallback)]
         return any(in_width in self._stream.get(k, ()) for k in keys) and any(
             in_width in self._open.get(k, ()) for k in keys
         )
 
     def role(self, scope, in_width, out_width, fallback=None):
-        """Column or row parallel, from what a kernel reads.
+        """Column or row parallel, from what a kernel reads; records it.
 
-        A kernel reading the width an earlier column kernel of `scope` read
-        (the block's stream: query, key and value; gate and up) is column
-        parallel too; one reading a width an earlier column kernel left open
-        consumes its output and is row parallel; any other starts a pair.
+        Reading the stream (query/key/value, gate/up) means column; reading
+        an open width means row; anything else starts a pair.
         """
         for key in (scope, fallback):
             if in_width in self._stream.get(self.key(key), set()):
@@ -81,8 +63,7 @@ class Pairs:
         return COLUMN
 
     def open_width(self, scope, width):
-        """Leaves `width` open in `scope`: a later kernel reading it is row
-        parallel."""
+        """Leaves `width` open in `scope`, for a later row kernel."""
         widths = self._open.setdefault(self.key(scope), set())
         widths.add(width)
         # A fused projection split in halves (gate and up) feeds one half.
@@ -90,8 +71,7 @@ class Pairs:
             widths.add(width // 2)
 
     def record(self, layer, pairing):
-        """Keeps how `layer`'s kernel, paired by widths, lays out either
-        way, until a call checks it."""
+        """Keeps `layer`'s `Pairing` until a call checks it."""
         self._pairings[layer] = pairing
 
     def pairing(self, layer):
@@ -111,8 +91,7 @@ class Pairing:
         shape: the kernel's shape.
         orders: `{role: dimensions to shard, in order of preference}`.
         describe: `describe(role, dimension)`, the reason's text.
-        letters: an `EinsumDense` kernel's letters (its bias follows the
-            one sharded), else `None`.
+        letters: an `EinsumDense` kernel's letters (for its bias), or `None`.
     """
 
     def __init__(self, role, shape, orders, describe, letters=None):
@@ -124,8 +103,7 @@ class Pairing:
 
 
 def matmul_pairing(role, shape, kind):
-    """The `Pairing` of a dense or convolution kernel (input and output
-    features last)."""
+    """The `Pairing` of a dense or convolution kernel (features last)."""
     in_dim, out_dim = len(shape) - 2, len(shape) - 1
     widths = f"{shape[in_dim]}->{shape[out_dim]}"
     return Pairing(
@@ -137,9 +115,10 @@ def matmul_pairing(role, shape, kind):
 
 
 def einsum_pairing(role, shape, equation, kernel, out_only, contracted):
-    """The `Pairing` of an `EinsumDense` kernel (letters `kernel`) with no
-    head letters: column parallel over the letters only its output has,
-    row parallel over those it contracts."""
+    """The `Pairing` of a headless `EinsumDense` kernel (letters `kernel`).
+
+    Column parallel over output-only letters, row over contracted ones.
+    """
     return Pairing(
         role,
         shape,

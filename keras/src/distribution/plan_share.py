@@ -1,14 +1,10 @@
 """What each process stores of a model, as `AutoModelParallel` plans it.
 
-The planner (`auto_plan`) decides each variable's layout at its creation,
-before the model's size is known. `PlanShare` keeps the running account
-those decisions are judged by: the float elements planned so far, and how
-many of them each process stores beyond an even share (`1 / processes` of
-each variable). A decision that would bring that excess past a fraction of
-the model so far is not taken; since each variable is judged as it comes,
-every prefix of the model, and so the whole, keeps within the fraction,
-but for what the plan cannot shard instead (a variable no dimension of
-which the model axis divides, or what precedes the first sharded one).
+`auto_plan` lays out each variable at creation, before the model's size is
+known, so `PlanShare` keeps a running account of the float elements planned
+and each process' excess over an even share. Bounding the excess for every
+prefix bounds the whole model, except what cannot be sharded (no dimension
+divisible by the model axis, or before the first sharded variable).
 """
 
 import math
@@ -17,8 +13,7 @@ from keras.src.distribution import plan_axes
 
 
 class PlanShare:
-    """The running account of what each process stores beyond an even
-    share.
+    """The running account of what each process stores beyond an even share.
 
     Args:
         mesh: the plan's `plan_axes.MeshAxes`.
@@ -28,7 +23,7 @@ class PlanShare:
         self.mesh = mesh
         self.elements = 0
         self.excess = 0.0
-        # Whether a variable has been sharded over the model axis yet.
+        # Whether any variable is sharded over the model axis yet.
         self.sharded = False
 
     def record(self, shape, axes):
@@ -39,31 +34,26 @@ class PlanShare:
         self.sharded = self.sharded or self.mesh.model_dim_name in axes
 
     def within(self, shape, axes, fraction):
-        """Whether a variable of `shape` laid out over `axes` keeps the
-        excess within `fraction` of the model so far, itself included."""
+        """Whether adding a variable keeps the excess within `fraction`."""
         size = math.prod(shape)
         excess = self.excess + self.excess_of(size, axes)
         return excess <= fraction * (self.elements + size)
 
     def bounded(self, shape, axes, reason, fraction, gathered):
-        """`axes`, or a weight replicated over the model axis sharded over
-        it where replicating it would bring the excess past `fraction`.
+        """`axes`, or sharded over the model axis where they exceed `fraction`.
 
-        Not judged before the first variable sharded over the model axis:
-        what precedes a model's first kernel (an input norm) is all the
-        model there is so far, and every such vector would pass the bound.
+        Not judged before the first model-sharded variable: an input norm
+        before the first kernel is the whole model so far, so always exceeds.
 
         Args:
             shape: the variable's shape.
             axes: its mesh axes as planned.
             reason: why they were planned so.
             fraction: the bound, a fraction of the model so far.
-            gathered: whether a weight sharded so is gathered for each
-                call of its layer (said in the reason).
+            gathered: whether such a weight is gathered per layer call.
 
         Returns:
-            `(axes, reason, bound)`, `bound` saying whether the bound
-            changed the axes.
+            `(axes, reason, bound)`, `bound` saying whether axes changed.
         """
         if not self.sharded or self.within(shape, axes, fraction):
             return axes, reason, False
@@ -80,9 +70,7 @@ class PlanShare:
         )
 
     def relaid(self, shape, old, new, fraction):
-        """Counts a variable of `shape` laid out over `new` instead of
-        `old`, if that keeps the excess within `fraction` of the model so
-        far; returns whether it did."""
+        """Whether `new` axes (not `old`) fit `fraction`; if so, counts them."""
         size = math.prod(shape)
         excess = self.excess + self.excess_of(size, new)
         excess -= self.excess_of(size, old)
@@ -92,8 +80,7 @@ class PlanShare:
         return True
 
     def excess_of(self, size, axes):
-        """Elements of a variable of `size` laid out over `axes` that each
-        process stores beyond an even share."""
+        """Elements each process stores beyond an even share of a variable."""
         split = 1
         if self.mesh.model_dim_name in axes:
             split *= self.mesh.model_size
@@ -104,8 +91,7 @@ class PlanShare:
         )
 
     def over_model(self, shape, axes):
-        """`axes` with the model axis on the largest free dimension it
-        divides, or `None` if none does (or the variable has it already)."""
+        """`axes` + model axis on the largest free dim it divides, or `None`."""
         if self.mesh.model_size == 1 or self.mesh.model_dim_name in axes:
             return None
         return plan_axes.on_free_dimension(

@@ -1,14 +1,10 @@
 """Utilities for distribution strategy with the PyTorch backend.
 
-Keras' `DeviceMesh` maps onto a `torch.distributed.device_mesh.DeviceMesh`
-with one device per process (the torchrun model: one process per GPU, or per
-CPU process on gloo), and a `TensorLayout` maps onto DTensor placements, so
-that variables, layer outputs and data inputs are sharded the way the JAX
-backend shards them. A plain (non-DTensor) tensor stands for a global value,
-as a plain array does in JAX.
-
-This module is the interface generic Keras code calls; the work is done in
-`keras.src.backend.torch.distributed`, one module per concern.
+A Keras `DeviceMesh` maps onto a torch `DeviceMesh` with one device per
+process (torchrun's model) and a `TensorLayout` onto DTensor placements, so
+values are sharded as the JAX backend shards them; a plain tensor stands for
+a global value, as a plain array does in JAX. This is the interface generic
+Keras code calls; the work is done in `keras.src.backend.torch.distributed`.
 """
 
 import functools
@@ -33,8 +29,7 @@ from keras.src.backend.torch.distributed.training import step
 # Distributions whose processes have agreed on torch's generator state.
 _rng_agreed = weakref.WeakSet()
 
-# Optional capabilities that generic Keras code asks this backend for (see
-# `keras.src.backend.common.distribution_capability`).
+# Optional capabilities generic Keras code asks for (`distribution_capability`).
 async_callbacks_supported = process_io.async_callbacks_supported
 is_logging_process = process_io.is_logging_process
 run_on_one_process = process_io.run_on_one_process
@@ -47,9 +42,7 @@ current_distribution = runtime.current_distribution
 # Collectives over a named mesh axis, as `jax.lax.psum` / `all_gather`.
 all_reduce = collectives.all_reduce
 all_gather = collectives.all_gather
-# What the torch trainer calls: its step functions run as `DistributedStep`s
-# (one object per step function, which its train step reaches through the
-# hooks below), and its epoch iterator reads one process' share of the data.
+# What the torch trainer calls: its step functions run as `DistributedStep`s.
 DistributedStep = step.DistributedStep
 loss_predictions = step.loss_predictions
 local_loss = step.local_loss
@@ -60,9 +53,6 @@ local_metric_state = step.local_metric_state
 
 def batch_step(model, kind, step_function, eager_step_function):
     """A step of one batch, run as a `DistributedStep`.
-
-    For a trainer that loops over its `steps_per_execution` batches itself
-    and calls its step on each (Keras master's torch trainer).
 
     Args:
         model: the model the step belongs to.
@@ -78,8 +68,7 @@ def batch_step(model, kind, step_function, eager_step_function):
         return lambda data: function(data[0])
 
     eager = on_first(eager_step_function)
-    # `==`: a bound method (`model.train_step`) is a new object at each
-    # access, equal to the others.
+    # `==`: a bound method is a new object at each access, equal to others.
     if step_function == eager_step_function:
         distributed = step.DistributedStep(model, kind, eager, eager)
     else:
@@ -96,10 +85,9 @@ def process_data_adapter(adapter):
         adapter: the `DataAdapter` Keras made for the input.
 
     Returns:
-        See `distributed.data_sources.process_data_adapter`.
+        See `data_sources.process_data_adapter`.
     """
-    # Imported here: the data sources import the data adapters, which
-    # import this module.
+    # Lazy: data sources import the data adapters, which import this module.
     from keras.src.backend.torch.distributed.inputs import data_sources
 
     return data_sources.process_data_adapter(adapter)
@@ -108,13 +96,12 @@ def process_data_adapter(adapter):
 def list_devices(device_type=None):
     """Return all the available devices based on the device type.
 
-    In a multi-process job (torchrun, or an initialized process group) these
-    are the global devices, one per process: `"gpu:i"` or `"cpu:i"` where `i`
-    is the global rank. In a single process, the local devices.
+    In a multi-process job these are the global devices, one per process
+    (`"gpu:i"` or `"cpu:i"`, `i` the global rank); otherwise the local ones.
 
     Args:
-        device_type: string of `"cpu"` or `"gpu"`. Defaults to `"gpu"` if
-            CUDA is available, otherwise `"cpu"`.
+        device_type: `"cpu"` or `"gpu"`. Defaults to `"gpu"` if CUDA is
+            available, otherwise `"cpu"`.
 
     Returns:
         List of device names that are available for distributed computation.
@@ -133,8 +120,7 @@ def get_device_count(device_type=None):
     """Returns the number of devices `list_devices(device_type)` returns.
 
     Args:
-        device_type: string of `"cpu"` or `"gpu"`. Defaults to `"gpu"` if
-            CUDA is available, otherwise `"cpu"`.
+        device_type: `"cpu"` or `"gpu"`; see `list_devices`.
 
     Returns:
         int: the number of devices of that type in the job.
@@ -145,18 +131,13 @@ def get_device_count(device_type=None):
 def initialize(job_addresses=None, num_processes=None, process_id=None):
     """Initializes the default process group of a multi-process job.
 
-    Arguments left as `None` are read from torchrun's environment (`RANK`,
-    `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`). Uses NCCL (with gloo for CPU
-    tensors) when CUDA is available, with `LOCAL_RANK` as the device, and
-    gloo otherwise. Calling it again, or after the process group was created
-    elsewhere, only checks that the arguments agree with the group.
-
-    Also agrees on one global random seed across processes when none was set
-    with `keras.utils.set_random_seed()`.
+    `None` arguments are read from torchrun's environment. Uses NCCL (and gloo
+    for CPU tensors) on CUDA, else gloo; called again, it only checks that the
+    arguments agree. Agrees on a global random seed if none was set.
 
     Args:
-        job_addresses: string, comma separated `host:port` of all processes
-            or of the coordinator alone; the first one is the coordinator.
+        job_addresses: comma separated `host:port` of all processes or of the
+            coordinator alone; the first one is the coordinator.
         num_processes: int, the number of processes in the job.
         process_id: int, the rank of this process, in `[0, num_processes)`.
     """
@@ -177,9 +158,8 @@ def process_id():
 def initialize_rng():
     """Makes every process use the same global random seed.
 
-    Without an explicit `keras.utils.set_random_seed()`, each process draws
-    its own seed; process 0's is broadcast and set everywhere, so that
-    unseeded random ops (initializers, dropout) agree across processes.
+    Without `keras.utils.set_random_seed()`, process 0's seed is broadcast,
+    so unseeded random ops (initializers, dropout) agree across processes.
     """
     runtime.agree_on_seed()
 
@@ -187,17 +167,11 @@ def initialize_rng():
 def set_global_distribution(distribution):
     """Records the distribution passed to `set_distribution`.
 
-    The mesh is not checked against the job here: a distribution may be
-    made current (e.g. by `Distribution.scope()`) in a job its mesh does not
-    match, as long as nothing uses it. The torch mesh is built, and checked,
-    where it is first needed (a variable, a batch, a collective or a layout
-    conversion), which every process reaches the same way, before any
-    collective on it.
-
-    In a multi-process job, every process must call it the first time it
-    sets a distribution: it joins the job's process group if needed and
-    gives all processes process 0's torch random generator state. Setting
-    it again (each `Distribution.scope()`) is no collective.
+    The torch mesh is built and checked where first needed (reached alike by
+    every process), so an unused distribution may be current in a job its
+    mesh does not match. Every process must call this the first time a
+    distribution is set: it joins the process group if needed and takes
+    process 0's generator state; setting it again is no collective.
 
     Args:
         distribution: a `keras.distribution.Distribution`, or `None`.
@@ -215,9 +189,7 @@ def set_global_distribution(distribution):
 
 
 def distribute_variable(value, layout):
-    """Creates the sharded value of a variable from its full value.
-
-    Process 0's value is the one every process keeps its shard of.
+    """Creates a variable's sharded value from process 0's full value.
 
     Args:
         value: the full (global) value, a `torch.Tensor`.
@@ -232,23 +204,16 @@ def distribute_variable(value, layout):
 def distribute_tensor(tensor, layout):
     """Lays out a tensor, or every tensor in a nested structure.
 
-    Differentiable: a tensor with autograd history keeps it. A plain tensor
-    is taken as the global value, identical on every process (as a plain
-    array is in JAX), and cut locally without communication. Symbolic (meta)
-    tensors and non-tensors pass through. A dimension too short to give
-    every process a part (one prompt on two processes) is replicated
-    instead (see `layouts.without_empty_shards`), and so is one sharded
-    over a mesh axis of size 1 (it splits nothing, and some torch versions
-    then refuse views that merge it: torch 2.15's `matmul` of keras-hub's
-    RWKV7 prompts on a (1, 2) mesh).
-
-    A NumPy array or a Keras `Variable` is a global value too (its value),
-    as in JAX's `device_put`; with `layout=None` the input is returned as is.
+    Differentiable. A plain tensor, array or `Variable` is the global value,
+    the same on every process (as in JAX), cut locally. A dimension too short
+    to give every process a part, or sharded over a mesh axis of size 1 (some
+    torch versions refuse views merging it), is replicated instead.
 
     Args:
         tensor: a tensor, NumPy array, `Variable`, `DTensor` or nested
             structure of them.
-        layout: `TensorLayout` to apply to each tensor, or `None`.
+        layout: `TensorLayout` to apply to each tensor, or `None` to return
+            `tensor` as is.
 
     Returns:
         The same structure with every tensor laid out as `layout` says.
@@ -287,18 +252,15 @@ def distribute_data_input(
 ):
     """Assembles the global batch from each process' part of it.
 
-    The processes along the batch axis hold consecutive parts of the global
-    batch, sized like `torch.chunk` splits it (a last, smaller part when the
-    batch does not divide evenly; processes along other mesh axes hold the
-    same part).
+    The processes along the batch axis hold consecutive parts, sized as
+    `torch.chunk` splits the batch; those along other axes hold the same.
 
     Args:
-        per_process_batch: this process' part of the batch: a tensor, numpy
-            array, or nested structure of them.
+        per_process_batch: this process' part (arrays, possibly nested).
         layout: `TensorLayout` of the global batch.
         batch_dim_name: name of the mesh axis the batch is sharded on.
-        global_batch_size: the size of the global batch if the caller knows
-            it; otherwise the processes exchange their part sizes.
+        global_batch_size: the global batch size, or `None` to exchange
+            the part sizes.
 
     Returns:
         A `DTensor` (or structure of them) holding the global batch.
@@ -311,8 +273,7 @@ def distribute_data_input(
 def distribute_global_batch(data, distribution):
     """Distributes each global batch the trainer's steps receive.
 
-    Generic code asks for this capability: a backend that has it takes the
-    global batch from every data source and keeps each process' rows.
+    Each process keeps its rows of the global batch every source yields.
 
     Args:
         data: nested structure of arrays; the global batch.
@@ -327,15 +288,13 @@ def distribute_global_batch(data, distribution):
 def tf_dataset_adapter(dataset, class_weight=None, distribution=None):
     """Makes the data adapter of a `tf.data.Dataset` under `distribution`.
 
-    Generic code asks for this capability: a dataset whose batch size
-    upstream's sharding cannot compute is read as global batches instead
-    of refused (see `keras.src.backend.torch.distributed.inputs.tf_data`).
+    A dataset whose batch size upstream cannot compute is read as global
+    batches instead of refused (see `distributed.inputs.tf_data`).
 
     Args:
         dataset: a `tf.data.Dataset`.
         class_weight: optional dict of class ids to weights.
-        distribution: the `keras.distribution.Distribution` in effect, or
-            `None`.
+        distribution: the `Distribution` in effect, or `None`.
 
     Returns:
         A `TFDatasetAdapter`.
@@ -346,9 +305,7 @@ def tf_dataset_adapter(dataset, class_weight=None, distribution=None):
 
 
 def all_gather_variable(variable):
-    """Returns the full value of a (possibly sharded) variable.
-
-    Every process must call it: gathering shards is a collective.
+    """Returns the full value of a (possibly sharded) variable; a collective.
 
     Args:
         variable: a Keras `Variable` or a tensor.
@@ -362,8 +319,7 @@ def all_gather_variable(variable):
 def distributed_checkpointer(directory, max_to_keep=None):
     """Returns the writer of `keras.callbacks.DistributedCheckpoint`.
 
-    Checkpoints are written with `torch.distributed.checkpoint`, each
-    process writing its own shards (imported here, when first needed).
+    Each process writes its own shards with `torch.distributed.checkpoint`.
 
     Args:
         directory: the directory of the checkpoint steps.
@@ -436,39 +392,17 @@ def find_sharded_backup(weights_path):
 
 
 def _to_backend_device(device_name):
-    """Returns the global rank that owns a Keras device name.
-
-    Args:
-        device_name: `"gpu:i"` or `"cpu:i"` (`i` is the global rank).
-
-    Returns:
-        A pair `(device_type, rank)`.
-    """
+    """Returns `(device_type, rank)` of a Keras `"gpu:i"`/`"cpu:i"` name."""
     return layouts.to_torch_device(device_name)
 
 
 def _to_backend_mesh(device_mesh):
-    """Convert the Keras `DeviceMesh` to a torch `DeviceMesh`.
-
-    Args:
-        device_mesh: `keras.distribution.DeviceMesh` instance to convert.
-
-    Returns:
-        A `torch.distributed.device_mesh.DeviceMesh` instance.
-    """
+    """Convert the Keras `DeviceMesh` to a torch `DeviceMesh`."""
     return layouts.to_torch_mesh(device_mesh)
 
 
 def _to_backend_layout(tensor_layout):
-    """Convert the `TensorLayout` to DTensor placements on a torch mesh.
-
-    Args:
-        tensor_layout: `TensorLayout` instance to convert.
-
-    Returns:
-        A `TorchLayout`: the torch mesh, placements and number of entries;
-        `None` for `tensor_layout=None`.
-    """
+    """Convert a `TensorLayout` to a `TorchLayout`; `None` stays `None`."""
     if tensor_layout is None:
         return None
     return layouts.to_torch_layout(tensor_layout)

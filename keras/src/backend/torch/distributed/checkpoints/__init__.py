@@ -1,5 +1,5 @@
 """Saving and loading under a distribution.
 
-- `checkpoint`: sharded checkpoints (torch's DCP), complete or ignored.
-- `process_io`: printing and saving from one process.
+`checkpoint`: sharded checkpoints (torch's DCP), complete or ignored;
+`process_io`: printing and saving from one process.
 """

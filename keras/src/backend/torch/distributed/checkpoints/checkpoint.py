@@ -1,17 +1,12 @@
 """Sharded checkpoints on `torch.distributed.checkpoint` (DCP).
 
-A checkpoint is a directory: DCP's files (one `__<rank>_0.distcp` per
-process that owns data, and `.metadata`) plus `keras_checkpoint.json`, which
+A checkpoint is a directory of DCP's files plus `keras_checkpoint.json`, which
 lists the variables and, unless only weights were saved, the model's config.
-Each process writes the shards of its variables; a replicated value is
-written by one process. Loading reads, for each variable, the parts of the
-saved shards that the current layout gives this process, so a checkpoint
-loads under any mesh, world size, or in one process without a distribution.
-
-`Checkpointer` keeps the checkpoints of a training run in
-`directory/<step>/`. A step is written to `directory/.partial-<step>/` and
-renamed when DCP has written its metadata (after every process' data), so
-a save interrupted at any point never shows as a complete step.
+Each process writes its variables' shards (a replicated value once) and loads
+the parts of them its current layout needs, so a checkpoint loads under any
+mesh or world size. `Checkpointer` writes each step to `.partial-<step>/` and
+renames it to `<step>/` once DCP has written its metadata (after every
+process' data), so an interrupted save never looks complete.
 """
 
 import concurrent.futures
@@ -71,8 +66,8 @@ class Checkpointer:
             model: the Keras model.
             step: int, the step number (the directory's name).
             weights_only: whether to leave out the optimizer and config.
-            background: whether to write in a background thread. The
-                values are copied to host memory before this returns.
+            background: whether to write on a thread once the values are
+                copied to host memory.
         """
         self.wait()
         final = os.path.join(self.directory, str(int(step)))
@@ -119,26 +114,21 @@ def save_checkpoint(
     process_group=None,
     on_complete=None,
 ):
-    """Writes a checkpoint of `model` to the directory `path`, atomically.
-
-    Every process must call it. An existing checkpoint at `path` is
-    replaced once the new one is complete.
+    """Writes `model` to checkpoint `path` atomically; every process calls it.
 
     Args:
         model: the Keras model.
-        path: the checkpoint's directory.
+        path: the checkpoint's directory; an existing one is replaced.
         include_optimizer: whether to save the optimizer's variables.
-        include_config: whether to save the model's config, which
-            `load_model` needs.
+        include_config: whether to save the model's config (for `load_model`).
         background: whether to return once the values are staged, writing
             them on a thread.
         process_group: the group of a background save's collectives.
         on_complete: called by process 0 after the checkpoint is in place.
 
     Returns:
-        A future that is done when the checkpoint is in place on process 0
-        (its result raises what the save raised), or `None` when not
-        `background` (then the checkpoint is in place everywhere).
+        If `background`, a future done once the checkpoint is in place on
+        process 0 (its result raises what the save raised); else `None`.
     """
     path = os.path.abspath(os.fspath(path))
     partial = _sibling(path, PARTIAL_PREFIX)
@@ -175,9 +165,8 @@ def save_checkpoint(
 def background_group():
     """The process group of background saves' collectives, or `None`.
 
-    On the default group they would interleave with the training step's
-    collectives. Created once per job, when every process first asks for
-    it (a collective).
+    Apart from the default group, where they would interleave with the
+    training step's. Created once per job, collectively, on first call.
     """
     global _background_group
     if not _distributed():
@@ -190,14 +179,7 @@ def background_group():
 
 
 def is_checkpoint(path):
-    """Whether `path` is a checkpoint or a directory of checkpoint steps.
-
-    Args:
-        path: a path.
-
-    Returns:
-        bool.
-    """
+    """Whether `path` is a checkpoint or a directory of checkpoint steps."""
     try:
         path = os.fspath(path)
     except TypeError:
@@ -224,14 +206,7 @@ def complete_steps(directory):
 
 
 def resolve(path):
-    """The checkpoint `path` names: itself, or its latest complete step.
-
-    Args:
-        path: a checkpoint's directory, or a directory of steps.
-
-    Returns:
-        The checkpoint's directory.
-    """
+    """The checkpoint `path` names: itself, or its latest complete step."""
     path = os.fspath(path)
     if os.path.isfile(os.path.join(path, INFO_FILE)):
         if not _is_complete(path):
@@ -252,14 +227,13 @@ def resolve(path):
 def load_weights(model, path):
     """Loads a checkpoint into `model`'s variables, in their current layout.
 
-    Also the optimizer's variables (iterations included) when the
-    checkpoint has them and the model has an optimizer. Every process of
-    a distribution must call it.
+    Also loads the optimizer's variables (iterations included) when the
+    checkpoint has them and the model has an optimizer. Every process must
+    call it.
 
     Args:
         model: the Keras model, built.
-        path: a checkpoint's directory, or a directory of steps (the
-            latest is loaded).
+        path: a checkpoint, or a directory of steps (the latest is loaded).
     """
     path = resolve(path)
     info = read_info(path)
@@ -279,16 +253,13 @@ def load_weights(model, path):
 
 
 def load_model(path, custom_objects=None, compile=True, safe_mode=True):
-    """Rebuilds the model a checkpoint was saved from and loads it.
+    """Rebuilds the model a checkpoint was saved from and returns it, loaded.
 
     Args:
-        path: a checkpoint's directory, or a directory of steps.
+        path: a checkpoint, or a directory of steps (the latest is loaded).
         custom_objects: as in `keras.saving.load_model`.
         compile: whether to compile the model as it was.
         safe_mode: as in `keras.saving.load_model`.
-
-    Returns:
-        The model, with its variables and optimizer state restored.
     """
     from keras.src.saving import saving_lib
 
@@ -320,11 +291,7 @@ def read_info(path):
 
 
 def save_backup(model, weights_path):
-    """Backs up `model` as a sharded checkpoint, under a distribution.
-
-    `BackupAndRestore` asks for this capability: the backup scales with
-    the model, each process writing its shards, instead of process 0
-    writing `weights_path`.
+    """Backs up `model` for `BackupAndRestore` as a sharded checkpoint.
 
     Args:
         model: the Keras model.
@@ -340,14 +307,7 @@ def save_backup(model, weights_path):
 
 
 def find_backup(weights_path):
-    """The sharded backup saved for `weights_path`, or `None` if none.
-
-    Args:
-        weights_path: the `.weights.h5` path of the backup.
-
-    Returns:
-        The path of the checkpoint, or `None`.
-    """
+    """The complete sharded backup of a `.weights.h5` path, or `None`."""
     path = _backup_path(weights_path)
     return path if _is_complete(path) else None
 
@@ -371,8 +331,8 @@ def _saved_variables(model, include_optimizer):
 
 
 def _tensor(variable):
-    # The variable's own storage: DCP reads shards from it and loads into
-    # it in place, so no process ever holds a whole sharded variable.
+    # The variable's own storage: DCP reads shards from it and loads into it
+    # in place, so no process ever holds a whole sharded variable.
     return variable.value.detach()
 
 
@@ -465,8 +425,8 @@ def _distributed():
 
 @contextlib.contextmanager
 def _single_process_quietly():
-    # Without a process group DCP warns that it assumes one process, which
-    # is what a model without a distribution means.
+    # Without a process group DCP warns that it assumes one process, which is
+    # what a model without a distribution means.
     with warnings.catch_warnings():
         warnings.filterwarnings(
             "ignore", message="torch.distributed is disabled"

@@ -1,8 +1,4 @@
-"""Printing and saving from one process of a multi-process job.
-
-Every process runs the same script; what would otherwise happen N times on
-shared resources (progress bars, files) happens on process 0 alone.
-"""
+"""Printing and saving from process 0 alone in a multi-process job."""
 
 import os
 import shutil
@@ -17,14 +13,8 @@ LOG_ALL_PROCESSES_ENV = "KERAS_DISTRIBUTION_LOG_ALL_PROCESSES"
 
 
 def is_logging_process():
-    """Whether this process prints progress bars and callback messages.
-
-    Only process 0 does in a multi-process job, unless
-    `KERAS_DISTRIBUTION_LOG_ALL_PROCESSES=1`.
-
-    Returns:
-        bool.
-    """
+    """Whether this process prints progress bars and callback messages:
+    process 0 only, unless `KERAS_DISTRIBUTION_LOG_ALL_PROCESSES=1`."""
     if os.environ.get(LOG_ALL_PROCESSES_ENV) == "1":
         return True
     return runtime.rank() == 0
@@ -33,12 +23,8 @@ def is_logging_process():
 def async_callbacks_supported():
     """Whether callbacks may run on another thread than the steps.
 
-    Not under a distribution: converting the logs of a step to numpy is a
-    collective for sharded values, and collectives must be issued in the
-    same order on all processes.
-
-    Returns:
-        bool.
+    Not under a distribution: converting sharded logs to numpy is a
+    collective, which all processes must issue in the same order.
     """
     return runtime.current_distribution() is None
 
@@ -46,18 +32,15 @@ def async_callbacks_supported():
 def save_from_one_process(save_function, model, filepath, *args, **kwargs):
     """Saves `model` to one file, written by process 0.
 
-    Every process runs `save_function`, since gathering sharded variables
-    is collective, but only process 0's output is kept: written to a
-    temporary file next to `filepath` and renamed over it, so that readers
-    never see a partial file. Returns once the file is in place everywhere.
+    Every process runs `save_function` (gathering sharded variables is a
+    collective); process 0 writes a temporary file renamed over `filepath`,
+    so readers never see a partial file. Returns once it is in place.
 
     Args:
-        save_function: `save_function(model, filepath, *args, **kwargs)`
-            writes the file.
+        save_function: `save_function(model, filepath, *args, **kwargs)`.
         model: the model to save.
         filepath: where the file goes.
-        *args: more arguments of `save_function`.
-        **kwargs: keyword arguments of `save_function`.
+        *args, **kwargs: more arguments of `save_function`.
     """
     if runtime.world_size() == 1 or not _is_local_file(filepath):
         return save_function(model, filepath, *args, **kwargs)
@@ -84,9 +67,6 @@ def _save_on_process_0(save_function, model, filepath, *args, **kwargs):
 
 def run_on_one_process(function):
     """Runs `function()` on process 0 only, then waits for it everywhere.
-
-    For file system changes that every process asks for but only one must
-    make (writing shared metadata, deleting a shared directory).
 
     Args:
         function: a function of no arguments.

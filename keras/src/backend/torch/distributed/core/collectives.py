@@ -1,7 +1,7 @@
-"""Collectives over a named mesh axis, as `jax.lax.psum` / `all_gather`.
+"""Collectives over a named mesh axis, like `jax.lax.psum` / `all_gather`.
 
-`x` is this process' own value (the local shard of a `DTensor`), and every
-process along the axis gets the result. All processes must call them.
+`x` is this process' own value (a `DTensor`'s local shard); every process
+along the axis must call them, and each gets the result.
 """
 
 import torch
@@ -14,15 +14,12 @@ _REDUCE_OPS = ("sum", "mean", "max", "min")
 
 
 def all_reduce(x, op="sum", axis_name="model"):
-    """Reduces `x` over the processes along one mesh axis.
+    """Reduces `x` over one mesh axis, as a plain `torch.Tensor`.
 
     Args:
         x: a tensor (a `DTensor` contributes its local shard).
         op: `"sum"`, `"mean"`, `"max"` or `"min"`.
         axis_name: name of the mesh axis of the current distribution.
-
-    Returns:
-        A plain `torch.Tensor`.
     """
     if op not in _REDUCE_OPS:
         raise ValueError(
@@ -43,18 +40,15 @@ def all_reduce(x, op="sum", axis_name="model"):
 
 
 def all_gather(x, axis=0, axis_name="model"):
-    """Concatenates `x` from the processes along one mesh axis.
+    """Concatenates `x` over one mesh axis in mesh order, as a plain tensor.
 
-    Like `jax.lax.all_gather(..., tiled=True)`: parts may differ in size
-    along `axis` (they are padded for the exchange and cut back).
+    Like `jax.lax.all_gather(..., tiled=True)`; parts may differ in size
+    along `axis` (padded for the exchange, then cut back).
 
     Args:
         x: a tensor (a `DTensor` contributes its local shard).
         axis: the tensor dimension to concatenate on.
         axis_name: name of the mesh axis of the current distribution.
-
-    Returns:
-        A plain `torch.Tensor`, the parts in mesh order.
     """
     group = _axis_group(axis_name)
     x = as_local_tensor(x)
@@ -75,11 +69,7 @@ def all_gather(x, axis=0, axis_name="model"):
 
 
 def all_gather_ints(values, group):
-    """Gathers a list of ints from every process of `group`.
-
-    Returns:
-        One list per process, in group order.
-    """
+    """A list of ints from each process of `group`, in group order."""
     local = torch.tensor(
         [int(v) for v in values],
         dtype=torch.int64,
@@ -91,12 +81,7 @@ def all_gather_ints(values, group):
 
 
 def any_process(flag, group):
-    """Whether `flag` is true on any process of `group` (one all-reduce of
-    one number).
-
-    Returns:
-        A Python bool, the same on every process.
-    """
+    """Whether `flag` is true on any process of `group` (one all-reduce)."""
     value = torch.tensor(
         [1 if flag else 0], dtype=torch.int32, device=runtime.comm_device()
     )

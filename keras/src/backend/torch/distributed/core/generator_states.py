@@ -1,10 +1,8 @@
 """The states of the global random generators: taken, compared, restored.
 
-A layer may draw without a seed generator from torch's global generators,
-Python's `random` (`AugMix` picks its operations with it) or NumPy's. A call
-on a process' own rows (`local_rows`) that is dropped must leave them as it
-found them, and one that is kept must have drawn from them what a call on
-the global batch draws: their states tell.
+A dropped layer call on a process' own rows (`local_rows`) must leave
+torch's, Python's and NumPy's global generators as it found them; a kept one
+must have drawn from them what a call on the global batch draws.
 """
 
 import random
@@ -14,7 +12,7 @@ import torch
 
 
 def take():
-    """The states of the global generators, now."""
+    """The states of the global generators."""
     states = {
         "cpu": torch.get_rng_state(),
         "python": random.getstate(),
@@ -44,10 +42,8 @@ def advanced(states, torch_keys=0, python_draws=False):
 
     Args:
         states: the states of `take` before.
-        torch_keys: how many `torch_key`s were drawn meanwhile (the keys of
-            unseeded draws by position), which do not count.
-        python_draws: whether draws from Python's and NumPy's generators
-            do not count either.
+        torch_keys: number of `torch_key`s drawn meanwhile, not counted.
+        python_draws: whether Python's and NumPy's draws are not counted.
     """
     expected = _cpu_state_after_keys(states["cpu"], torch_keys)
     if not torch.equal(expected, torch.get_rng_state()):
@@ -61,8 +57,7 @@ def advanced(states, torch_keys=0, python_draws=False):
 
 
 def python_advanced(before, after):
-    """Whether Python's or NumPy's generator moved from `before` to
-    `after` (states of `take`)."""
+    """Whether Python's or NumPy's generator moved between two `take`s."""
     return before["python"] != after["python"] or not _same_numpy_state(
         before["numpy"], after["numpy"]
     )

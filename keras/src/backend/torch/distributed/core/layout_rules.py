@@ -1,21 +1,18 @@
 """Which `LayoutMap` rule lays out each variable, and rules that lay out none.
 
-A rule whose key matches no variable path (a typo, a layer renamed since the
-rule was written) leaves the variables it was meant for replicated: a full
-copy on every process. Nothing fails until a large model runs out of memory,
-so a model is checked once, when first called under a `ModelParallel`
-distribution, and the rules that matched none of its variables are named in
-a warning.
+A rule whose key matches no variable path (a typo, a renamed layer) leaves its
+variables replicated on every process, unnoticed until memory runs out. So a
+model is checked when first called under a `ModelParallel` distribution, and the
+rules that matched none of its variables are named in a warning.
 """
 
 import re
 import warnings
 import weakref
 
-# Keras looks up the layout of a layer's outputs at "<layer path>/output":
-# rules for those lay out no variable.
+# Layer output layouts are looked up at "<layer path>/output": rules for those
+# lay out no variable.
 OUTPUT_SUFFIX = "/output"
-# Variable paths quoted in the warning, as examples of what rules match.
 NUM_EXAMPLE_PATHS = 5
 
 # The models checked, per distribution (both weakly referenced).
@@ -31,14 +28,8 @@ def layout_map_of(distribution):
 def matching_rule(layout_map, path):
     """The key of `layout_map` that lays out `path`, as `LayoutMap` finds it.
 
-    Args:
-        layout_map: a `keras.distribution.LayoutMap`.
-        path: a variable path.
-
-    Returns:
-        The key: `path` itself, else the one key that matches it as a
-        regular expression; `None` when none (or, which `LayoutMap` refuses,
-        several) match.
+    `path` itself, else the one key matching it as a regular expression; `None`
+    when none or several (which `LayoutMap` refuses) match.
     """
     # Not `path in layout_map`: `LayoutMap` answers every lookup.
     keys = list(layout_map)
@@ -49,16 +40,7 @@ def matching_rule(layout_map, path):
 
 
 def unmatched_rules(layout_map, paths):
-    """The variable rules of `layout_map` that match none of `paths`.
-
-    Args:
-        layout_map: a `keras.distribution.LayoutMap`.
-        paths: variable paths.
-
-    Returns:
-        The keys, in the map's order; rules for layer outputs (keys ending
-        in `"/output"`) are not variable rules.
-    """
+    """The variable (not `/output`) keys of `layout_map` matching no `paths`."""
     return [
         key
         for key in layout_map
@@ -70,12 +52,8 @@ def unmatched_rules(layout_map, paths):
 def check_model(model, distribution):
     """Warns about the layout rules that match no variable of `model`.
 
-    Once per model and distribution; only for a `keras.Model` under a
-    distribution with a `LayoutMap`.
-
-    Args:
-        model: the layer just called.
-        distribution: the distribution in effect.
+    Once per model and distribution; a no-op unless `model` (the layer just
+    called) is a `keras.Model` and `distribution` has a `LayoutMap`.
     """
     from keras.src.models.model import Model
 

@@ -1,10 +1,8 @@
 """Keras meshes and layouts as torch device meshes and DTensor placements.
 
-A Keras `DeviceMesh` becomes a `torch.distributed.device_mesh.DeviceMesh`
-with one device per process, and a `TensorLayout` becomes one DTensor
-placement per mesh axis. The sharding rules the other modules share are
-written here once: how `torch.chunk` cuts a dimension, and how a DTensor is
-built from this process' piece of it.
+A Keras `DeviceMesh` becomes a torch `DeviceMesh` (one device per process) and a
+`TensorLayout` one DTensor placement per mesh axis. Also holds the shared
+sharding rules: `torch.chunk` cuts, DTensors from local pieces.
 """
 
 import collections
@@ -31,20 +29,13 @@ Attributes:
         at least this rank, and replicates their dimensions past it.
 """
 
-# (world group, torch device mesh) by (device type, ranks, shape, axis names):
-# a 2-D mesh creates process groups, not to be created for every Keras mesh.
+# (world group, torch mesh) by (device type, ranks, shape, axis names): a 2-D
+# mesh creates process groups, not to be recreated per Keras mesh.
 _torch_meshes = {}
 
 
 def to_torch_device(device_name):
-    """Returns the global rank that owns a Keras device name.
-
-    Args:
-        device_name: `"gpu:i"` or `"cpu:i"` (`i` is the global rank).
-
-    Returns:
-        A pair `(device_type, rank)`.
-    """
+    """Parses a Keras device name `"gpu:i"` as `(device_type, rank)`."""
     device_type, _, index = str(device_name).lower().partition(":")
     device_type = "gpu" if device_type == "cuda" else device_type
     if device_type not in ("cpu", "gpu") or not index.isdigit():
@@ -59,15 +50,7 @@ def to_torch_device(device_name):
 def to_torch_mesh(device_mesh):
     """Converts a Keras `DeviceMesh` to a torch `DeviceMesh`.
 
-    Dimension names are the Keras axis names, and ranks follow the Keras
-    device list (the device `"gpu:i"` is rank `i`). Joins the job's process
-    group first if needed.
-
-    Args:
-        device_mesh: the `keras.distribution.DeviceMesh`.
-
-    Returns:
-        A `torch.distributed.device_mesh.DeviceMesh`.
+    Axis names carry over, `"gpu:i"` is rank `i`; joins the job if needed.
     """
     runtime.check_torch_version()
     device_type, ranks = _check_mesh(device_mesh)
@@ -113,12 +96,7 @@ def all_process_groups():
 
 
 def _check_mesh(device_mesh):
-    """Checks that a Keras mesh holds each process of the job once.
-
-    Returns:
-        `(device_type, ranks)`: `"cpu"` or `"gpu"`, and the mesh's ranks in
-        device order.
-    """
+    """Checks a mesh holds each process once; returns `(type, ranks)`."""
     devices = device_mesh.devices.flatten().tolist()
     parsed = [to_torch_device(d) for d in devices]
     device_types = sorted({device_type for device_type, _ in parsed})
@@ -155,18 +133,10 @@ def _check_mesh(device_mesh):
 
 
 def to_torch_layout(tensor_layout):
-    """Converts a Keras `TensorLayout` to DTensor placements on a torch mesh.
+    """Converts a Keras `TensorLayout` to a `TorchLayout` (DTensor placements).
 
-    Each tensor dimension is sharded over the mesh axes named for it; a
-    dimension may name several axes (`("batch", "model")`), which shards it
-    over their product in the order `jax.sharding.PartitionSpec` uses (the
-    first axis outermost).
-
-    Args:
-        tensor_layout: the `keras.distribution.TensorLayout`.
-
-    Returns:
-        A `TorchLayout`.
+    A dimension naming several mesh axes (`("batch", "model")`) is sharded over
+    their product, first axis outermost, as `jax.sharding.PartitionSpec` does.
     """
     if tensor_layout.device_mesh is None:
         raise ValueError(
@@ -212,11 +182,7 @@ def _mesh_dim(axis_name, axis_names, tensor_layout):
 
 
 def as_torch_layout(layout):
-    """Accepts a Keras `TensorLayout` or a `TorchLayout`.
-
-    Returns:
-        The `TorchLayout`.
-    """
+    """Returns the `TorchLayout` of a Keras `TensorLayout` or `TorchLayout`."""
     if isinstance(layout, TorchLayout):
         return layout
     if hasattr(layout, "backend_layout"):
@@ -230,12 +196,8 @@ def as_torch_layout(layout):
 def check_rank(x, layout, what):
     """Raises if `layout` has more entries than `x` has dimensions.
 
-    A shorter layout lays out the leading dimensions and replicates the
-    trailing ones, as a shorter `jax.sharding.PartitionSpec` does: one
-    layer `/output` layout then fits every leaf of the layer's outputs
-    (e.g. an LSTM's sequence and states). Its placements need no change:
-    `to_torch_layout` shards only dimensions below `layout.ndim`, which
-    every tensor of at least that rank has.
+    A shorter layout replicates the trailing dimensions (as `PartitionSpec`
+    does), so one `/output` layout fits every output leaf (an LSTM's states).
     """
     if x.ndim < layout.ndim:
         raise ValueError(
@@ -247,14 +209,10 @@ def check_rank(x, layout, what):
 
 
 def chunk_bounds(length, num_parts, index):
-    """The part `index` of `length` items cut in `num_parts` parts.
+    """Returns `(start, stop)` of part `index` of `length` items in `num_parts`.
 
-    Parts are cut like `torch.chunk` cuts them, which is how DTensor shards
-    an uneven dimension: equal parts, a smaller last one, and empty parts at
-    the end when there are too few items (5 on 4 parts: 2, 2, 1, 0).
-
-    Returns:
-        `(start, stop)`.
+    Cut as `torch.chunk` (DTensor's uneven sharding): equal parts, a smaller
+    last one, empty trailing parts when items are few (5 on 4: 2, 2, 1, 0).
     """
     part_size = -(-length // num_parts)
     start = min(index * part_size, length)
@@ -262,23 +220,11 @@ def chunk_bounds(length, num_parts, index):
 
 
 def without_empty_shards(shape, mesh, placements):
-    """`placements`, a dimension that would leave a process nothing whole.
+    """`placements`, replicating dimensions that would leave a process empty.
 
-    DTensor cuts an uneven dimension like `torch.chunk`, which leaves the
-    last processes empty parts when there are too few items (one prompt on
-    two processes). On an empty part, a reduction without an identity
-    (`min`, `max`) fails on those processes alone, and the others wait for
-    them in the next collective. Such a dimension is replicated along the
-    mesh axes that shard it: the value is the same, each process holds it
-    all.
-
-    Args:
-        shape: the global shape.
-        mesh: the torch `DeviceMesh`.
-        placements: one placement per mesh dimension.
-
-    Returns:
-        The placements, as a tuple.
+    On an empty `torch.chunk` part (one prompt, two processes) a reduction
+    without identity (`min`, `max`) fails on those processes alone and the
+    others hang in the next collective; such a dimension is replicated instead.
     """
     placements = list(placements)
     for dim, length in enumerate(shape):
@@ -306,11 +252,8 @@ def without_empty_shards(shape, mesh, placements):
 def local_region(shape, mesh, placements):
     """The slices of a global tensor that this process' shard holds.
 
-    Mesh dimensions split in order; a tensor dimension sharded over several
-    mesh axes is split again within each part.
-
-    Returns:
-        A tuple of one `slice` per tensor dimension.
+    Returns one `slice` per dimension; a dimension sharded over several mesh
+    axes is split again within each part, in mesh order.
     """
     coordinate = mesh.get_coordinate()
     bounds = [(0, size) for size in shape]
@@ -333,9 +276,8 @@ def dtensor_from_local(local, mesh, placements, shape=None, stride=None):
         local: this process' piece, a plain tensor.
         mesh: the torch device mesh.
         placements: one placement per mesh dimension.
-        shape: the global shape; needed whenever pieces can be uneven, since
-            DTensor would otherwise assume even pieces (and each process
-            would compute another global shape).
+        shape: the global shape; needed when pieces can be uneven (DTensor would
+            assume even ones).
         stride: the global stride; defaults to the contiguous one of `shape`.
 
     Returns:
@@ -353,12 +295,7 @@ def dtensor_from_local(local, mesh, placements, shape=None, stride=None):
 def replicate(x, mesh):
     """A plain tensor taken as the global value, as a replicated `DTensor`.
 
-    Args:
-        x: anything; only plain, non-symbolic tensors are converted.
-        mesh: the torch device mesh.
-
-    Returns:
-        `x`, or the replicated `DTensor`.
+    Anything else (a `DTensor`, a meta tensor, a non-tensor) is returned as is.
     """
     if not isinstance(x, torch.Tensor) or isinstance(x, DTensor) or x.is_meta:
         return x
@@ -368,9 +305,8 @@ def replicate(x, mesh):
 def redistribute(x, mesh, placements):
     """`x.redistribute(mesh, placements)`, skipped when it changes nothing.
 
-    On a CPU mesh, a mesh axis that shards another dimension afterwards
-    is gathered first: DTensor's all-to-all there is an all-gather and a
-    chunk anyway (chosen by device type, with a warning on each process).
+    On a CPU mesh, an axis moving to another dimension is gathered first:
+    DTensor's CPU all-to-all is an all-gather and chunk anyway (and warns).
     """
     if tuple(x.placements) == tuple(placements) and x.device_mesh == mesh:
         return x
@@ -392,9 +328,8 @@ def reduced_placements(placements):
 def drop_unit_shards(mesh, placements):
     """`placements` with shards over mesh axes of size 1 made `Replicate`.
 
-    A size-1 axis splits nothing, so the value is the same; but a batch
-    sharded over it would make every weight gradient `Partial` over it, and
-    each such gradient would then need relabeling as reduced.
+    The value is the same, but a batch sharded over a size-1 axis would make
+    every weight gradient `Partial` over it, to be relabeled as reduced.
     """
     return tuple(
         Replicate() if p.is_shard() and mesh.size(d) == 1 else p

@@ -1,11 +1,8 @@
 """Replicated state updated on its local values.
 
-A replicated `DTensor` holds the whole value on every process, so code that
-reads and writes only replicated values (the optimizer's update of
-replicated weights with reduced gradients, the loss tracker's update with
-the reduced loss) computes the same numbers on the local tensors, without
-DTensor's dispatch of every op. Under data parallelism every variable is
-replicated, and that dispatch was most of a small step's cost.
+Code that reads and writes only replicated values (an optimizer update with
+reduced gradients, a loss tracker's update) computes the same on each
+process' local tensors, skipping DTensor's per-op dispatch.
 """
 
 import contextlib
@@ -19,8 +16,7 @@ from keras.src.backend.torch.distributed.core.runtime import Replicate
 
 
 def all_replicated(values):
-    """Whether every `DTensor` (or variable's value) in `values` is
-    replicated on all its mesh axes; plain tensors count as replicated."""
+    """Whether every `DTensor` (or variable value) in `values` is replicated."""
     for x in values:
         x = getattr(x, "value", x)
         if isinstance(x, DTensor) and not all(
@@ -31,21 +27,14 @@ def all_replicated(values):
 
 
 def stateless_scope(mapping, collect_losses=False):
-    """A `StatelessScope` in which each variable reads the value given.
+    """A `StatelessScope`, not entered, where each variable reads its value.
 
-    `StatelessScope(state_mapping=...)` converts and checks each value (a
-    device and dtype conversion and a shape comparison per variable, in
-    every step for every weight and optimizer variable); the values here
-    are the variables' own local tensors, of their device, dtype and shape
-    already, and enter the scope as updates do (`add_update`).
+    Values enter as updates, skipping `state_mapping=`'s per-variable
+    conversion and checks: they are the variables' own local tensors.
 
     Args:
         mapping: pairs `(variable, its local tensor)`.
-        collect_losses: whether the losses layers add in the scope are
-            kept in its `losses` (else they are dropped).
-
-    Returns:
-        The scope, not entered.
+        collect_losses: whether losses added in the scope are kept.
     """
     scope = StatelessScope(collect_losses=collect_losses)
     for variable, value in mapping:
@@ -62,20 +51,13 @@ def local_value(x):
 def on_local_values(variables, defer=None):
     """Runs the block with `variables` read and assigned as local tensors.
 
-    Updates made in place change the variables' local tensors directly;
-    values assigned anew are copied into them when the block ends (nothing
-    is written back if it raises), whole: a `DTensor` value still partial
-    or sharded is replicated first.
+    Values assigned anew are replicated and copied in when the block ends.
 
     Args:
         variables: replicated variables (see `all_replicated`).
-        defer: optionally, `defer(local, value)` takes a partial `DTensor`
-            value assigned to the variable of local tensor `local`, to
-            write it whole later, and returns whether it did (see
-            `step_reduction.OverlappedReduction.defer`).
-
-    Yields:
-        Nothing.
+        defer: optional `defer(local, value)`: takes a partial `DTensor`
+            assigned to `local`'s variable to write later, and returns
+            whether it did (`step_reduction.OverlappedReduction.defer`).
     """
     local_values = [(v, local_value(v.value)) for v in variables]
     with stateless_scope(local_values) as scope:
@@ -90,8 +72,7 @@ def on_local_values(variables, defer=None):
 
 
 def _replicated(x):
-    """`x` replicated on its mesh if it is a `DTensor` (a collective where
-    it is partial or sharded); anything else as it is."""
+    """`x` replicated on its mesh if it is a `DTensor`, else `x`."""
     if not isinstance(x, DTensor) or all(
         p.is_replicate() for p in x.placements
     ):
@@ -104,19 +85,13 @@ def _replicated(x):
 def local_metric_state(metric, defer=None):
     """Runs a metric's update on the local values of its replicated state.
 
-    A `DTensor` still sharded or partial that reaches the update (the loss
-    under data parallelism, each process' share of it) is computed on by
-    DTensor, which reduces it where it meets the replicated state (one
-    all-reduce of one number), and the result is written back whole.
-    Without a distribution, or with state that is not replicated, the
-    block runs as it is.
+    A sharded or partial input (each process' share of the loss) is reduced
+    by DTensor where it meets the state. Without a distribution or with
+    unreplicated state, the block runs unchanged.
 
     Args:
         metric: a `keras.metrics.Metric`.
         defer: see `on_local_values`.
-
-    Yields:
-        Nothing.
     """
     if runtime.current_distribution() is None:
         yield

@@ -1,38 +1,18 @@
-"""Random numbers drawn by position: each process draws only its part.
+"""Random numbers drawn by position, so each process draws only its part.
 
-Under a distribution, the torch backend's `uniform`, `normal` (and so
-`truncated_normal`), `randint` and `dropout` draw each element as a
-counter-based function of a 64-bit key and of the element's position in
-the global tensor: SplitMix64's output function of `key + (index + 1) *
-0x9E3779B97F4A7C15`. torch's generators draw a tensor as one sequence,
-which cannot be cut into parts; a function of the position can. So:
+Under a distribution the backend's `uniform`, `normal` (so also
+`truncated_normal`), `randint` and `dropout` take element `index` of the
+global tensor as SplitMix64's output function of `key + (index + 1) *
+0x9E3779B97F4A7C15`. Unlike torch's generators this can be cut into parts:
+a process computes only its elements, and the values do not depend on the
+layout, like JAX's partitionable draws. Keys come from `draw_seed(seed)`
+(unseeded dropout: process 0's torch generator). Initializers (so first
+values match Keras without a distribution), `gamma`, `binomial`, `beta`,
+`categorical` and `shuffle` keep upstream's draws, the same on every process.
 
-- a process computes the elements it holds and no others (a dropout mask
-  on a batch-sharded `DTensor`, a draw on a process' own rows), in memory
-  and time that follow its share;
-- the values do not depend on the layout: one process under the same
-  distribution, 2 or 4 processes, a 2-D mesh, the whole tensor or its
-  rows all draw the same numbers for the same seed, as the JAX backend's
-  partitionable draws do.
-
-Each 64 random bits give two elements (24 bits each): an even position
-and the odd one after it; Box-Muller turns such a pair of uniforms into
-two normal numbers. float64 draws take 53 bits of one counter each.
-
-The key comes from the seed as upstream's does: `draw_seed(seed)` (a seed
-generator's state, advanced as usual), and for dropout without a seed from
-torch's global generator (upstream's unseeded fast path), process 0's.
-Initializers keep torch's generators: a variable's first value is the one
-Keras computes without a distribution. `gamma`, `binomial`, `beta`,
-`categorical` and `shuffle` keep upstream's draws too (the same on every
-process, of the whole tensor).
-
-In a call on a process' own rows (`local_rows`), a draw whose first
-dimension is the number of local rows is taken as rows `[start, stop)` of
-the draw of the global batch. The first call of a step function (its
-probe) records, per draw, whether it was rows or whole, and checks the
-call's outputs against DTensor's; later calls must draw alike
-(`DrawPlan`), or the call runs through DTensor.
+In a call on local rows (`local_rows`), a draw whose first dimension is the
+local row count is taken as rows `[start, stop)` of the global batch's
+draw; later calls must draw as the step's probe did (`DrawPlan`).
 """
 
 import contextlib
@@ -46,8 +26,7 @@ from keras.src.backend.torch.distributed.core import layouts
 from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.core.runtime import DTensor
 
-# SplitMix64's constants, as signed 64-bit integers (torch's int64
-# arithmetic wraps like unsigned arithmetic modulo 2**64).
+# SplitMix64's constants as signed int64 (torch's int64 wraps modulo 2**64).
 _GAMMA = 0x9E3779B97F4A7C15 - (1 << 64)
 _MIX_1 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _MIX_2 = 0x94D049BB133111EB - (1 << 64)
@@ -60,16 +39,12 @@ class DrawPlan:
     """How a call on local rows draws: per draw, rows or the whole shape.
 
     Attributes:
-        draws: one entry per draw of the probe's call: `("rows",
-            shape[1:])` or `("whole", shape)`.
-        recording: whether the call being made records (the probe) or
-            follows the plan.
-        broken: whether a draw of a following call did not fit the plan
-            (the call must then run through DTensor).
+        draws: per probe draw, `("rows", shape[1:])` or `("whole", shape)`.
+        recording: whether this call records (the probe) or follows.
+        broken: whether a later draw did not fit (run through DTensor).
         unseeded: how many keys the call took from torch's generator.
-        python_draws: whether the probe's call drew from Python's or
-            NumPy's global generator (as its DTensor call did), which later
-            calls may then do too.
+        python_draws: whether the probe drew from Python's or NumPy's
+            global generator, which later calls may then do too.
     """
 
     draws: list = dataclasses.field(default_factory=list)
@@ -79,15 +54,9 @@ class DrawPlan:
     python_draws: bool = False
 
     def decide(self, shape, local_rows):
-        """Whether a draw of `shape` is the local rows of a global draw.
-
-        The probe's call takes a draw whose first dimension is the number
-        of local rows for rows. A later call draws whole a shape the probe
-        drew whole, and as rows one that differs from a probe's rows draw
-        only in the local rows; a shape that fits neither, or both (a
-        draw of the probe's whole shape that could be this process' rows),
-        breaks the plan.
-        """
+        """Whether a draw of `shape` is the local rows of a global draw; a
+        later call's draw must match exactly one of the probe's, or breaks
+        the plan."""
         shape = tuple(shape)
         is_rows = len(shape) > 0 and shape[0] == local_rows
         if self.recording:
@@ -109,12 +78,8 @@ class DrawPlan:
 
 
 def by_position():
-    """Whether the torch backend's draws are drawn by position now.
-
-    Under a distribution (also on one process) or in a call on local
-    rows, except while a variable computes its first value and in symbolic
-    calls (shapes only).
-    """
+    """Whether draws go by position: under a distribution or on local rows,
+    except in initializers and symbolic (meta device) calls."""
     if (
         runtime.current_distribution() is None
         and getattr(_state, "rows", None) is None
@@ -127,8 +92,7 @@ def by_position():
 
 @contextlib.contextmanager
 def initializing():
-    """Draws in the block use torch's generators, as without a distribution:
-    a variable's initializer."""
+    """Draws in the block use torch's generators (variable initializers)."""
     _state.initializing = getattr(_state, "initializing", 0) + 1
     try:
         yield
@@ -138,15 +102,8 @@ def initializing():
 
 @contextlib.contextmanager
 def local_rows_scope(start, local_rows, global_rows, plan):
-    """Draws in the block are made on rows `[start, start + local_rows)` of
-    a global batch of `global_rows`, as `plan` says.
-
-    Args:
-        start: the first global row this process holds.
-        local_rows: how many rows it holds.
-        global_rows: the rows of the global batch.
-        plan: a `DrawPlan`, recording or to follow.
-    """
+    """Draws in the block are rows `[start, start + local_rows)` of a batch
+    of `global_rows`, as `plan` (a `DrawPlan`) decides per draw."""
     previous = getattr(_state, "rows", None)
     _state.rows = (start, local_rows, global_rows, plan)
     try:
@@ -157,8 +114,7 @@ def local_rows_scope(start, local_rows, global_rows, plan):
 
 @contextlib.contextmanager
 def outside_rows():
-    """Draws in the block are not a call on local rows' own (a layer of
-    that call called through DTensor draws on its DTensors)."""
+    """Draws in the block are not local rows' (a layer run via DTensor)."""
     previous = getattr(_state, "rows", None)
     _state.rows = None
     try:
@@ -168,10 +124,7 @@ def outside_rows():
 
 
 def mix(z):
-    """SplitMix64's output function of int64 values, elementwise.
-
-    Computed in place on `z`, with one temporary.
-    """
+    """SplitMix64's output function of int64 values, in place on `z`."""
     shifted = torch.empty_like(z)
     for bits, factor in ((30, _MIX_1), (27, _MIX_2), (31, None)):
         # A logical shift: torch's `>>` of int64 extends the sign.
@@ -183,27 +136,14 @@ def mix(z):
 
 
 def random_bits(key, index):
-    """64 random bits per element of `index` (flat positions), as int64.
-
-    Args:
-        key: an int64 tensor of one element (or a Python int).
-        index: an int64 tensor of positions, overwritten.
-    """
+    """64 random bits (int64) per flat position of `index` (overwritten);
+    `key` is a one-element int64 tensor or a Python int."""
     return mix(index.add_(1).mul_(_GAMMA).add_(key))
 
 
 def positions(global_shape, offsets, local_shape, device):
-    """The flat positions in `global_shape` of a box of it.
-
-    Args:
-        global_shape: the shape of the whole draw.
-        offsets: where the box starts on each dimension.
-        local_shape: the box's shape.
-        device: where to make the positions.
-
-    Returns:
-        An int64 tensor of `local_shape`.
-    """
+    """The flat positions in `global_shape` of the box of `local_shape` at
+    `offsets`, as an int64 tensor of `local_shape`."""
     ndim = len(global_shape)
     index = torch.zeros((), dtype=torch.int64, device=device)
     stride = 1
@@ -220,21 +160,9 @@ def positions(global_shape, offsets, local_shape, device):
 
 
 def draw_pairs(key, box, device, pair):
-    """Values by position, two elements from each 64 random bits.
-
-    Element `p` (its flat position) takes the 64 bits at counter `p >> 1`:
-    `pair(low, high)` turns the two 24-bit halves of each counter's bits
-    into the values of its even and odd element.
-
-    Args:
-        key: the draw's key.
-        box: `(global_shape, offsets, local_shape)`: what to draw of what.
-        device: where.
-        pair: `pair(low, high) -> (even, odd)`, elementwise.
-
-    Returns:
-        A tensor of the box's shape.
-    """
+    """Values of `box` (`(global_shape, offsets, local_shape)`) by position:
+    element `p` takes counter `p >> 1`, whose two 24-bit halves
+    `pair(low, high)` turns into the even and odd element's values."""
     global_shape, offsets, local_shape = box
     count = _size(local_shape)
     if _is_row_range(global_shape, offsets, local_shape):
@@ -273,8 +201,7 @@ def _is_row_range(global_shape, offsets, local_shape):
 
 
 def unit_uniform(key, box, device, dtype):
-    """Uniform numbers in [0, 1) by position, of `dtype` (float64: 53
-    bits each; other types: 24 bits, computed in float32)."""
+    """Uniforms in [0, 1) by position: 53 bits for float64, else 24 bits."""
     if dtype == torch.float64:
         index = positions(*box, device)
         bits = random_bits(key, index).bitwise_right_shift_(11)
@@ -287,8 +214,7 @@ def _unit_pair(low, high):
 
 
 def keep_mask(key, box, device, keep):
-    """Booleans by position, each true with probability `keep` (the
-    uniform of `unit_uniform` below `keep`)."""
+    """Booleans by position, each true with probability `keep`."""
     threshold = keep * 2.0**24
 
     def pair(low, high):
@@ -298,8 +224,7 @@ def keep_mask(key, box, device, keep):
 
 
 def standard_normal(key, box, device, dtype):
-    """Standard normal numbers by position: Box-Muller on each counter's
-    two uniforms gives its even and odd element."""
+    """Standard normals by position (Box-Muller on each counter's pair)."""
 
     def pair(low, high):
         work = torch.float64 if dtype == torch.float64 else torch.float32
@@ -311,8 +236,7 @@ def standard_normal(key, box, device, dtype):
 
 
 def seed_key(seed):
-    """The int64 key of a draw with Keras' `seed` (advancing a seed
-    generator as upstream does), as a tensor on the seed's device."""
+    """The int64 key of Keras' `seed` (advancing a seed generator)."""
     from keras.src.random.seed_generator import draw_seed
 
     seed = draw_seed(seed)
@@ -324,15 +248,9 @@ def seed_key(seed):
 
 @contextlib.contextmanager
 def one_key_per_call():
-    """Unseeded draws in the block share one key of torch's generator.
-
-    The first takes a key from torch's global generator (process 0's, one
-    collective); each later one takes the next of a sequence derived from
-    it, with no collective. A model's call is the block: its draws are the
-    same on every process, in the same order, and a call repeated from the
-    same generator state (the probe's) draws the same keys. Nested blocks
-    are one.
-    """
+    """Unseeded draws in the block derive from one key of torch's generator,
+    so a call repeated from the same generator state (the probe's) draws
+    the same keys with one collective. Nested blocks are one."""
     if getattr(_state, "keys", None) is not None:
         yield
         return
@@ -344,13 +262,8 @@ def one_key_per_call():
 
 
 def unseeded_key():
-    """The key of a draw without a seed, from torch's global generator.
-
-    Process 0's: processes may have seeded their generators differently
-    (a script's own per-process randomness), and every process must draw
-    the same numbers. A collective of one number, on every process, once
-    per `one_key_per_call` block.
-    """
+    """The key of an unseeded draw, from process 0's torch generator
+    (processes may seed theirs differently), once per `one_key_per_call`."""
     keys = getattr(_state, "keys", None)
     if keys is not None and keys[0] is not None:
         keys[1] += 1
@@ -408,16 +321,11 @@ def randint(shape, minval, maxval, dtype, seed):
 def dropout(inputs, rate, noise_shape, seed):
     """`keras.random.dropout`, its mask drawn by position.
 
-    The mask of a `DTensor` is drawn on each process for the elements it
-    holds and laid out as the inputs are.
-
     Args:
-        inputs: a tensor or `DTensor`.
+        inputs: a tensor, or a `DTensor` (mask drawn for its local part).
         rate: the probability of dropping an element.
-        noise_shape: the mask's shape (`None` entries: the inputs'), or
-            `None`.
-        seed: the draw's seed (`None` or a seed generator without a seed:
-            torch's global generator).
+        noise_shape: the mask's shape (`None` entries: the inputs'), or `None`.
+        seed: a seed; `None` or an unseeded generator: torch's global one.
     """
     from keras.src.random.seed_generator import SeedGenerator
 

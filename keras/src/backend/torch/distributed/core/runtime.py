@@ -1,7 +1,7 @@
 """The job a distribution runs in: processes, the distribution, random state.
 
-One process per device, as torchrun starts them: the job is torch's default
-process group (gloo on CPU; NCCL, with gloo for CPU tensors, on GPU).
+One process per device, as torchrun starts them, in torch's default process
+group (gloo on CPU; NCCL, with gloo for CPU tensors, on GPU).
 """
 
 import atexit
@@ -19,10 +19,8 @@ from packaging.version import parse
 from keras.src.backend.common import global_state
 from keras.src.backend.torch.distributed.health import health
 
-# The one place that imports DTensor's names: the other modules take them
-# from here, so that Keras still imports where torch has no DTensor (torch
-# < 2.5, or a build without torch.distributed), where
-# `check_torch_version` refuses a distribution.
+# The one place that imports DTensor's names, so that Keras still imports
+# where torch has no DTensor (torch < 2.5, or no torch.distributed).
 try:
     from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
     from torch.distributed.tensor import DTensor
@@ -49,29 +47,20 @@ all_gather_flat = getattr(dist, "all_gather_single", None) or (
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or (
     dist.reduce_scatter_tensor
 )
-# How long an exiting process gives gloo's threads to finish their work.
 _GLOO_DRAIN_SECONDS = 0.05
-# Environment variables.
 DEBUG_ENV = "KERAS_DISTRIBUTION_DEBUG"
 
 logger = logging.getLogger("keras.distribution")
 
-# The distribution last passed to `set_distribution`. Keras keeps its global
-# state per thread, but hooks also run on threads that never set it (CUDA
-# autograd runs the backward pass on device threads).
+# The last `set_distribution`: Keras' global state is per thread, but hooks
+# also run on threads that never set it (CUDA autograd's backward threads).
 _process_distribution = None
-# How many `distribution_suspended` blocks are open (read by hooks that
-# act only inside one, without a call).
 suspended_depth = 0
 
 
 def current_distribution():
-    """Returns the distribution in effect, also on threads that never set it.
-
-    Returns:
-        A `keras.distribution.Distribution`, or `None` (also while
-        `distribution_suspended`).
-    """
+    """Returns the distribution in effect, also on threads that never set it
+    (`None` inside `distribution_suspended`)."""
     if suspended_depth:
         return None
     distribution = global_state.get_global_attribute("distribution")
@@ -79,11 +68,7 @@ def current_distribution():
 
 
 def backend_core():
-    """Returns the torch backend's `core` module, on either Keras base.
-
-    Keras 3.15 has it at `keras.src.backend.torch.core`; Keras master moved
-    the backend's ops under `keras.src.backend.torch.ops`.
-    """
+    """Returns the torch backend's `core` module, directly or under `ops`."""
     import keras.src.backend.torch as torch_backend
 
     return getattr(torch_backend, "ops", torch_backend).core
@@ -91,8 +76,8 @@ def backend_core():
 
 @contextlib.contextmanager
 def distribution_suspended():
-    """Code in the block runs as without a distribution: on plain tensors
-    that are one process' values (see `local_rows`)."""
+    """Runs the block without a distribution, on one process' plain tensors
+    (see `local_rows`)."""
     global suspended_depth
     suspended_depth += 1
     try:
@@ -103,9 +88,8 @@ def distribution_suspended():
 
 @contextlib.contextmanager
 def distribution_resumed():
-    """The distribution is in effect again in the block, inside a
-    `distribution_suspended` one (a layer of a call on local rows that is
-    called through DTensor, see `coupled_layers`)."""
+    """Restores the distribution inside `distribution_suspended` (a layer
+    called through DTensor within a call on local rows, `coupled_layers`)."""
     global suspended_depth
     depth, suspended_depth = suspended_depth, 0
     try:
@@ -151,10 +135,7 @@ def check_torch_version():
 
 
 def initialize_job(job_addresses=None, num_processes=None, process_id=None):
-    """Joins the job's default process group, creating it if needed.
-
-    See `keras.src.backend.torch.distribution_lib.initialize`.
-    """
+    """Joins the job's default process group, creating it if needed."""
     check_torch_version()
     coordinator, num_processes, process_id = _resolve_job(
         job_addresses, num_processes, process_id
@@ -167,11 +148,8 @@ def initialize_job(job_addresses=None, num_processes=None, process_id=None):
 
 
 def agree_on_seed():
-    """Makes every process use process 0's global random seed.
-
-    Only when no seed was set with `keras.utils.set_random_seed()`, so that
-    unseeded random ops (initializers, dropout) agree across processes.
-    """
+    """Makes every process use process 0's seed, if none was set, so that
+    unseeded random ops (initializers, dropout) agree across processes."""
     from keras.src.utils import rng_utils
 
     if rng_utils.get_random_seed() is not None or world_size() == 1:
@@ -184,12 +162,8 @@ def agree_on_seed():
 
 
 def sync_torch_rng():
-    """Gives every process process 0's torch random generator state.
-
-    Unseeded dropout draws from torch's generator; every process draws the
-    noise of the whole tensor, which must be the same noise everywhere. A
-    collective: every process must call it.
-    """
+    """Gives every process process 0's torch RNG state (a collective), so
+    that unseeded dropout draws the same whole-tensor noise everywhere."""
     if world_size() == 1:
         return
     states = [torch.get_rng_state()]
@@ -223,7 +197,7 @@ def _resolve_job(job_addresses, num_processes, process_id):
 
     Returns:
         `(coordinator, num_processes, process_id)`; the coordinator is
-        `"host:port"`, or `None` to use torchrun's `MASTER_ADDR`/`PORT`.
+        `"host:port"`, or `None` for torchrun's `MASTER_ADDR`/`PORT`.
     """
     env_world = os.environ.get("WORLD_SIZE")
     env_rank = os.environ.get("RANK")
@@ -296,7 +270,6 @@ def _init_process_group(coordinator, num_processes, process_id):
     timeout = datetime.timedelta(seconds=health.start_timeout())
     if torch.cuda.is_available():
         torch.cuda.set_device(_local_gpu(process_id))
-        # gloo alongside NCCL serves collectives on CPU tensors.
         backend = "cpu:gloo,cuda:nccl"
     else:
         backend = "gloo"
@@ -307,7 +280,6 @@ def _init_process_group(coordinator, num_processes, process_id):
         timeout=timeout,
     )
     if num_processes == 1 and coordinator is None:
-        # A single process needs no rendezvous.
         kwargs["store"] = dist.HashStore()
     elif coordinator is not None:
         kwargs["init_method"] = f"tcp://{coordinator}"
@@ -316,8 +288,7 @@ def _init_process_group(coordinator, num_processes, process_id):
     else:
         kwargs["init_method"] = "env://"
     dist.init_process_group(**kwargs)
-    # Process groups torn down during interpreter shutdown can abort the
-    # process ("terminate called without an active exception").
+    # Process groups torn down at interpreter shutdown can abort the process.
     atexit.register(_destroy_process_group)
     health.install(coordinator)
     log_debug(
@@ -328,21 +299,11 @@ def _init_process_group(coordinator, num_processes, process_id):
 def _local_gpu(process_id):
     """The index of the GPU this process computes on.
 
-    NCCL runs one process per GPU: two processes sharing one fail at their
-    first collective ("Duplicate GPU detected"). So under a launcher that
-    says how many processes share this node (torchrun's `LOCAL_RANK`,
-    `LOCAL_WORLD_SIZE`), more of them than visible GPUs is refused here,
-    before any collective.
-
-    Args:
-        process_id: this process' rank in the job.
-
-    Returns:
-        The index of a visible CUDA device.
+    NCCL fails at the first collective when two processes share a GPU, so
+    more processes on this node (`LOCAL_WORLD_SIZE`) than GPUs is refused.
     """
     num_gpus = torch.cuda.device_count()
     if "LOCAL_RANK" not in os.environ:
-        # Which processes share this node is unknown without a launcher.
         return process_id % num_gpus
     local_rank = int(os.environ["LOCAL_RANK"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
@@ -362,10 +323,8 @@ def _local_gpu(process_id):
 def _launcher_store(timeout):
     """torchrun's store, with keys of this attempt of the job only.
 
-    torchrun restarts the job (`--max-restarts`) with the same store; the
-    `env://` rendezvous then finds the addresses of the last attempt's
-    dead processes (gloo: "connectFullMesh ... Connection refused" on every
-    restart).
+    torchrun restarts (`--max-restarts`) keep the store; `env://` would find
+    the dead processes of the last attempt ("Connection refused").
     """
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
@@ -380,15 +339,9 @@ def _launcher_store(timeout):
 def _destroy_process_group():
     if dist.is_initialized():
         dist.destroy_process_group()
-        # Reference cycles (device meshes, DTensors) still hold the groups:
-        # freed now, not at interpreter shutdown, where gloo's threads can
-        # abort the process.
-        gc.collect()
-        # A group that a live device mesh still holds keeps its gloo worker
-        # threads. One that drops the last reference to a tensor once the
-        # interpreter is shutting down takes the GIL and aborts the process
-        # ("terminate called without an active exception", pytorch#190489).
-        # Sleeping hands them the GIL to finish what they hold first.
+        gc.collect()  # Free groups held by reference cycles before shutdown.
+        # Gloo threads of groups a live mesh holds abort the process if they
+        # drop a tensor at shutdown (pytorch#190489): let them finish first.
         time.sleep(_GLOO_DRAIN_SECONDS)
 
 
@@ -417,15 +370,8 @@ _configure_logger()
 
 
 class _GatheredAllToAllFilter(logging.Filter):
-    """Drops DTensor's notice that a CPU mesh gathers for an all-to-all.
-
-    On a CPU mesh DTensor moves a shard to another dimension with an
-    all-gather and a chunk (chosen by device type; gloo has all-to-all),
-    which gives the same values, and logs this notice on every process.
-    Our own redistributions gather explicitly (`layouts.redistribute`);
-    this drops the notice of the plans DTensor makes itself inside an op
-    (an einsum's), which this backend does not choose.
-    """
+    """Drops DTensor's per-process notice that a CPU mesh gathers for an
+    all-to-all inside ops (an einsum's), harmless and not ours to choose."""
 
     def filter(self, record):
         return record.msg != GATHERED_ALL_TO_ALL_NOTICE

@@ -1,7 +1,6 @@
 """What a distribution physically stores on this process (torch backend).
 
-Reads only local metadata: nothing here runs a collective, so any process may
-call it on its own (from a debugger, or on rank 0 only).
+Reads only local metadata, never a collective: any process may call it alone.
 """
 
 import numpy as np
@@ -12,7 +11,6 @@ from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.core.runtime import DTensor
 from keras.src.backend.torch.distributed.dtensor_gaps import fallback
 
-# What the printed table says of a variable that no layout rule matched.
 NO_RULE = "(no rule)"
 
 
@@ -20,14 +18,12 @@ def mesh_info(device_mesh=None):
     """Describes a device mesh and this process' place in it.
 
     Args:
-        device_mesh: a `keras.distribution.DeviceMesh`; defaults to the mesh
-            of the current distribution.
+        device_mesh: a `DeviceMesh`; defaults to the current distribution's.
 
     Returns:
-        A dict with `shape`, `axis_names`, `devices` (the Keras device names,
-        as a nested list), `process_id`, `num_processes` and `coordinate`
-        (this process' index along each mesh axis, or `None` if it is not in
-        the mesh).
+        A dict with `shape`, `axis_names`, `devices` (Keras device names,
+        nested), `process_id`, `num_processes` and `coordinate` (this
+        process' index along each mesh axis, or `None` outside the mesh).
     """
     if device_mesh is None:
         distribution = runtime.current_distribution()
@@ -50,9 +46,8 @@ def mesh_info(device_mesh=None):
 def _coordinate(device_mesh):
     """This process' index along each mesh axis, or `None`.
 
-    Read from the Keras device names (`"gpu:i"` is rank `i`), not from the
-    torch mesh: building that is a collective.
-    """
+    Read from Keras device names (`"gpu:i"` is rank `i`): building the torch
+    mesh would be a collective."""
     ranks = np.vectorize(lambda d: layouts.to_torch_device(d)[1])(
         device_mesh.devices
     )
@@ -67,27 +62,18 @@ def sharding_summary(model, print_fn=None):
 
     Args:
         model: a Keras model or layer (anything with `.variables`).
-        print_fn: if given, called with a formatted table, one line per
-            variable, prefixed with this process' rank; variables that no
-            layout rule matched say `(no rule)`. The table ends with the
-            ops that DTensor could not compute on their operands' layout
-            so far, which ran on gathered global values: how often, and
-            the bytes gathered (see `fallback.fallback_counts`).
+        print_fn: if given, called with a table of the variables and of the
+            ops DTensor refused (`fallback.fallback_counts`).
 
     Returns:
         A list of dicts, one per variable: `path`, `dtype`, `global_shape`,
-        `placements` (one string per mesh axis, `"R"` or `"S(d)"`; one `"R"`
-        for a plain tensor),
-        `local_shape` and `local_bytes` (what this process stores), and
-        `layout_rule`: the key of the distribution's `LayoutMap` that matched
-        the variable's path, `None` if none did (or there is no `LayoutMap`);
-        under `AutoModelParallel`, what its plan decided and why
-        (`"auto: ..."`) for the variables no rule matched.
+        `placements` (per mesh axis, `"R"` or `"S(d)"`; `("R",)` for a plain
+        tensor), `local_shape`, `local_bytes` (stored on this process) and
+        `layout_rule`: the matching `LayoutMap` key, else the plan's reason
+        under `AutoModelParallel` (`"auto: ..."`), else `None`.
     """
     distribution = runtime.current_distribution()
     layout_map = layout_rules.layout_map_of(distribution)
-    # `AutoModelParallel` says what laid out each variable: a rule or its
-    # plan.
     reason_of = getattr(distribution, "layout_reason", None)
     rows = [_variable_row(v, layout_map, reason_of) for v in model.variables]
     if print_fn is not None:

@@ -1,9 +1,8 @@
 """Variables under a distribution: created sharded, assigned, read whole.
 
-A variable's value is a `DTensor` parameter laid out as the distribution's
-`get_variable_layout` says. Its full value exists once, transiently, on each
-process while it is created; process 0's is the one every process keeps a
-part of.
+A variable's value is a `DTensor` parameter laid out by the distribution's
+`get_variable_layout`. Its full value exists only transiently on each process at
+creation; every process keeps its part of process 0's.
 """
 
 import torch
@@ -64,12 +63,9 @@ def initialize_variable(variable):
 def distribute_variable(value, layout):
     """Creates the sharded value of a variable from its full value.
 
-    Process 0's value is sent to the others, so all processes hold the same
-    variable even if their random initializers were seeded differently. It
-    is broadcast in pieces, each process keeping the part of each piece in
-    its shard: no process holds more than the full value it was given, its
-    shard and one piece (a scatter would also make every shard contiguous
-    on process 0 at once).
+    Process 0's value is broadcast (so differently seeded initializers agree) in
+    pieces, each process keeping its shard's part: none holds more than its full
+    value, its shard and one piece, unlike a scatter.
 
     Args:
         value: the full (global) value, a `torch.Tensor`.
@@ -124,7 +120,6 @@ def _broadcast_region(value, region):
         if is_source:
             piece = value[start:stop]
         elif whole_rows and low == start and high == stop:
-            # The piece is a block of rows of this process' shard.
             piece = kept
         else:
             if scratch is None:
@@ -143,15 +138,7 @@ def _broadcast_region(value, region):
 
 
 def match_layout(value, reference):
-    """Lays out `value` like the variable value `reference`, for assignment.
-
-    Args:
-        value: the new value, a plain tensor (a global value) or a `DTensor`.
-        reference: the variable's current value.
-
-    Returns:
-        `value` with the placements of `reference`.
-    """
+    """Lays out `value` like the variable value `reference`, for assignment."""
     if not isinstance(reference, DTensor):
         return to_global_value(value)
     mesh, placements = reference.device_mesh, reference.placements
@@ -168,17 +155,14 @@ def match_layout(value, reference):
 def assign(target, value):
     """Copies `value` into the variable value `target`, in its layout.
 
-    The state that takes no gradient (metrics, optimizer slots, moving
-    statistics) is written through its local tensor: each process copies
-    its own part, without DTensor's dispatch of the copy. A weight that
-    takes gradients is written through DTensor, whose version counter
-    autograd's saved tensors and the gathered weights of `fsdp_call` are
-    checked against.
+    State without gradients (metrics, optimizer slots) is written through its
+    local tensor, skipping DTensor's dispatch; a weight requiring grad goes
+    through DTensor, whose version counter autograd and `fsdp_call` check.
 
     Args:
         target: the variable's value, a plain tensor or a `DTensor`.
-        value: the new value, of the variable's shape: a plain tensor (a
-            global value, the same on every process) or a `DTensor`.
+        value: the new value of the variable's shape: a `DTensor`, or a plain
+            tensor (the global value, the same on every process).
     """
     if not isinstance(target, DTensor):
         target.copy_(to_global_value(value))
@@ -198,15 +182,8 @@ def assign(target, value):
 def operand_like(value, reference):
     """Makes `value` fit for arithmetic with the variable value `reference`.
 
-    A plain `value` of the variable's shape is laid out like it (a local
-    cut, no communication); of another shape, replicated.
-
-    Args:
-        value: a number, array or tensor.
-        reference: the variable's value.
-
-    Returns:
-        `value`, as a `DTensor` when `reference` is one.
+    When `reference` is a `DTensor`, a plain `value` of its shape is cut like it
+    (locally) and one of another shape replicated.
     """
     if not isinstance(reference, DTensor):
         return value
@@ -221,14 +198,7 @@ def operand_like(value, reference):
 
 
 def to_global_value(x):
-    """Returns the global value of `x` as a plain tensor (a collective).
-
-    Args:
-        x: a tensor or `DTensor`.
-
-    Returns:
-        A plain `torch.Tensor`.
-    """
+    """Returns the global value of `x` as a plain tensor (a collective)."""
     if not isinstance(x, DTensor):
         return x
     if all(p.is_replicate() for p in x.placements):
@@ -246,13 +216,8 @@ def _read_description(x):
 def rebind_module_parameter(module, name, parameter):
     """Makes `module.<name>` (a dotted torch name) refer to `parameter`.
 
-    A wrapped torch module must compute with the distributed parameter its
-    Keras variable holds, not with the full one it was built with.
-
-    Args:
-        module: a `torch.nn.Module`.
-        name: the parameter's name in `module.named_parameters()`.
-        parameter: the new `torch.nn.Parameter`.
+    A wrapped torch module must compute with its Keras variable's distributed
+    parameter, not the full one it was built with.
     """
     owner_name, _, leaf = name.rpartition(".")
     owner = module.get_submodule(owner_name)

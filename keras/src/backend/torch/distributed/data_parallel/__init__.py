@@ -1,11 +1,8 @@
 """Data parallelism with one process' numbers, on each process' rows.
 
-- `local_rows`: a model whose call is per-sample called on each process'
-  rows as plain tensors.
-- `batch_coupling`: the probe of a model's first call, which decides that
-  path, and what couples samples.
-- `coupled_layers`: the layers that couple samples, called alone through
-  DTensor inside such a call.
-- `batch_statistics`: batch moments over the global batch.
-- `local_loss`: a per-sample loss on each process' rows.
+`local_rows` calls a per-sample model on each process' rows as plain tensors;
+`batch_coupling` probes a model's first call to decide that path and find what
+couples samples; `coupled_layers` calls those layers alone through DTensor;
+`batch_statistics` computes batch moments over the global batch; `local_loss`
+applies a per-sample loss to each process' rows.
 """

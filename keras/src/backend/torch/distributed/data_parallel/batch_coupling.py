@@ -1,29 +1,16 @@
 """Whether a model call couples the samples of a batch, from one probe.
 
-Under data parallelism a call that treats each sample on its own computes
-on a process' rows exactly what it computes on the global batch; such a
-call runs on the local rows as plain tensors (`local_rows`). Which calls
-do is not read from the classes of the layers (a user's layer, a keras-hub
-backbone, a functional graph of any ops are per-sample as often as
-Keras' own layers), but measured on the first call, the probe:
-
-1. the call runs through DTensor on the batch-sharded inputs, while a
-   torch function mode looks at what each function returns. A partial sum
-   (`Partial`) is a value summed over the batch axis: the call couples the
-   samples. What the explicit mechanisms for coupled samples compute
-   (batch moments, an op DTensor refuses computed on global values) is
-   not looked at (`explained()`);
-2. the call runs again on the local rows, without gradients, its updates
-   and random draws discarded, and its outputs are compared with this
-   process' rows of the probe's: a call that uses the batch size as a
-   number, or gathers and mixes samples, computes other values there.
-
-A call is per-sample when neither step finds coupling, its outputs are
-batches of the global rows, and it adds no loss (a loss over the batch).
-Where the second step finds other values, the layer whose outputs first
-differ (recorded layer call by layer call in both calls, `recording`) is
-taken for the one that mixes samples, and the call is checked again with
-that layer called through DTensor (`first_differing_layer`).
+Under data parallelism a per-sample call can run on a process' rows as plain
+tensors (`local_rows`). This is measured on the first call (the probe), not
+read from layer classes: 1. it runs through DTensor on the batch-sharded
+inputs under a torch function mode, where a `Partial` result (outside
+`explained()`) is a sum over the batch; 2. it runs again on the local rows
+(no gradients, updates and draws discarded), where a call using the batch
+size or mixing samples gives other outputs than this process' rows of the
+first. It is per-sample if neither finds coupling, its outputs are batches
+of the global rows and it adds no loss. If only step 2 differs, the first
+differing layer (`recording`) is called through DTensor and the call
+checked again (`first_differing_layer`).
 """
 
 import contextlib
@@ -43,8 +30,7 @@ from keras.src.backend.torch.distributed.data_parallel import coupled_layers
 RTOL = 1e-5
 ATOL = 1e-6
 
-# Why a call is not per-sample when only its outputs on the local rows
-# differ from DTensor's: here, or on another process.
+# Why a call is not per-sample when only its local outputs differ.
 DIFFERS = "its outputs on the local rows differ from DTensor's"
 OTHER_PROCESS_DIFFERS = (
     "its outputs on another process' rows differ from DTensor's"
@@ -61,10 +47,9 @@ class Verdict:
     Attributes:
         per_sample: whether the call may run on the local rows.
         reason: why not, for the sharding summary and the catalogues.
-        draws: a per-sample call's `random_draws.DrawPlan`: how it draws
-            random numbers on the local rows.
-        coupled: the layers of a per-sample call that couple samples,
-            each called through DTensor (`coupled_layers`), and why.
+        draws: a per-sample call's `random_draws.DrawPlan`.
+        coupled: layers of a per-sample call that couple samples, each
+            called through DTensor (`coupled_layers`).
     """
 
     per_sample: bool
@@ -83,12 +68,8 @@ class Verdict:
 
 @contextlib.contextmanager
 def explained():
-    """What the block computes is not evidence of coupling.
-
-    For the mechanisms that keep one process' numbers on purpose: batch
-    moments summed over the batch, an op DTensor refuses computed on global
-    values.
-    """
+    """What the block computes is not evidence of coupling (batch moments,
+    refused ops computed on global values: coupled on purpose)."""
     _explained.depth = getattr(_explained, "depth", 0) + 1
     try:
         yield
@@ -97,11 +78,8 @@ def explained():
 
 
 class PartialWatch(TorchFunctionMode):
-    """Notes the torch functions that return a partial sum (`Partial`).
-
-    Entered above the fallback's modes: it sees each function's result as
-    the code that called it does.
-    """
+    """Notes the torch functions that return a partial sum (`Partial`);
+    entered above the fallback's modes, it sees results as callers do."""
 
     def __init__(self):
         super().__init__()
@@ -129,13 +107,9 @@ def _is_explained():
 
 
 def coupling_layers(model, watch):
-    """The layers of `model` that couple samples in its probe's DTensor
-    call, with why: `(layers, reason)`; `None` if the model itself does
-    (a sum over the batch outside its layers' calls, a loss it adds).
-
-    A sum over the batch is the coupling of the innermost layer called when
-    it appears; a loss a layer adds is taken over the batch.
-    """
+    """`(layers, reason)`: the layers coupling samples in the probe's call
+    (a sum over the batch in their call, a loss they add); `None` if the
+    model itself does."""
     layers, reasons = [], []
     for name, layer in watch.reductions:
         if layer is None or layer is model:
@@ -153,19 +127,15 @@ def coupling_layers(model, watch):
 
 
 def verdict_of(watch, outputs, local_outputs, reason=None, coupled=None):
-    """The verdict on a call from its probe.
+    """The `Verdict` on a call from its probe.
 
     Args:
         watch: the `PartialWatch` active during the DTensor call.
-        outputs: this process' rows of the DTensor call's output leaves,
-            or `None` if one is not a batch of the global rows.
-        local_outputs: the leaves of the same call on the local rows, or
-            `None` if that call could not give them.
+        outputs: this process' rows of the DTensor call's output leaves, or
+            `None` if one is not a batch of the global rows.
+        local_outputs: the same call's leaves on the local rows, or `None`.
         reason: why the local call is ruled out, if it is.
         coupled: `coupling_layers`'s answer.
-
-    Returns:
-        A `Verdict`.
     """
     if coupled is None and watch.reductions:
         name = watch.reductions[0][0]
@@ -187,8 +157,7 @@ def verdict_of(watch, outputs, local_outputs, reason=None, coupled=None):
 
 @contextlib.contextmanager
 def recording():
-    """Records each layer call's output leaves in the block, in the order
-    the calls return (an inner layer's before its caller's).
+    """Records each layer call's output leaves, in return order.
 
     Yields:
         The list of `(layer, output leaves)` recorded.
@@ -214,20 +183,18 @@ def record(layer, outputs):
 
 
 def first_differing_layer(model, dtensor_calls, local_calls, own_rows, skip):
-    """Where the layer whose outputs on the local rows first differ from
-    this process' rows of its DTensor call's sits in the model.
+    """The first layer whose local outputs differ from its DTensor call's.
 
     Args:
         model: the model called.
-        dtensor_calls: `recording`'s list of the DTensor call.
-        local_calls: `recording`'s list of the call on the local rows.
-        own_rows: `own_rows(x)`: this process' rows of a DTensor output,
-            or `None` if it is not a batch of the global rows.
+        dtensor_calls: `recording`'s list for the DTensor call.
+        local_calls: `recording`'s list for the call on the local rows.
+        own_rows: this process' rows of a DTensor output, or `None`.
         skip: layers already called through DTensor.
 
     Returns:
-        Its position in `model._flatten_layers(include_self=False)`, or -1
-        if no layer's outputs differ (or the first that does is in `skip`).
+        Its index in `model._flatten_layers(include_self=False)`, or -1 if
+        none differs (or the first that does is in `skip`).
     """
     layers = list(model._flatten_layers(include_self=False))
     seen = {}
@@ -250,15 +217,11 @@ def first_differing_layer(model, dtensor_calls, local_calls, own_rows, skip):
 
 
 def agreed(verdict, mesh, differing=-1):
-    """The verdict every process of `mesh` reaches, and the layer to call
-    through DTensor next.
+    """The verdict all processes of `mesh` take, and the layer to try next.
 
-    A call can give DTensor's rows on some processes only (one that reads
-    the first row of the batch, a draw not over the batch): every process
-    must take the same path. Where every process that is not per-sample
-    found only a layer whose outputs differ (`differing`, see
-    `first_differing_layer`), the first of those layers in the model is
-    the one to try next. One collective of two numbers, on the probe only.
+    A call may match DTensor's rows on some processes only (e.g. one reading
+    the batch's first row), yet all must take the same path. One collective,
+    on the probe only.
 
     Returns:
         `(verdict, position of the layer to try next, or -1)`.
@@ -282,8 +245,8 @@ def assigned_outside(scope, entered):
 
 
 def unseen_by_probe(plan, rng_states, scope, entered, updated, routing):
-    """What a call on the local rows did that its probe did not find, as
-    text (empty if nothing); `routing` is its `coupled_layers.Routing`."""
+    """What a local-rows call did that its probe did not find, or `""`;
+    `routing` is its `coupled_layers.Routing`."""
     if plan.broken:
         return "a random draw of another shape than the probe's"
     if generator_states.advanced(rng_states, plan.unseeded, plan.python_draws):

@@ -1,10 +1,8 @@
 """Moments over a batch sharded across processes, as one process takes them.
 
-Batch normalization in training normalizes with the mean and variance of
-the whole batch. Under data parallelism each process holds some of its
-rows; `batch_moments` takes the moments of all of them with one
-all-reduce of packed sums, as torch's `SyncBatchNorm` does (which runs on
-CUDA only).
+Batch normalization in training needs the moments of the whole batch; under
+data parallelism `batch_moments` takes them with one all-reduce of packed
+sums, as torch's CUDA-only `SyncBatchNorm` does.
 """
 
 import functools
@@ -23,18 +21,10 @@ from keras.src.backend.torch.distributed.data_parallel import local_rows
 def batch_moments(function):
     """`moments` over the global batch, with one all-reduce forward.
 
-    Moments whose axes include the batch axis (batch normalization) are
-    computed from the sums of `x` and `x * x` and the count of values over
-    every process' rows, all-reduced in one collective:
-
-    - inside a call on the local rows, in one differentiable collective;
-      the gradient of each process' rows comes back through the
-      all-reduce;
-    - on a `DTensor` batch sharded over a 1-D mesh (data parallelism
-      through DTensor, compiled steps included), the two sums are packed
-      into one partial sum that DTensor all-reduces once. Upstream's
-      `mean(x)` and `mean(x * x)` are two partial values, each reduced on
-      its own, and their gradients again: 4 collectives against 1.
+    Moments over the batch axis come from the sums of `x`, `x * x` and the
+    count over all rows, in one collective: a differentiable all-reduce in a
+    local-rows call, or one DTensor partial sum for a batch sharded over a
+    1-D mesh (upstream's `mean(x)` and `mean(x * x)` take 4 collectives).
 
     Args:
         function: the backend's `moments(x, axes, keepdims, synchronized)`.
@@ -63,8 +53,7 @@ def batch_moments(function):
 
 
 def _batch_sharded(x):
-    """Whether `x` is a `DTensor` sharded on its first axis over a 1-D mesh
-    (and only there)."""
+    """Whether `x` is a `DTensor` sharded only on axis 0 over a 1-D mesh."""
     return (
         isinstance(x, DTensor)
         and x.device_mesh.ndim == 1
@@ -73,11 +62,9 @@ def _batch_sharded(x):
 
 
 def _packed_moments(x, axes, keepdims):
-    """`_global_moments` of a batch-sharded `DTensor`, through DTensor.
+    """`_global_moments` of a batch-sharded `DTensor`, packed for DTensor.
 
-    The sums over the batch are partial sums; packed into one tensor,
-    DTensor reduces them in one all-reduce. The count is the global
-    shape's.
+    Packed into one tensor, the partial sums take one all-reduce.
     """
     dtype = x.dtype
     if dtype in (torch.float16, torch.bfloat16):
@@ -122,8 +109,7 @@ def _global_moments(x, axes, keepdims, group):
 
 
 class _AllReduceSum(torch.autograd.Function):
-    """A sum over processes; its gradient is the sum of theirs (each
-    process' rows reach every process' moments)."""
+    """A sum over processes whose backward pass sums the gradients too."""
 
     @staticmethod
     def forward(ctx, x, group):

@@ -1,22 +1,8 @@
 """Layers that couple the samples of a batch, called alone through DTensor.
 
-A data-parallel model runs on each process' rows as plain tensors when
-its call is per-sample (`local_rows`). A model that is per-sample but for
-some of its layers (an activity regularizer's loss over the batch, a loss
-a layer adds, a user's layer that reduces over the batch axis) runs on
-the local rows too, all but those layers: each of them is called through
-DTensor on the batch its inputs make across processes, so that what it
-takes over the batch is the global batch's, and its outputs return to
-the local rows. Which layers couple is the probe's (`batch_coupling`):
-the innermost layer being called when a sum over the batch appears,
-and every layer that adds a loss.
-
-In such a call the layer's weights are its local values made replicated
-`DTensor`s whose gradients return to the local values as the partial sums
-every weight of a local call gets (`local_rows`); its losses are kept for
-the loss as Keras keeps a layer's losses. How a batch of DTensors splits
-into each process' rows (`batch_of`, a `Batch`) is this module's too: the
-call on the local rows and its coupled layers share it.
+In a model run on the local rows (`local_rows`), layers that couple the
+batch (a sum over it, an added loss) are called through DTensor on the global
+batch, weights as replicated `DTensor`s; their outputs return to the rows.
 """
 
 import contextlib
@@ -38,22 +24,16 @@ from keras.src.backend.torch.distributed.core.runtime import Partial
 from keras.src.backend.torch.distributed.core.runtime import Replicate
 from keras.src.backend.torch.distributed.core.runtime import Shard
 
-# Per thread, as layer calls are: the coupled layers of the local call
-# running now.
+# The coupled layers of the running local call; per thread, as layer calls.
 _state = threading.local()
 
 
 class NotRows(Exception):
-    """A coupled layer's output is not split by the rows of the batch:
-    the call cannot go on on the local rows."""
+    """A coupled layer's output is not split by the rows of the batch."""
 
 
 def innermost_layer():
-    """The innermost layer being called now, or `None`.
-
-    A layer's call, its activity regularizer included, runs in the name
-    scope the layer opens with itself as the caller.
-    """
+    """The innermost layer being called (a name scope's caller), or `None`."""
     from keras.src.layers import Layer
 
     stack = global_state.get_global_attribute("name_scope_stack") or ()
@@ -84,14 +64,10 @@ class Batch:
 
 
 def batch_of(values):
-    """The `Batch` of `values` if every tensor in it is a DTensor sharded
-    on its first axis over a 1-D mesh, each process holding at least one
-    row; else `None`.
+    """The `Batch` of `values`, or `None` if they are not split by rows.
 
-    On a mesh of one process, inputs left whole (`Replicate`, as
-    `distribute_tensor` leaves a batch on an axis of size one) are that
-    process' rows too: a `DataParallel` job of one process computes on
-    plain tensors, as one with several does.
+    All must be DTensors sharded on axis 0 over a 1-D mesh, at least one row
+    per process; on a one-process mesh, `Replicate` inputs count too.
     """
     leaves = [x for x in tree.flatten(values) if hasattr(x, "shape")]
     if not leaves or not all(isinstance(x, DTensor) for x in leaves):
@@ -137,7 +113,7 @@ def replicated_on(value, mesh):
 
 @dataclasses.dataclass
 class Routing:
-    """The coupled layers of a call on the local rows, and what they add.
+    """The coupled layers of a local-rows call, and what they add.
 
     Attributes:
         layer_ids: the ids of the layers to call through DTensor.
@@ -162,16 +138,15 @@ def routed(layers, batch):
     """In the block, a call of one of `layers` runs through DTensor.
 
     Args:
-        layers: the coupled layers of the call on the local rows.
-        batch: a `Batch`, the rows of that call.
+        layers: the coupled layers of the local-rows call.
+        batch: the `Batch` of that call.
 
     Yields:
         The `Routing`.
     """
     previous = getattr(_state, "routing", None)
-    # An activity regularizer runs in `Layer.__call__` after the call this
-    # module routes: the routed call applies it to the global outputs
-    # (`_regularize`), in its place.
+    # `Layer.__call__` applies the activity regularizer after the routed
+    # call; `_regularize` applies it to the global outputs instead.
     regularizers = {
         id(layer): layer.activity_regularizer
         for layer in layers
@@ -192,8 +167,7 @@ def routed(layers, batch):
 
 
 def routing(layer):
-    """The `Batch` of the local call if `layer` is to be called through
-    DTensor in it, else `None`."""
+    """The local call's `Batch` if `layer` is routed through DTensor."""
     current = getattr(_state, "routing", None)
     if current is None or id(layer) not in current.layer_ids:
         return None
@@ -201,24 +175,22 @@ def routing(layer):
 
 
 def call(through_dtensor, plain_as_replicated, layer, batch, args, kwargs):
-    """Calls a coupled `layer` of a call on the local rows through DTensor.
+    """Calls a coupled `layer` of a local-rows call through DTensor.
 
     Args:
-        through_dtensor: `through_dtensor(args, kwargs)` calls the layer
-            on `DTensor`s under the distribution.
-        plain_as_replicated: a context in which plain tensors mix with
-            `DTensor`s as replicated values, as in a layer call (for the
-            activity regularizer, applied after it).
+        through_dtensor: `through_dtensor(args, kwargs)` calls the layer.
+        plain_as_replicated: a context where plain tensors mix with
+            `DTensor`s as replicated values (for the activity regularizer).
         layer: the layer.
         batch: the `Batch` of the local call.
-        args: the positional arguments, plain tensors of the local rows.
-        kwargs: the keyword arguments.
+        args: positional arguments, plain tensors of the local rows.
+        kwargs: keyword arguments.
 
     Returns:
         The outputs, plain tensors of the local rows.
 
     Raises:
-        NotRows: an output is not a batch of the global rows.
+        NotRows: if an output is not a batch of the global rows.
     """
     scope = get_stateless_scope()
     losses_before = len(scope.losses)
@@ -242,8 +214,7 @@ def call(through_dtensor, plain_as_replicated, layer, batch, args, kwargs):
         for variable, value in local_values:
             new_value = scope.get_current_value(variable)
             if new_value is not entered[id(variable)]:
-                # An assignment (moving statistics) of a global value,
-                # which DTensor may have left partial.
+                # A global value assigned (moving statistics), maybe partial.
                 value = whole(new_value)
             scope.add_update((variable, value))
         _state.routing.losses.extend(scope.losses[losses_before:])
@@ -251,8 +222,7 @@ def call(through_dtensor, plain_as_replicated, layer, batch, args, kwargs):
 
 
 def _regularize(layer, outputs):
-    """Adds `layer`'s activity regularization of its global `outputs`, as
-    `Layer.__call__` does: per output, normalized by the batch size."""
+    """Adds `layer`'s activity loss on its global `outputs`, as `Layer` does."""
     regularizer = _state.routing.regularizers.get(id(layer))
     if regularizer is None:
         return
@@ -265,16 +235,13 @@ def _regularize(layer, outputs):
 
 
 def keep_losses(model, losses):
-    """Keeps the losses coupled layers added in a call on the local rows.
+    """Keeps coupled layers' losses where Keras keeps a layer's loss.
 
-    They were collected by that call's stateless scope; they go where Keras
-    puts a loss a layer adds: the enclosing stateless scope if it collects
-    losses, else the layer's own losses.
+    The enclosing stateless scope if it collects losses, else the layers'.
 
     Args:
         model: the model called.
-        losses: the losses the call collected (all added by its coupled
-            layers).
+        losses: the losses the call collected, all from coupled layers.
     """
     if not losses:
         return
@@ -292,13 +259,10 @@ def keep_losses(model, losses):
 
 
 class _ReplicatedWeight(torch.autograd.Function):
-    """A local weight as a replicated `DTensor`; its gradient returns as
-    this process' partial sum of the weight's gradient.
+    """A local weight as a replicated `DTensor`, its gradient a partial sum.
 
-    A partial-sum gradient is this process' own; a replicated one (every
-    process computed the whole) is kept by the mesh's first process, so
-    that the step's sum over processes counts it once.
-    """
+    A replicated gradient is kept by the mesh's first process only, so the
+    step's sum over processes counts it once."""
 
     @staticmethod
     def forward(ctx, local, mesh):
@@ -377,9 +341,8 @@ def _local_rows(x, batch):
 
 
 def _rows_of(x, batch):
-    """This process' rows of `x`: of a batch of the global rows, or of one
-    whose first axis holds `k` items per row (a layer's tokens flattened,
-    `(batch * sequence, ...)`)."""
+    """This process' rows of `x`, whose axis 0 holds `k >= 1` items per row
+    (`k > 1`: tokens flattened to `(batch * sequence, ...)`)."""
     if x.device_mesh is not batch.mesh or x.ndim == 0:
         raise NotRows(f"an output of shape {tuple(x.shape)}")
     per_row, rest = divmod(x.shape[0], batch.global_rows)
@@ -390,7 +353,6 @@ def _rows_of(x, batch):
     if tuple(x.placements) == tuple(batch.placements):
         local = x.to_local()
         if local.shape[0] != stop - start:
-            # Split otherwise than the rows.
             raise NotRows(f"an output of shape {tuple(x.shape)}")
         return local
     # Whole on every process: each takes its rows; their gradients, zero

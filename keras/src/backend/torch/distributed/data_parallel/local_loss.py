@@ -1,23 +1,10 @@
-"""A per-sample loss computed on each process' rows, as plain tensors.
+"""The compiled loss computed as plain tensors on each process' rows.
 
-Under data parallelism a per-sample model returns batch-sharded outputs
-computed on each process' rows (see `local_rows`). A compiled loss that
-treats each sample on its own and sums over the batch ("sum_over_batch_size")
-is, on the global batch, the sum of every process' rows' weighted values
-divided by the global number of values. Each process computes its share of
-that sum on its plain local tensors, divides it by the global count, and
-returns it as a partial sum, which only the loss tracker reduces (one
-number, see `local_state.local_metric_state`); the backward pass then
-runs on plain tensors from the loss down to the weights. Through DTensor
-the loss and its backward were about 15 dispatched ops a step. Outputs
-replicated on every process (a model-parallel model's, after its
-row-parallel layer) with replicated targets are computed on as plain
-tensors too: each process computes the whole loss. The model's other
-losses join a partial loss on the local rows: the weights' regularization
-computed on their local values, and the losses its layers added, each
-counted once over the processes. Anything else (a custom or batch-wide
-loss, several outputs, masks, other losses beside replicated outputs, an
-overridden `compute_loss`) runs through DTensor.
+A per-sample "sum_over_batch_size" loss is the sum of every process' weighted
+values over the global count: each process computes its share on its local
+rows (`local_rows`) and returns a partial sum that only the loss tracker
+reduces, so the backward pass runs on plain tensors. Replicated outputs and
+targets are computed whole on each process; anything else runs through DTensor.
 """
 
 import functools
@@ -32,8 +19,7 @@ from keras.src.backend.torch.distributed.core.runtime import Partial
 from keras.src.backend.torch.distributed.core.runtime import Replicate
 from keras.src.backend.torch.distributed.core.runtime import Shard
 
-# Built-in loss functions that reduce each sample over its own (last) axes
-# only: `keras.src.losses.losses.<name>`.
+# Built-in losses reducing each sample over its own (last) axes only.
 _PER_SAMPLE_FUNCTION_NAMES = (
     "binary_crossentropy",
     "binary_focal_crossentropy",
@@ -54,9 +40,7 @@ _PER_SAMPLE_FUNCTION_NAMES = (
     "squared_hinge",
 )
 
-# Of those, the ones that take a softmax over the class axis of logits
-# (`from_logits=True`): through DTensor, a class axis sharded over the mesh
-# is gathered for it.
+# Those taking a softmax of logits: DTensor gathers a sharded class axis.
 _SOFTMAX_FUNCTION_NAMES = (
     "categorical_crossentropy",
     "categorical_focal_crossentropy",
@@ -65,18 +49,11 @@ _SOFTMAX_FUNCTION_NAMES = (
 
 
 def gathered_predictions(model, y, y_pred):
-    """The model's outputs with their class axis gathered, where the
-    compiled loss would gather it.
+    """`y_pred` with its class axis gathered where the compiled loss would.
 
-    A model-parallel classifier or language model whose head shards its
-    output features (the vocabulary) leaves the logits sharded on their
-    last axis. A softmax cross-entropy gathers that axis; the accuracy
-    metrics then take an `argmax` over it, a second collective (see
-    `sharded_positions`). Gathered once here, before both, the loss and the
-    metrics read whole rows: one collective of the same size instead of
-    two, and the loss can be computed on plain tensors (see
-    `local_compiled_loss`). The backward pass of the gather takes each
-    process' columns of the gradient, with no collective.
+    A model-parallel head leaves logits sharded on their last axis; one gather
+    here serves the softmax cross-entropy and the accuracy metrics' `argmax`
+    (`sharded_positions`), and the loss can then run on plain tensors.
 
     Args:
         model: the model being trained or evaluated.
@@ -84,9 +61,8 @@ def gathered_predictions(model, y, y_pred):
         y_pred: the model's outputs.
 
     Returns:
-        `y_pred`, redistributed to be whole along its last axis if it is a
-        `DTensor` sharded there and the model's one compiled loss is a
-        softmax cross-entropy of logits; else `y_pred` itself.
+        `y_pred` made whole on its last axis if it is sharded there and the
+        one compiled loss is a softmax cross-entropy of logits, else itself.
     """
     if not isinstance(y_pred, DTensor) or y_pred.ndim == 0:
         return y_pred
@@ -118,30 +94,23 @@ def local_compiled_loss(
 ):
     """The train step's loss, computed on local tensors.
 
-    The compiled loss, plus, for outputs of a call on the local rows, the
-    model's other losses (Keras' `compute_loss` adds them): its weights'
-    regularization, computed on the weights' local values, and the losses
-    its layers added. A whole value (a regularization, a loss made whole)
-    is counted by the mesh's first process, a partial sum by every process
-    its part: the processes' shares add up to one process' loss, and so do
-    their gradients.
+    For outputs of a call on the local rows, also adds the model's other
+    losses (regularization on local weights, layers' added losses): a whole
+    value counted by the mesh's first process, a partial sum by each its part.
 
     Args:
         model: the model being trained.
         y: the targets.
         y_pred: the model's outputs.
         sample_weight: the sample weights, or `None`.
-        local_y_pred: the plain tensor of this process' rows that `y_pred`
-            was made of, if it is the output of a call on the local rows
-            (see `local_rows`), else `None`.
-        local_weight: `local_weight(variable)`, the local value a weight
-            had in that call (its gradient a partial sum), or `None`.
+        local_y_pred: this process' rows of `y_pred` as a plain tensor if it
+            is the output of a call on the local rows (`local_rows`), or `None`.
+        local_weight: `local_weight(variable)`, a weight's local value in that
+            call (its gradient a partial sum), or `None`.
 
     Returns:
-        The loss as a `DTensor`: each process' share a partial sum for
-        outputs of a call on the local rows, replicated for replicated
-        outputs; `None` where this cannot be shown to give DTensor's
-        numbers (the caller then computes the loss as Keras does).
+        A `DTensor` (partial for local-row outputs, else replicated), or
+        `None` where it may not match DTensor's result (Keras then computes it).
     """
     # Imported here: the backend imports this module.
     from keras.src import ops
@@ -188,13 +157,8 @@ def local_compiled_loss(
 
 
 def _other_losses(model, mesh, placements, local_weight):
-    """The model's losses besides the compiled one, each as `(a function
-    computing its local tensor, whether that is this process' part of a
-    partial sum)`; `None` if one cannot be computed so.
-
-    Only for a loss that is a partial sum (outputs of a call on the local
-    rows, with `local_weight`), outside a compiled step.
-    """
+    """The other losses as `(local value function, is_part)` pairs, or `None`;
+    `is_part` says whether a value is this process' part of a partial sum."""
     if model._losses_override:
         return None
     added = [
@@ -239,10 +203,8 @@ def _local(x, grad_placement):
 
 
 def _local_prediction(y_pred, local_y_pred, batch):
-    """`(local tensor of y_pred, placements of the loss)`, or `(None, None)`
-    unless `y_pred` comes from a call on the local rows (`local_y_pred`)
-    and `batch` is sharded like it, or `y_pred` and `batch` are
-    replicated."""
+    """`(local y_pred, loss placements)` for a call on the local rows with
+    `batch` sharded like it, or all replicated; else `(None, None)`."""
     if local_y_pred is not None and (
         _sharded_like(y_pred, batch)
         # One process' rows are the whole batch: a sum of one part.
@@ -257,8 +219,8 @@ def _local_prediction(y_pred, local_y_pred, batch):
 
 
 def _single_compiled_loss(model, y, y_pred):
-    """The one `(path, loss, weight, name)` of the model's compiled loss,
-    if Keras' own `compute_loss` computes it on one output, else `None`."""
+    """The one `(path, loss, weight, name)` of the model's compiled loss if
+    Keras' own `compute_loss` computes it on one output, else `None`."""
     from keras.src.models.model import Model
     from keras.src.trainers.compile_utils import CompileLoss
 
@@ -298,8 +260,7 @@ def _per_sample_loss(loss):
 
 
 def _sharded_like(y_pred, values):
-    """Whether each of `values` (or `None`) is sharded on the batch as
-    `y_pred`, the output of a call on the local rows, is."""
+    """Whether each of `values` (or `None`) is batch-sharded as `y_pred`."""
     for x in values:
         if x is None:
             continue
@@ -315,8 +276,7 @@ def _sharded_like(y_pred, values):
 
 
 def _replicated_like(y_pred, values):
-    """Whether `y_pred` and each of `values` (or `None`) are `DTensor`s
-    replicated on `y_pred`'s mesh."""
+    """Whether `y_pred` and `values` (or `None`) are replicated on its mesh."""
     for x in [y_pred] + list(values):
         if x is None:
             continue
@@ -330,9 +290,8 @@ def _replicated_like(y_pred, values):
 
 
 def _loss_share(loss, y_true, y_pred, sample_weight, global_rows):
-    """A process' share of `loss` of the global batch (see `Loss.__call__`:
-    the same calls, on this process' rows), or `None` if it is not the
-    per-sample values' sum over the global count of values."""
+    """This process' share of `loss` on the global batch, or `None` unless it
+    is the per-sample values' sum over their global count."""
     from keras.src import ops
     from keras.src.losses.loss import reduce_weighted_values
 

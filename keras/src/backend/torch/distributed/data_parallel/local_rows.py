@@ -1,22 +1,10 @@
 """Data-parallel model calls on each process' own rows, as plain tensors.
 
-When every weight is replicated and the batch is sharded, a call that
-treats each sample on its own computes on a process' rows exactly what
-DTensor computes on them, without DTensor's dispatch on every op. Which
-calls do is measured on the first one (`batch_coupling`'s probe), whatever
-the classes of the layers. A per-sample model is then called on the local
-rows as plain tensors: the weights enter as their local values with
-partial-sum gradients (torch's `local_map`), and the outputs leave as
-batch-sharded DTensors, so the loss, the metrics and anything else that
-reduces over the batch see the global batch: one process' numbers.
-
-What couples samples inside such a model is made global by one mechanism
-each: batch moments all-reduced (`batch_statistics`), random numbers drawn
-by position (`random_draws`), a layer that sums over the batch or adds a
-loss called alone through DTensor (`coupled_layers`). A model that couples
-samples otherwise (a sum outside its layers, an assigned trainable
-variable, other values on its local rows) runs through DTensor, in that
-step function from then on.
+With replicated weights and a sharded batch, a per-sample call (as probed by
+`batch_coupling`) computes on a process' rows what DTensor would, without
+its per-op dispatch. Coupling inside the model goes through
+`batch_statistics`, `random_draws` or `coupled_layers`; any other coupling
+makes the step function run through DTensor from then on.
 """
 
 import contextlib
@@ -41,18 +29,12 @@ from keras.src.backend.torch.distributed.data_parallel import batch_coupling
 from keras.src.backend.torch.distributed.data_parallel import coupled_layers
 from keras.src.backend.torch.distributed.dtensor_gaps import fallback
 
-# The attribute of a model that holds its `ModelSteps`.
 _STEPS_ATTRIBUTE = "_distributed_steps"
-# The local call running in this thread: `(process group, global rows)`,
-# for `batch_moments`, which the call reaches through the backend's
-# `moments` with no model or step at hand. A call's context, not a step's:
-# a call runs in the thread that makes it (its backward pass, which may run
-# elsewhere, reads nothing here).
+# This thread's local call, `(process group, global rows)`, for
+# `batch_moments`, reached via the backend's `moments` with no model at hand.
 _local_call = threading.local()
-# Why a layer whose outputs on the local rows differ is coupled.
 _MIXES = "its outputs on the local rows differ"
-# What the probe found of calls outside a step: `{layer: {training:
-# batch_coupling.Verdict}}` (a step keeps its own, `step.verdicts`).
+# Verdicts on calls outside a step: `{layer: {training: Verdict}}`.
 _verdicts = weakref.WeakKeyDictionary()
 
 
@@ -60,8 +42,7 @@ class ModelSteps:
     """The `step.DistributedStep`s of a model, kept on it.
 
     Attributes:
-        by_kind: the step each kind of step function ("train", "test",
-            "predict") runs.
+        by_kind: the step of each step function ("train", "test", ...).
         running: the step running now, or `None`.
     """
 
@@ -80,8 +61,7 @@ def model_steps(model):
 
 
 def running_step(model):
-    """The `step.DistributedStep` running a step of `model` (the outermost
-    layer of a call) now, set by its step function; or `None`."""
+    """The `step.DistributedStep` now running a step of `model`, or `None`."""
     steps = getattr(model, _STEPS_ATTRIBUTE, None)
     return None if steps is None else steps.running
 
@@ -95,13 +75,11 @@ def call(call_function, layer, args, kwargs, through_dtensor):
         args: the positional arguments, batch-sharded `DTensor`s.
         kwargs: the keyword arguments.
         through_dtensor: `through_dtensor(args, kwargs)` calls it on
-            `DTensor`s: the probe's first call.
+            `DTensor`s (the probe's call).
 
     Returns:
-        The outputs, batch-sharded `DTensor`s; `None` where the call is not
-        per-sample (the caller then calls it with DTensors). Within a step
-        of `layer` (see `running_step`), the step keeps each output's local
-        tensor, and learns whether the call must run through DTensor.
+        The outputs as batch-sharded `DTensor`s, or `None` if the call is not
+        per-sample (the caller then calls it through DTensor).
     """
     step = running_step(layer)
     batch = coupled_layers.batch_of((args, kwargs))
@@ -115,8 +93,6 @@ def call(call_function, layer, args, kwargs, through_dtensor):
         variables = local_variables(layer, mesh)
     if variables is None:
         return None
-    # A step keeps the verdicts on its model's calls; calls outside a step
-    # are remembered per layer.
     verdicts = (
         _verdicts.setdefault(layer, {}) if step is None else step.verdicts
     )
@@ -158,14 +134,9 @@ def verdict(layer, training=False):
 def _probe(call_function, layer, args, kwargs, through_dtensor, variables):
     """Calls `layer` through DTensor, then checks its call on local rows.
 
-    The check draws what the DTensor call drew (random numbers are drawn
-    by position, `random_draws`): from the same seed generator states and
-    torch generator state, on this process' rows.
-
-    Returns:
-        `(outputs of the DTensor call, batch_coupling.Verdict)`; no verdict
-        (`None`) if the call built a layer (its variables are not all known
-        yet: the next call probes again).
+    The check replays the same draws (`random_draws`) on this process' rows.
+    Returns `(DTensor outputs, Verdict)`; the verdict is `None` if the call
+    built a layer (the next call probes again).
     """
     batch = coupled_layers.batch_of((args, kwargs))
     mesh = batch.mesh
@@ -205,10 +176,8 @@ def _probe(call_function, layer, args, kwargs, through_dtensor, variables):
                 losses,
             )
         if reason is None:
-            # Draws from a global generator (Python's picking operations,
-            # torch's for an op of its own) must take from it what the
-            # DTensor call took, else the processes' generators leave the
-            # sequence of one process.
+            # Global generators (Python's, torch's own ops) must advance as
+            # in the DTensor call, else the processes' sequences diverge.
             if generator_states.differ(after, generator_states.take()):
                 reason = "draws from a global generator otherwise on its rows"
             plan.python_draws = generator_states.python_advanced(
@@ -219,8 +188,7 @@ def _probe(call_function, layer, args, kwargs, through_dtensor, variables):
         )
         differing = -1
         if verdict.reason == batch_coupling.DIFFERS:
-            # A layer that mixes samples: it alone through DTensor, and
-            # the call checked again.
+            # Route the layer that mixes samples through DTensor; recheck.
             differing = batch_coupling.first_differing_layer(
                 layer, dtensor_calls, local_calls, own_rows, layers
             )
@@ -236,11 +204,7 @@ def _probe(call_function, layer, args, kwargs, through_dtensor, variables):
 
 
 def _own_rows(x, batch):
-    """This process' rows of a probe's output, or `None` if it has none.
-
-    An output split as the inputs are is its local tensor; one left whole
-    (an op DTensor refused, computed on global values) is cut.
-    """
+    """This process' rows of a probe's output (cut if whole), or `None`."""
     if not (
         isinstance(x, DTensor)
         and x.device_mesh is batch.mesh
@@ -261,16 +225,9 @@ def _checking_call(
 ):
     """The probe's call on the local rows: no gradient, nothing kept.
 
-    Args:
-        mapping: pairs `(variable, local value)`: the values the DTensor
-            call started from.
-        batch: the `coupled_layers.Batch` of the call.
-        coupled: the layers to call through DTensor.
-        losses: the losses they added in the DTensor call.
-
-    Returns:
-        `(output leaves, None, random_draws.DrawPlan)`, or `(None, why the
-        call is not per-sample, None)`.
+    `mapping` holds the `(variable, local value)` pairs the DTensor call began
+    with; `coupled` the layers to route, `losses` theirs from that call.
+    Returns `(output leaves, None, DrawPlan)` or `(None, reason, None)`.
     """
     local_args, local_kwargs = tree.map_structure(_to_local, (args, kwargs))
     plan = random_draws.DrawPlan()
@@ -298,8 +255,7 @@ def _checking_call(
         return None, "its outputs on the local rows are not plain rows", None
     if not _same_losses(losses, routing.losses):
         return None, "its losses on the local rows differ from DTensor's", None
-    # The state the call updates (moving statistics, seed generators) as
-    # the DTensor call left it.
+    # Updated state (moving statistics, seed generators) must match DTensor's.
     if not all(
         batch_coupling.same(scope.get_current_value(v), v.value.to_local())
         for v in variables
@@ -310,8 +266,7 @@ def _checking_call(
 
 
 def _same_losses(losses, local_losses):
-    """Whether the coupled layers' losses of a probe's two calls agree (on
-    this process' part of each: they are laid out alike)."""
+    """Whether the coupled layers' losses of a probe's two calls agree."""
     if len(losses) != len(local_losses):
         return False
     return all(
@@ -323,9 +278,8 @@ def _same_losses(losses, local_losses):
 def _call_locally(
     call_function, layer, inputs, batch, variables, verdict, step
 ):
-    """Calls `layer` on the `inputs` (`(args, kwargs)`) `batch` of local
-    rows; `None` if the call must run through DTensor after all (then
-    nothing it did is kept)."""
+    """Calls `layer` on the local rows of `inputs` (`(args, kwargs)`); `None`,
+    keeping nothing, if it must run through DTensor after all."""
     mesh, global_rows, local_rows = (
         batch.mesh,
         batch.global_rows,
@@ -360,16 +314,12 @@ def _call_locally(
         )
     varies = plan.draws or plan.python_draws or verdict.coupled
     if varies and global_rows % mesh.size():
-        # Whether a draw fits the plan, or a coupled layer's output splits
-        # by rows, can depend on a process' number of rows, which differ
-        # here: every process must leave the local rows alike. (Processes
-        # of as many rows decide alike.)
+        # Whether draws fit the plan or coupled outputs split by rows depends
+        # on row counts, which differ here: every process must decide alike.
         unseen = batch_coupling.agreed_unseen(unseen, mesh)
     if unseen:
-        # What the probe did not see in its call (a draw of another shape,
-        # a loss added only now and then): the call runs again through
-        # DTensor, this time and from now on in this step function.
-        # Nothing the call updated is kept.
+        # Unseen by the probe (a draw of another shape, an occasional loss):
+        # rerun through DTensor, now and from then on, keeping nothing.
         runtime.log_debug(
             "%s: through DTensor from now on: %s", layer.name, unseen
         )
@@ -379,9 +329,7 @@ def _call_locally(
         return None
     with torch.no_grad():
         for variable, value in updated:
-            # Moving statistics (the same on every process: global moments)
-            # and seed generator states, written into the replicated local
-            # values.
+            # Moving statistics (global moments) and seed generator states.
             variable.value.to_local().copy_(value)
     coupled_layers.keep_losses(layer, scope.losses)
 
@@ -411,8 +359,7 @@ def _in_local_call(batch, plan, coupled):
 
 
 def local_call_group():
-    """The process group of the call on the local rows this thread runs
-    (its mesh's), or `None` outside such a call."""
+    """The mesh group of this thread's local-rows call, or `None`."""
     current = getattr(_local_call, "current", None)
     return None if current is None else current[0]
 
@@ -425,9 +372,7 @@ def local_variables(model, mesh):
         mesh: the (1-D) mesh its batch is sharded over.
 
     Returns:
-        The list of the model's variables if every one is replicated on
-        `mesh`, else `None`. Whether its calls are per-sample is the
-        probe's (see `call`).
+        The model's variables if all are replicated on `mesh`, else `None`.
     """
     variables = list(model.variables)
     if not all(coupled_layers.replicated_on(v.value, mesh) for v in variables):
@@ -438,12 +383,8 @@ def local_variables(model, mesh):
 def classification_final(model):
     """Whether what `local_variables` says of `model` holds from now on.
 
-    Once every layer in the model is built, its layers, their variables and
-    the variables' layouts no longer change (assignments keep a variable's
-    layout): a step function may keep the answer (Keras' own compiled
-    steps, JAX's too, also see the model as it was when first traced).
-    Before, a layer still to be built answers `False` for now.
-    """
+    True once every layer is built: layers, variables and layouts then stay
+    fixed, so a step function may keep the answer."""
     return all(
         sublayer.built
         for sublayer in model._flatten_layers(include_self=True, recursive=True)
@@ -451,11 +392,9 @@ def classification_final(model):
 
 
 def local_weight(variable, step):
-    """A replicated weight's local value; its gradient a partial sum.
+    """A replicated weight's local value, its gradient a partial sum.
 
-    In Keras' own train step a trainable weight enters as a plain leaf
-    (see `step_reduction.OverlappedReduction.local_leaf`), else through
-    DTensor.
+    A plain leaf in Keras' own train step (`OverlappedReduction.local_leaf`).
     """
     value = variable.value
     if not value.requires_grad:
@@ -471,8 +410,7 @@ def _to_local(x):
 
 
 def _is_local_batch(x, local_rows):
-    """Whether `x` is a plain tensor of this process' rows (no DTensor
-    took part in computing it: an op with one returns a DTensor)."""
+    """Whether `x` is a plain tensor of this process' rows (no DTensor op)."""
     return (
         hasattr(x, "shape")
         and not isinstance(x, DTensor)
@@ -482,8 +420,7 @@ def _is_local_batch(x, local_rows):
 
 
 def _to_global(x, mesh, global_rows, placements):
-    """A local output as the global value laid out as the inputs were
-    (`placements`), with its mask."""
+    """A local output (and its mask) as the global value in `placements`."""
     mask = get_keras_mask(x)
     output = _sharded(x, mesh, global_rows, placements)
     if mask is not None:

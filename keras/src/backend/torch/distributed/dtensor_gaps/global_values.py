@@ -1,13 +1,9 @@
 """Ops computed on the global values of their `DTensor` operands.
 
-The fallback mode (`fallback.py`) decides which ops DTensor cannot compute
-as wanted; this module computes them as one process does: it gathers the
-operands to their global values, runs the op on plain tensors, and lays
-each result out again (like an operand of the same shape, its partial sums
-reduced; else replicated). An op that writes into its operands writes its
-result back in each operand's own layout. Every such op, and what it
-gathered, is counted (`fallback_counts`), for
-`keras.distribution.sharding_summary`.
+For the ops `fallback.py` finds DTensor cannot compute as wanted: operands are
+gathered, the op runs on plain tensors as on one process, and results are laid
+out again (like a same-shape operand, else replicated) or written back into the
+operands it mutates. Fallbacks are counted for `sharding_summary`.
 """
 
 import dataclasses
@@ -28,9 +24,9 @@ class FallbackCount:
 
     Attributes:
         calls: how many times the op was computed on global values.
-        gathered_bytes: the bytes of the global values this process
-            assembled from other processes' shards and partial sums.
-        reason: the first line of DTensor's error, the first time.
+        gathered_bytes: the bytes this process assembled from other processes'
+            shards and partial sums.
+        reason: the first line of DTensor's first error.
     """
 
     calls: int = 0
@@ -43,12 +39,7 @@ _counts_lock = threading.Lock()
 
 
 def fallback_counts():
-    """The ops this process computed on global values, so far.
-
-    Returns:
-        A dict from the op's name (`"aten.avg_pool2d_backward.default"`) to
-        a copy of its `FallbackCount`.
-    """
+    """`{op name: copy of its FallbackCount}` of ops run on global values."""
     with _counts_lock:
         return {k: dataclasses.replace(v) for k, v in _counts.items()}
 
@@ -71,9 +62,8 @@ def on_global_values(
         refusal: DTensor's error, or `None`.
         name: the name it is counted under.
         mutated: the operands it writes into.
-        differentiable: whether autograd records the gathers (a torch
-            function, above autograd; an op, below it, is recorded as a
-            whole).
+        differentiable: whether autograd records the gathers (a torch function,
+            above autograd; an op below it is recorded whole).
 
     Returns:
         Its results, laid out again.
@@ -91,13 +81,13 @@ def on_global_values(
             else:
                 whole = gathered_at_once(x)
                 if whole is None:
-                    # Below autograd, nothing is recorded; a gather of an
-                    # operand that requires grad ends in `detach_`, which
-                    # torch < 2.13's DTensor refuses.
+                    # Below autograd nothing is recorded; gathering an operand
+                    # that requires grad ends in `detach_`, which torch < 2.13's
+                    # DTensor refuses.
                     whole = x.detach().full_tensor()
             if _is_view(func):
-                # The view is copied out as a result anyway; contiguous,
-                # the value takes every view one process' tensor takes.
+                # The view is copied out anyway; contiguous, it takes every view
+                # one process' tensor takes.
                 gathered[id(x)] = whole.contiguous()
             else:
                 gathered[id(x)] = _in_memory_order_of(whole, x)
@@ -107,16 +97,15 @@ def on_global_values(
     try:
         outputs = func(*global_args, **global_kwargs)
     except Exception as e:
-        # The op fails on plain tensors too: its own error is the one to
-        # show, with DTensor's for context.
+        # The op fails on plain tensors too: raise its own error, DTensor's as
+        # context.
         raise e from refusal
     count(name, refusal, operands)
     for operand in mutated:
         if isinstance(operand, DTensor):
             _write_back(operand, gathered[id(operand)])
     if mutated and len(mutated) == len(leaves(outputs)):
-        # An in-place op returns the operands it wrote into; a plain one
-        # holds the global value, as plain tensors do here.
+        # An in-place op returns the operands it wrote into.
         return mutated[0] if len(mutated) == 1 else tuple(mutated)
     return map_leaves(
         lambda y: (
@@ -129,21 +118,9 @@ def on_global_values(
 def _in_memory_order_of(whole, x):
     """`whole`, dense, with its dimensions in memory as `x`'s strides say.
 
-    A global value is the tensor one process would hold, and that tensor is
-    not always contiguous: cuDNN's batch-first RNN output is a transpose of
-    its time-major buffer, and its backward reads that saved output's memory
-    in the order the forward wrote it (from a contiguous copy it computes
-    wrong gradients of the recurrent kernel). A `DTensor`'s own strides
-    describe one process' tensor (its local tensor may be laid out
-    otherwise), and they are the same on every process, so every process
-    lays out its global value alike. Contiguous for a broadcast.
-
-    Args:
-        whole: the global value of `x`.
-        x: a `DTensor`.
-
-    Returns:
-        A dense tensor equal to `whole`.
+    One process' tensor is not always contiguous (cuDNN's batch-first RNN output
+    transposes its time-major buffer, and its backward is wrong on a contiguous
+    copy); a `DTensor`'s strides describe that tensor on every process.
     """
     order = _memory_order(x)
     if order is None or order == sorted(order):
@@ -153,11 +130,9 @@ def _in_memory_order_of(whole, x):
 
 
 def _memory_order(x):
-    """The dimensions of `x` from outermost to innermost in memory, or
-    `None` for a broadcast (a stride of 0).
+    """Dimensions of `x` outermost to innermost in memory; `None` if broadcast.
 
-    Only the order: DTensor's global strides keep the order of its local
-    tensor's, not always their values.
+    Only the order: DTensor's global strides keep its local tensor's order only.
     """
     if any(x.stride(d) == 0 and x.size(d) > 1 for d in range(x.dim())):
         return None
@@ -165,20 +140,13 @@ def _memory_order(x):
 
 
 def gathered_at_once(x):
-    """The global value of `x`, sharded along several mesh dimensions, in
-    one all-gather over all of the mesh's processes.
+    """The global value of `x`, sharded on several mesh dims, in one all-gather.
 
-    `full_tensor` gathers along one mesh dimension after the other: a
-    collective per dimension (the logits of a model sharded over the batch
-    and the model axes take two).
-
-    Args:
-        x: a `DTensor`.
+    `full_tensor` takes one collective per sharded mesh dimension.
 
     Returns:
-        A plain tensor, or `None` where one all-gather does not apply: a
-        value sharded along at most one mesh dimension, a partial sum or a
-        strided shard, or a mesh that is not every process.
+        A plain tensor, or `None` for a value sharded on at most one mesh dim, a
+        partial sum or strided shard, or a mesh that is not every process.
     """
     mesh = x.device_mesh
     placements = x.placements
@@ -223,8 +191,7 @@ def gathered_at_once(x):
 
 
 def _part_box(shape, placements, mesh_shape, coordinate):
-    """Where the part of the process at mesh `coordinate` lies in the global
-    value: `(start, lengths)`, per tensor dimension."""
+    """`(start, lengths)` per dimension of the part at mesh `coordinate`."""
     start, lengths = [0] * len(shape), list(shape)
     for mesh_dim, placement in enumerate(placements):
         if not placement.is_shard():
@@ -239,8 +206,7 @@ def _part_box(shape, placements, mesh_shape, coordinate):
 
 
 def _laid_out(value, mesh, operands):
-    """`value` as a `DTensor`: laid out like the first operand of its shape
-    (its partial sums reduced), else replicated."""
+    """`value` laid out like the first same-shape operand (partials reduced)."""
     placements = [Replicate()] * mesh.ndim
     for x in operands:
         if x.shape == value.shape and x.device_mesh == mesh:
@@ -253,16 +219,14 @@ def _laid_out(value, mesh, operands):
     )
     if all(p.is_replicate() for p in placements):
         return replicated
-    # From replicated to sharded is a local slice: no communication.
     return replicated.redistribute(mesh, placements)
 
 
 def _write_back(operand, value):
     """Writes a global `value` into `operand`'s shards, in its layout.
 
-    A partial sum over `n` processes holds `value / n` on each (DTensor
-    does not redistribute to `Partial`); an average, a maximum or a
-    minimum holds `value` itself.
+    A partial sum over `n` processes gets `value / n` on each (DTensor does not
+    redistribute to `Partial`); a partial average, max or min gets `value`.
     """
     mesh = operand.device_mesh
     replicated = DTensor.from_local(
@@ -309,12 +273,8 @@ def _written_arguments(func):
 def count(name, refusal, operands, gathered_bytes=0):
     """Counts one fallback of `name` in `fallback_counts`.
 
-    Args:
-        name: the op's name.
-        refusal: DTensor's error (or a reason, or `None`); the first one
-            is kept.
-        operands: the `DTensor`s gathered to their global values.
-        gathered_bytes: further bytes gathered, besides the operands'.
+    Keeps the first `refusal` (DTensor's error, a reason or `None`);
+    `gathered_bytes` adds to the bytes of the gathered `operands`.
     """
     gathered_bytes += sum(_gathered_bytes(x) for x in operands)
     with _counts_lock:
@@ -351,8 +311,7 @@ def _first_line(error):
 
 
 def leaves(value):
-    """The leaves of nested lists, tuples and dicts (a `torch.Size` is
-    a tuple of leaves)."""
+    """The leaves of nested lists, tuples and dicts (`torch.Size` included)."""
     if isinstance(value, (list, tuple)):
         return [leaf for x in value for leaf in leaves(x)]
     if isinstance(value, dict):
@@ -361,8 +320,7 @@ def leaves(value):
 
 
 def map_leaves(function, value):
-    """`value` with `function` applied to each leaf (a `torch.Size` is one
-    leaf), its lists, tuples and dicts rebuilt."""
+    """`value` with `function` applied to each leaf (a `torch.Size` is one)."""
     if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
         mapped = [map_leaves(function, x) for x in value]
         return (

@@ -1,38 +1,18 @@
 """Ops linear in an operand, computed on its partial sums as they are.
 
-A partial sum (`Partial()`) is what a contraction over a sharded dimension
-leaves: each process holds a term, the value is their sum. An op linear in
-an operand gives the sum of its results on the terms, so it needs no
-collective there: each process applies it to its own term, and the result
-is a partial sum too. DTensor knows this of matmuls, sums and additions,
-not of the backward ops of `softmax` and `log_softmax` nor of `scatter`.
-Handed a partial sum, those reduce it: a mixture-of-experts router's
-gradient (partial over the experts, which tensor parallelism splits) was
-reduce-scattered for the top-k's backward `scatter`, then gathered again
-for the softmax's backward and the router kernel's: two collectives where
-none is needed, since the gradient stays linear up to the layer's input,
-whose partial gradient the experts' own backward all-reduces anyway.
+An op linear in an operand can run on each process' term of a partial sum
+(`Partial()`), with no collective, and give a partial sum. DTensor knows this
+of matmuls, sums and additions but reduces partial sums for the backward ops
+of `softmax` and `log_softmax` and for `scatter` (e.g. a mixture-of-experts
+router's gradient: two collectives where none is needed).
 
-`_LINEAR_OPERANDS` lists each op with the operands it is linear in
-(jointly: `scatter` replaces entries of `self` with entries of `src`).
-Where every such operand is a partial sum, or replicated, over a mesh axis
-on which every other operand is replicated, the op runs on local tensors
-and its result is a partial sum over that axis; a replicated linear operand
-enters as its value on the axis' first process and zeros on the others
-(exactly: `Partial`'s own split divides by the axis' size). On other mesh
-axes the operands are replicated or split alike, on a dimension the op does
-not work along (a replicated one takes its chunk). Anything else goes to
-DTensor as it is, and so does a `scatter` on CUDA without deterministic
-algorithms: given an index twice, each process could keep a different one
-of the values written there.
-
-A sum of a partial sum and a value sharded over the same mesh axis is a
-partial sum too: each process adds its shard, in zeros, to its term
-(`_sum_with_shards`). DTensor reduce-scatters the partial sum instead; the
-input gradient of an attention layer whose query is split over heads (a
-partial sum) and whose key and value split their input features (shards)
-was then gathered again where the layer's input needs it whole: two
-collectives where the one all-reduce of the whole gradient does.
+`_LINEAR_OPERANDS` lists each op's linear operands. Where each is partial or
+replicated over a mesh axis on which every other operand is replicated, the op
+runs on local tensors into a partial sum over that axis (a replicated linear
+operand counts on the axis' first process only). On other axes operands are
+replicated or split alike, on a dimension the op does not work along.
+`_sum_with_shards` does the same for a partial sum plus a shard over the same
+axis, which DTensor would reduce-scatter and gather again.
 """
 
 import torch
@@ -55,19 +35,13 @@ _LINEAR_OPERANDS = {
     # of `topk`, `max`, `sort` (`value_selecting_reduction_backward`).
     _aten.scatter.src: ((0, 3), 1),
 }
-# A partial sum plus a shard: each process adds its shard, in zeros, to
-# its term. DTensor reduce-scatters the partial sum instead, and the sum,
-# sharded, is gathered again where a whole value is needed (the input
-# gradient of a layer whose query is column parallel and whose key and
-# value are row parallel). A partial sum plus a replicated value stays
-# DTensor's (reduced first): kept partial, it was reduced later in more
-# places than one.
+# A partial sum plus a shard (`_sum_with_shards`). Plus a replicated value it
+# stays DTensor's (reduced first), or it would be reduced later in more places.
 _ADD = _aten.add.Tensor
 
-# Ops that, given an index twice, keep one of the values written there:
-# each process must keep the same one, or the terms' sum is a mix of two
-# values. The CPU kernel writes in index order; CUDA's only does with
-# deterministic algorithms on.
+# Ops that, given an index twice, keep one of the values written there: each
+# process must keep the same one, or the terms' sum mixes two values. The CPU
+# kernel writes in index order; CUDA's only with deterministic algorithms.
 _ONE_OF_DUPLICATES = (_aten.scatter.src,)
 
 
@@ -133,8 +107,7 @@ def _writes_in_order(x):
 
 
 def _result_placements(operands, linear, partial_axes, dim, ndim):
-    """The result's placements, or `None` if the operands do not allow a
-    computation on local tensors."""
+    """The result's placements, or `None` if the op can't run on locals."""
     placements = []
     for axis in range(ndim):
         if axis in partial_axes:
@@ -180,8 +153,8 @@ def _laid_out_as(x, placements, partial_axes):
 
 
 def _as_term(local, placements, partial_axes, mesh):
-    """A replicated operand's term of a partial sum: its value on the
-    first process of each axis it is replicated over, zeros elsewhere."""
+    """A replicated operand's term of a partial sum: its value on the first
+    process of each axis it is replicated over, zeros elsewhere."""
     for axis in partial_axes:
         if placements[axis].is_replicate() and mesh.get_local_rank(axis):
             return torch.zeros_like(local)
@@ -189,7 +162,7 @@ def _as_term(local, placements, partial_axes, mesh):
 
 
 def _sum_with_shards(args):
-    """`a + b` of a partial sum and a shard (over the same mesh axis) as a
+    """`a + b` of a partial sum and a shard over the same mesh axis, as a
     partial sum, or `None` (DTensor then adds them)."""
     a, b = args[:2]
     if not (
@@ -240,7 +213,7 @@ def _sole_split(x, axis):
 
 
 def _shard_as_term(x, placements, mesh):
-    """`x`'s local tensor as its term of a partial sum over the axes
+    """`x`'s local tensor as its term of a partial sum over the axes that
     `placements` makes partial: a shard over such an axis in zeros."""
     local = x.to_local()
     for axis, target in enumerate(placements):

@@ -1,10 +1,8 @@
 """Ops that DTensor alone would not compute as one process does.
 
 DTensor convolves a sharded kernel wrongly and mis-reduces a sharded lookup
-with sharded indices: the torch backend's convolution and `take` hand their
-operands here first.
-Where DTensor refuses an op, `fallback` computes it on global values
-(`slice_update` on a sharded prompt included); einsum is `shard_local`'s.
+with sharded indices: convolution and `take` lay out their operands here
+first. Refused ops are `fallback`'s, einsum `shard_local`'s.
 """
 
 import torch
@@ -19,11 +17,8 @@ from keras.src.backend.torch.distributed.dtensor_gaps import fallback
 def conv_operands(inputs, kernel):
     """Lays out convolution operands the way DTensor can convolve them.
 
-    DTensor convolves correctly only inputs sharded on the batch dimension
-    with a replicated kernel (a sharded kernel gives wrong results), so a
-    sharded kernel is gathered, and so are inputs sharded on other
-    dimensions. Gathering is differentiable: kernel gradients come back
-    sharded like the kernel.
+    DTensor convolves correctly only batch-sharded inputs with a replicated
+    kernel; anything else is gathered, differentiably.
 
     Args:
         inputs: the convolution input.
@@ -47,11 +42,8 @@ def conv_operands(inputs, kernel):
 def reshape(x, newshape):
     """`torch.reshape`, on global values where DTensor refuses the view.
 
-    Layer calls and steps compute refused ops on global values already
-    (`fallback`); a reshape outside them, such as keras-hub's RWKV7 building
-    its generation cache by calling its layers' `call` directly, splitting
-    a dimension whose shards cut its pieces (a head split between 4
-    processes), is computed the same way here. DTensor refuses before it
+    As layer calls and steps do (`fallback`), for a reshape outside them
+    splitting a dimension across shards. DTensor refuses before it
     communicates, so every process takes the same path.
 
     Args:
@@ -75,11 +67,9 @@ def reshape(x, newshape):
 def take_operands(x, indices):
     """Lays out `take` operands the way DTensor can look them up.
 
-    A lookup in a table sharded on a mesh axis with indices sharded on the
-    same axis (Llama's and Gemma's embeddings on a 2D mesh, ids sharded on
-    the batch axis) leaves DTensor's masked partial sum with a mask of the
-    wrong shape (`IndexError` when it is reduced). The indices are gathered
-    along such axes: they are small.
+    With table and indices sharded on the same mesh axis, DTensor's masked
+    partial sum gets a mask of the wrong shape (`IndexError` when reduced),
+    so the (small) indices are gathered along such axes.
 
     Args:
         x: the table.
@@ -100,25 +90,19 @@ def take_operands(x, indices):
 def divide_no_nan_local(numerator, divisor):
     """`divide_no_nan` computed on each process' values where that is exact.
 
-    A loss reduced over a sharded batch is a partial sum (each process
-    holds its rows' share). `where(d == 0, 0, x / d)` is linear in `x`, so
-    computed on each process' share it sums to the quotient of the whole:
-    the quotient stays partial, to be reduced where its whole value is read
-    (the loss tracker), with no look at the divisor's values and no
-    collective. On `DTensor`s, `divide_no_nan`'s `where` would reduce it
-    at once. A replicated numerator (a metric's total, divided by its
-    count) is divided on the local values as well: the same numbers,
-    without DTensor's dispatch of the four ops.
+    `where(d == 0, 0, x / d)` is linear in `x`: a partial-sum numerator (a
+    loss over a sharded batch) divided share by share stays partial, reduced
+    where it is read, where DTensor's `where` would reduce it at once. A
+    replicated one is divided locally too, skipping DTensor's dispatch.
 
     Args:
         numerator: a tensor.
         divisor: a tensor.
 
     Returns:
-        The quotient, a `DTensor` placed like `numerator`; `None` unless
-        `numerator` is a `DTensor` partial (sum or average) or replicated
-        on each mesh axis, and `divisor` is a constant replicated on the
-        same mesh (or a plain tensor).
+        The quotient placed like `numerator`; `None` unless `numerator` is a
+        `DTensor` partial (sum or average) or replicated on each mesh axis and
+        `divisor` a constant plain tensor or replicated on the same mesh.
     """
     if not isinstance(numerator, DTensor) or divisor.requires_grad:
         return None

@@ -1,20 +1,12 @@
 """Ops DTensor refuses, computed on each process' rows where per-sample.
 
-DTensor has no sharding strategy for some ops on a batch-sharded operand
-(the fused cell of a recurrent layer, some pooling and resampling kernels,
-their backward ops). The fallback computes those on global values
-(`global_values`), which gathers the batch on every process: the cost of
-each process would grow with the global batch. An op that treats each
-sample on its own needs only this process' rows, with its other operands
-whole: only the axes other than the batch's are gathered.
-
-Whether an op does is measured the first time it meets a signature (the
-op, its operands' placements and shapes but for the number of rows, its
-other arguments): it runs on global values, and on the local
-rows; each process compares its rows of the first with the second, and
-the processes agree (one all-reduce per mesh dimension). From then on,
-that signature is computed on the local rows, or always on global
-values.
+`global_values` computes ops DTensor has no batch-sharded strategy for (a
+recurrent layer's fused cell, some pooling and resampling kernels) on
+gathered global values, so each process' cost grows with the global batch.
+A per-sample op needs only this process' rows. The first meeting of a
+signature (op, operand placements and shapes but for the row count, other
+arguments) computes it both ways, and the processes agree (one all-reduce
+per mesh dimension) whether it runs on the local rows from then on.
 """
 
 import threading
@@ -40,8 +32,7 @@ ATOL = 1e-6
 
 
 def forget():
-    """Forgets which signatures were found per-sample (each is checked
-    again at its next meeting)."""
+    """Forgets which signatures were found per-sample."""
     with _lock:
         _per_sample.clear()
 
@@ -56,8 +47,8 @@ def on_local_rows(func, args, kwargs, refusal):
         refusal: DTensor's error.
 
     Returns:
-        The results, batch-sharded `DTensor`s; `None` where the op does not
-        split by rows (the caller computes it on global values).
+        Batch-sharded `DTensor`s, or `None` where the op does not split by
+        rows (the caller computes it on global values).
     """
     split = _batch_split(args, kwargs)
     if split is None:
@@ -83,8 +74,7 @@ class _Split:
         self.rows = rows
 
     def placements(self, by_rows):
-        """Where an operand is computed on: this process' rows (`by_rows`)
-        or whole, over the other mesh dimensions whole."""
+        """An operand's placements: its rows if `by_rows`, else whole."""
         placements = [Replicate()] * self.mesh.ndim
         if by_rows:
             placements[self.mesh_dim] = Shard(0)
@@ -101,13 +91,9 @@ class _Split:
 
 
 def _batch_split(args, kwargs):
-    """The `_Split` of the operands, or `None`.
-
-    The operands split by rows are the `DTensor`s sharded on their first
-    axis over one mesh dimension, all of as many rows, and those whole over
-    it of as many rows; every other `DTensor` operand is whole over that
-    dimension, and every process holds at least one row.
-    """
+    """The `_Split` of the operands, or `None`: `DTensor`s sharded on axis
+    0 over one mesh dimension with equal row counts (at least one per
+    process), any other operand whole over it."""
     operands = [
         x
         for x in global_values.leaves((args, kwargs))
@@ -168,9 +154,8 @@ def _signature(func, args, kwargs, split):
 
 
 def _computed_on_rows(func, args, kwargs, split, counted=False):
-    """`(results as DTensors, local results)`; `(None, None)` if a result
-    is not this process' rows. `counted`: counted in the fallback's
-    counts (the check of a first meeting is not)."""
+    """`(DTensor results, local results)`, or `(None, None)` if a result is
+    not this process' rows; `counted`: add to the fallback's counts."""
     gathered_bytes = 0
 
     def on_rows(x):
@@ -212,8 +197,7 @@ def _gathered(x, value):
 
 
 def _first_meeting(func, args, kwargs, refusal, split, signature):
-    """Computes `func` on global values, checks it on the local rows, and
-    remembers whether it is per-sample for `signature`."""
+    """Computes `func` on global values; records if it is per-sample."""
     outputs = global_values.on_global_values(
         func, args, kwargs, refusal, str(func)
     )

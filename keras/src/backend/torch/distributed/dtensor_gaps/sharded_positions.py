@@ -1,15 +1,10 @@
 """Argmax and argmin over a sharded dimension, from each shard's best.
 
-DTensor takes `argmax(x, dim)` over a sharded `dim` shard by shard (torch
-2.15: each shard's own positions, labelled as a shard of the result) or
-refuses it; computed on the global value, it costs every process the whole
-of `x`: for the accuracy metric of a language model whose head is sharded
-over its vocabulary, the batch's logits, batch x sequence x vocabulary.
-Here each process takes its shard's extreme value and its global position,
-and one all-gather over the mesh dimension that splits `dim` gives every
-process each shard's candidate, of which it takes the first extreme: the
-position torch gives on the global value (its first extreme, NaN counted
-as one), for two numbers per position sent instead of a shard.
+DTensor computes `argmax(x, dim)` over a sharded `dim` per shard (local
+positions) or refuses it, and gathering `x` costs every process all of it.
+Each process instead all-gathers its shard's extreme and global position over
+the splitting mesh dim and takes the first extreme (NaN counting as one), as
+torch does on the global value.
 """
 
 import torch
@@ -24,8 +19,7 @@ _ARGMAX = torch.ops.aten.argmax.default
 
 
 def positions(func, args, kwargs):
-    """`argmax` / `argmin` of a `DTensor` over a dimension one mesh
-    dimension splits.
+    """`argmax` / `argmin` of a `DTensor` over a dimension one mesh dim splits.
 
     Args:
         func: `aten.argmax.default` or `aten.argmin.default`.
@@ -33,13 +27,11 @@ def positions(func, args, kwargs):
         kwargs: its keyword arguments.
 
     Returns:
-        The positions, a `DTensor` laid out as `x` on its other dimensions
-        and replicated over the mesh dimension that split `dim`; `None`
-        where this does not apply (no `dim`, a partial sum, a dimension
-        split over several mesh dimensions or into empty parts, a tensor
-        that is not floating point). The choice depends only on what every
-        process knows alike (placements, global shape), so the processes of
-        a collective take the same path.
+        The positions, laid out as `x` but replicated over the mesh dimension
+        that split `dim`; `None` where this does not apply (no `dim`, partial
+        or non-floating `x`, `dim` split several ways or into empty parts).
+        The choice uses only placements and global shape, so every process
+        of a collective takes the same path.
     """
     x = args[0]
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
@@ -66,8 +58,7 @@ def positions(func, args, kwargs):
         gathered, candidate.reshape(-1), group=mesh.get_group(mesh_dim)
     )
     gathered = gathered.view((num_parts,) + tuple(candidate.shape))
-    # The first of equal extremes is the lowest position: parts are in
-    # order along `dim`.
+    # Parts are in order along `dim`: the first extreme is the lowest.
     best = (torch.argmax if func is _ARGMAX else torch.argmin)(
         gathered[:, 0], dim=0, keepdim=True
     )

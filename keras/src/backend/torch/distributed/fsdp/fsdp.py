@@ -1,63 +1,22 @@
-"""Weights sharded over the batch axis, gathered one layer at a time.
+"""Weights sharded over the batch axis, gathered one layer at a time (FSDP).
 
-A `LayoutMap` that puts the batch axis on a weight dimension (keras-hub's
-Llama map: query/key/value `("model", "batch", None)`) asks for what torch
-calls FSDP and JAX users get from GSPMD: each process keeps a shard of the
-weight, the batch stays sharded, and the weight is assembled only while it
-is used. Left to DTensor, a kernel sharded on its input features is
-contracted shard by shard with activations resharded to match, and every
-layer output is then a partial sum reduced to a replicated value: each
-process computes the whole batch, and every weight gradient is
-materialized whole, replicated, until the optimizer runs (keras 8 x
-Dense(4096) on 4 processes: 3.3x the ideal memory, see
-`benchmarks/bench_fsdp.py`).
+Left to DTensor, a kernel sharded on its input features gives partial-sum
+outputs reduced to replicated values: every process computes the whole batch.
+Instead, as FSDP2's `fully_shard`, a layer call gathers its and its
+sublayers' trainable weights along the batch axis in one collective, frees
+the gathered copy's storage (never the weight's) when it returns, and gathers
+what autograd saved of it again at the first gradient reaching its outputs.
+Gradients are reduce-scattered to the weights' shards. Gathers follow the
+calls and the backward pass, so they are ordered alike on every process;
+`fsdp_schedule` prefetches them. Under mixed precision, weights are gathered
+in the compute dtype (FSDP2's `MixedPrecisionPolicy(param_dtype=...)`).
 
-Here, as FSDP2's `fully_shard` does per module, a layer call gathers the
-trainable weights of the layer and of its sublayers along the batch axis
-first (`gathered_weights`; one collective for all of them, see
-`fsdp_gather`; the call's weights are held by an `fsdp_call.CallGather`),
-so that DTensor computes the layer data-parallel on the
-sharded batch:
-
-- forward: the gathered value replaces the variable's value during the
-  call. Once the call returns, the gathered storage is freed (FSDP2's
-  reshard-after-forward): what autograd saved of it (the weight, or views
-  of it such as an einsum's permutations) keeps its metadata, not its
-  memory. A saved-tensor hook notes, during the call, which gathered
-  values autograd saves;
-- backward: the first gradient that reaches one of the layer's outputs
-  gathers the saved ones again, into the same storage, before the layer's
-  backward ops read them; once a weight's gradient is complete, its
-  storage is freed again. The gradients are reduce-scattered, partial sums
-  of the batch, to the weights' own shards: a weight gradient is whole
-  only for one layer at a time, and the optimizer gets it in the weight's
-  layout.
-
-The gathers are ordered by the layer calls and the backward pass, the same
-on every process. Freeing storage that autograd saved is FSDP2's own
-technique; the storage is that of the gathered copy, never the weight's.
-
-Within a step, each layer's weights can be gathered while the layer
-before it computes, as FSDP2 prefetches (see `fsdp_schedule`).
-
-Under mixed precision (a layer computing in a narrower dtype than its
-variables), a weight is cast on its shards and gathered in the compute
-dtype, as FSDP2's `MixedPrecisionPolicy(param_dtype=...)` does: the
-gathered copy autograd saves is then the one freed, the gather moves half
-the bytes, and the gradient is reduce-scattered in the compute dtype.
-
-`KERAS_DISTRIBUTION_GATHER_WEIGHTS` chooses the mesh axes: `"batch"` (the
-default: the distribution's batch axis), `"all"` (every axis a weight is
-sharded on: ZeRO-3 over the model axis too, instead of tensor parallelism)
-or `"off"` (DTensor's own plan). A distribution may also name weights it
-stores sharded over the model axis but has used whole
-(`AutoModelParallel.gathered_for_call`: attention heads the axis does not
-divide): those are gathered along it too, unless `"off"`.
-`KERAS_DISTRIBUTION_RESHARD_AFTER_FORWARD=0` keeps each layer's gathered
-weights from its call until its backward ops have run instead of freeing
-and gathering them again (FSDP2's `reshard_after_forward=False`): fewer
-gathers, more memory. Compiled steps (`jit_compile=True`) run eagerly when
-weights are gathered (see `compiled_step.eager_reason`).
+`KERAS_DISTRIBUTION_GATHER_WEIGHTS` picks the mesh axes: `"batch"` (default),
+`"all"` (ZeRO-3 instead of tensor parallelism) or `"off"`; unless `"off"`,
+weights named by `AutoModelParallel.gathered_for_call` are gathered along the
+model axis too. `KERAS_DISTRIBUTION_RESHARD_AFTER_FORWARD=0` keeps gathered
+weights until the layer's backward (fewer gathers, more memory). Compiled
+steps run eagerly when weights are gathered (`compiled_step.eager_reason`).
 """
 
 import contextlib
@@ -111,9 +70,8 @@ def gathered_placements(value, mesh_dims):
         mesh_dims: see `gathered_mesh_dims`.
 
     Returns:
-        The placements with `Replicate` on each of `mesh_dims` where
-        `value` is sharded over more than one process, or `None` if it is
-        not such a `DTensor`.
+        The placements with `Replicate` on each of `mesh_dims` where `value`
+        is sharded over several processes; `None` if there is none.
     """
     if not isinstance(value, DTensor):
         return None
@@ -132,8 +90,7 @@ def reshards_after_forward():
     """Whether a layer's gathered weights are freed when its call returns.
 
     Returns:
-        `KERAS_DISTRIBUTION_RESHARD_AFTER_FORWARD` (`"1"`, the default, or
-        `"0"`: kept until the layer's backward ops have run) as a `bool`.
+        `KERAS_DISTRIBUTION_RESHARD_AFTER_FORWARD` (default `"1"`) as a bool.
     """
     choice = os.environ.get(RESHARD_ENV, "1")
     if choice not in ("0", "1"):
@@ -152,9 +109,6 @@ def has_gathered_weights(model, distribution):
     Args:
         model: a model.
         distribution: the distribution in effect.
-
-    Returns:
-        A `bool`.
     """
     mesh_dims = gathered_mesh_dims(distribution)
     if mesh_dims == ():
@@ -167,9 +121,8 @@ def has_gathered_weights(model, distribution):
 
 
 def _mesh_dims_of(variable, distribution, mesh_dims):
-    """The mesh dimensions `variable` is gathered along for a call: those
-    of every weight, and the model axis for a weight the distribution
-    stores sharded but has used whole (`gathered_for_call`)."""
+    """`mesh_dims`, plus the model axis for a weight the distribution stores
+    sharded but uses whole (`gathered_for_call`)."""
     gathered_for_call = getattr(distribution, "gathered_for_call", None)
     if mesh_dims is None or not (
         gathered_for_call and gathered_for_call(variable)
@@ -184,35 +137,27 @@ def _mesh_dims_of(variable, distribution, mesh_dims):
 def gathered_weights(layer, distribution, enabled=True):
     """Gathers the sharded trainable weights of `layer`'s call.
 
-    A layer that is not a model gathers its own weights and those of its
-    sublayers of the same dtype policy, in one collective per mesh
-    dimension and dtype (`fsdp_gather`), as FSDP2 gathers a module wrapped
-    by `fully_shard`: a transformer block is gathered at once, not layer by
-    layer. A model gathers only its own weights: its layers gather theirs
-    when it calls them, so that its weights are whole one block at a time.
-    A sublayer of another dtype policy gathers its own, in the dtype it
-    reads them in.
+    A non-model layer also gathers its sublayers' weights of the same dtype
+    policy (a transformer block at once, as FSDP2's `fully_shard`), one
+    collective per mesh dimension and dtype. A model, or a sublayer of
+    another dtype policy, gathers its own weights.
 
     Args:
         layer: the layer being called.
         distribution: the distribution in effect.
-        enabled: `False` gathers nothing (a call on symbolic inputs, which
-            reads no weight's values).
+        enabled: `False` gathers nothing (a call on symbolic inputs).
 
     Yields:
-        A function of the call's outputs, to be called with them once the
-        call returns: it frees the gathered storage autograd keeps and
-        arranges for it to be gathered again in the backward pass. The
-        gathered values stand for the weights until the context exits.
+        A function to call with the outputs once the call returns: it frees
+        the gathered storage and arranges its re-gathering for backward.
     """
     weights = _weights_to_gather(layer, distribution) if enabled else []
     enclosing = list(fsdp_call.calls_now())
     if not weights:
         if enclosing and enabled:
-            # A call inside one that gathered: the gradient of its outputs
-            # may reach the enclosing call's weights before the enclosing
-            # call's outputs do (an activity regularizer's loss, an
-            # `add_loss` of a router's logits).
+            # Inside a gathering call, these outputs' gradient may reach its
+            # weights before its outputs' does (an activity regularizer's
+            # loss, an `add_loss` of a router's logits).
             yield lambda outputs: _watch(enclosing, outputs)
         else:
             yield _no_outputs_to_watch
@@ -247,26 +192,19 @@ def _no_outputs_to_watch(outputs):
 
 
 def _noting_saved_values():
-    """Which gathered values autograd saves tells which ones the backward
-    pass needs gathered again, if the call frees them."""
+    """Notes the gathered values autograd saves: those backward re-gathers."""
     if not (torch.is_grad_enabled() and reshards_after_forward()):
         return contextlib.nullcontext()
     return torch.autograd.graph.saved_tensors_hooks(_note_saved, _unpack)
 
 
 def _note_saved(tensor):
-    """The pack hook of the tensors autograd saves during calls that
-    gathered: marks the gathered weights whose storage they read.
+    """Pack hook: marks the gathered weights whose storage `tensor` reads.
 
-    Decided from what autograd saves, not from whether the gathered values
-    are still alive after the call: a value held by a reference cycle lives
-    until Python's garbage collector runs, at a different time on each
-    process, and the processes would gather different weights.
-
-    Returns:
-        `tensor`, detached: the tensor itself would hold its own `grad_fn`
-        when autograd saves an op's output, a cycle that would keep the
-        activations alive until the garbage collector runs.
+    Decided from what autograd saves, not from which gathered values outlive
+    the call: reference cycles are collected at different times per process.
+    Returns `tensor` detached, lest a saved output holding its own `grad_fn`
+    keep the activations alive until collection.
     """
     with torch.no_grad():
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -290,12 +228,8 @@ def _leaves(outputs):
 
 
 def _watch(calls, outputs):
-    """Makes the first gradient reaching one of `outputs` gather the
-    weights of `calls` again, if they were freed.
-
-    Returns:
-        `outputs`.
-    """
+    """Makes the first gradient reaching `outputs` re-gather `calls`' freed
+    weights; returns `outputs`."""
     if not (torch.is_grad_enabled() and reshards_after_forward()):
         return outputs
     for x in _leaves(outputs):
@@ -314,8 +248,7 @@ def _weights_to_gather(layer, distribution):
     for variable in _call_variables(layer):
         value = variable._value
         if id(variable) in gathered_now:
-            # The layer is called inside its own call (a recurrent cell),
-            # or inside the call that gathered its weights.
+            # Inside its own call (a recurrent cell) or one that gathered it.
             continue
         placements = gathered_placements(
             value, _mesh_dims_of(variable, distribution, mesh_dims)
@@ -326,8 +259,7 @@ def _weights_to_gather(layer, distribution):
 
 
 def _call_variables(layer):
-    """The trainable variables a call of `layer` gathers: its own, and
-    those of its sublayers (not models) of the same dtype policy."""
+    """The trainable variables a call of `layer` gathers."""
     from keras.src.models.model import Model
 
     variables = list(getattr(layer, "_trainable_variables", None) or ())
@@ -359,9 +291,8 @@ def _policy(layer):
 
 
 def _release_after_forward(call, enclosing, outputs, schedule, last):
-    """Frees the gathered storage of `call`'s weights once the call
-    returned `outputs` (unless it is the step's `last` call to gather),
-    and watches the outputs' gradients to gather it again."""
+    """Frees `call`'s gathered storage (unless the step's `last` call) and
+    watches the `outputs`' gradients to gather it again."""
     leaves = _leaves(outputs)
     if call.release(leaves, reshards_after_forward() and not last):
         restore_ahead = None
@@ -379,8 +310,7 @@ def _release_after_forward(call, enclosing, outputs, schedule, last):
 
 
 def _on_first_gradient(outputs, function):
-    """Calls `function` once, when the first gradient reaches one of
-    `outputs`."""
+    """Calls `function` once, at the first gradient reaching `outputs`."""
     called = []
 
     def hook(grad):

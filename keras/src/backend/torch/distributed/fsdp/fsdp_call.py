@@ -1,14 +1,8 @@
-"""The weights of one layer call: gathered together, freed after the
-forward pass, gathered again for the backward pass.
+"""The weights of one layer call: gathered, freed after forward, regathered.
 
-`fsdp` decides which weights a layer call gathers and when; a `CallGather`
-holds them for the call: it gathers them in one collective (`fsdp_gather`),
-lets the gathered values stand for the variables during the call, frees
-their storage once the call returned (what autograd saved keeps its
-metadata, not its memory), and writes the values back into the same
-storage when the backward pass reaches the call, for the weights autograd
-saved (`note_saved`). It also holds the gathers started ahead of the call
-and of its backward ops (`fsdp_schedule`).
+A `CallGather` gathers a call's weights (chosen by `fsdp`) in one collective,
+frees their storage after the call (autograd's saved tensors keep metadata,
+not memory), refills it when backward reaches the call, and holds prefetches.
 """
 
 import threading
@@ -23,24 +17,20 @@ _thread_state = threading.local()
 
 def _state():
     if not hasattr(_thread_state, "calls"):
-        # The calls whose gathered weights stand for their variables now,
-        # innermost last, and the ids of those variables: a layer called
-        # inside its own call (a recurrent cell), or inside the call that
-        # gathered its weights, keeps them.
+        # A layer called inside its own call (a recurrent cell) or the call
+        # that gathered its weights keeps them.
         _thread_state.calls = []
         _thread_state.variables = set()
     return _thread_state
 
 
 def calls_now():
-    """The calls whose gathered weights stand for their variables now, in
-    this thread, innermost last."""
+    """The calls whose gathered weights are in use, innermost last."""
     return _state().calls
 
 
 def gathered_variables():
-    """The ids of the variables whose gathered values stand for them now,
-    in this thread."""
+    """The ids of the variables whose gathered values are in use."""
     return _state().variables
 
 
@@ -53,19 +43,14 @@ class CallGather:
 
     def __init__(self, weights):
         self.weights = weights
-        # The freed weights, once the call returned.
         self.released = []
-        # A gather started ahead: of the values before the call
-        # (`gather_ahead`, with what it was started for), of the freed
-        # weights before their backward ops (`restore_ahead`).
+        # Prefetches for the call (`gather_ahead`) and its backward ops.
         self.ahead = None
         self.ahead_state = None
         self.restoring = None
         self.restoring_weights = []
-        # In the backward pass, starts gathering the call released before
-        # this one (`fsdp_schedule`), if the step schedules gathers.
+        # Set by `fsdp_schedule`: prefetches the previous call's weights.
         self.restore_ahead_of = None
-        # The weights by the address of their gathered storage.
         self._storages = {}
 
     @classmethod
@@ -92,8 +77,7 @@ class CallGather:
         self.ahead_state = self._state()
 
     def take(self, other):
-        """Takes the values `other` gathered ahead for this call, if they
-        are what this call would gather; else drops them."""
+        """Takes `other`'s prefetch if it matches this call, else drops it."""
         if other is None:
             return
         if other.ahead is not None and other.ahead_state == self._state():
@@ -118,8 +102,7 @@ class CallGather:
         self._storages = {w.storage_pointer(): w for w in self.weights}
 
     def note_saved(self, pointer):
-        """Marks the weight whose gathered storage starts at `pointer` as
-        saved by autograd for the backward pass."""
+        """Marks the weight whose storage is at `pointer` as autograd-saved."""
         weight = self._storages.get(pointer)
         if weight is not None:
             weight.saved = True
@@ -130,13 +113,11 @@ class CallGather:
             weight.exit()
 
     def release(self, outputs, reshard):
-        """Keeps what the call assigned to the variables, and frees the
-        gathered storage after the forward pass.
+        """Writes back assignments and frees the gathered storage.
 
         Args:
             outputs: the call's output tensors.
-            reshard: whether to free the gathered storage (FSDP2's
-                reshard-after-forward).
+            reshard: whether to free the storage (reshard-after-forward).
 
         Returns:
             Whether some weight's storage was freed.
@@ -149,36 +130,26 @@ class CallGather:
         return bool(self.released)
 
     def needs_restore(self):
-        """Whether the backward pass has yet to gather some weight again,
-        and no gather of them was started."""
+        """Whether some freed weight needs regathering and none started."""
         return self.restoring is None and any(
             w.needs_restore() for w in self.released
         )
 
     def restore_ahead(self):
-        """Starts gathering the freed values again, for their backward
-        ops."""
+        """Starts regathering the freed values for their backward ops."""
         weights = [w for w in self.released if w.needs_restore()]
         with torch.no_grad():
             self.restoring = self._gather(weights, async_op=True)
         self.restoring_weights = weights
 
     def on_gradient(self, grad):
-        """A gradient hook on the call's outputs (and its inner calls'):
-        the first gradient gathers the freed weights again, before the
-        call's backward ops read them, and starts the gather of the call
-        before."""
+        """Output gradient hook: regathers, then prefetches the prior call."""
         if self.restore() and self.restore_ahead_of is not None:
             self.restore_ahead_of()
         return grad
 
     def restore(self):
-        """Gathers the freed values again into their storage, for those
-        autograd still holds.
-
-        Returns:
-            Whether some were gathered now.
-        """
+        """Regathers freed values autograd still holds; returns whether any."""
         freed = [w for w in self.released if w.needs_restore()]
         if not freed and self.restoring is None:
             return False
@@ -213,14 +184,9 @@ class GatheredWeight:
         self.variable = variable
         self.sharded = variable._value
         self.placements = placements
-        # The dtype the call reads the variable in: the compute dtype of a
-        # layer under mixed precision (`variable.dtype` in its autocast
-        # scope), in which the shards are cast before they are gathered.
+        # Compute dtype under mixed precision: shards are cast, then gathered.
         self.dtype = getattr(torch, variable.dtype)
         self.value = None
-        # Whether autograd saved the gathered value (or a view of its
-        # storage) for the backward pass; once freed, the storage and where
-        # the local tensor lies in it.
         self.saved = False
         self.geometry = None
         self.storage = None
@@ -242,22 +208,19 @@ class GatheredWeight:
         gathered_variables().add(id(self.variable))
 
     def storage_pointer(self):
-        """The address of the gathered value's storage."""
         with torch.no_grad():
             local = fsdp_gather.local_tensor(self.value)
         return local.untyped_storage().data_ptr()
 
     def exit(self):
-        """Gives the variable its sharded value back."""
         self.variable._value = self.sharded
         gathered_variables().discard(id(self.variable))
 
     def write_back(self):
-        """Keeps what the call assigned to the variable
-        (`SpectralNormalization` assigns its kernel), in its shards.
+        """Copies what the call assigned (`SpectralNormalization`) to shards.
 
-        Not from a copy in the compute dtype: Keras assigns such a copy
-        without effect on the variable."""
+        Not for a compute-dtype copy: Keras' assignment to it has no effect.
+        """
         if self.value._version == self.version:
             return
         if self.dtype == self.sharded.dtype:
@@ -276,18 +239,14 @@ class GatheredWeight:
             outputs: the call's output tensors.
 
         Returns:
-            Whether the storage was freed: not when no gradient will flow
-            to it (autograd keeps nothing of it, which goes when the call
-            ends), nor when an output or the weight's own value shares it.
-            The backward pass gathers it again if autograd saved it
-            (`saved`).
+            Whether freed: not without gradients (nothing outlives the call)
+            nor when an output or the shard shares the storage.
         """
         value = self.value
         if not (value.requires_grad and torch.is_grad_enabled()):
             return False
         with torch.no_grad():
-            # The local tensor itself (with gradients, `to_local` returns
-            # a new view each time).
+            # Not `to_local`: with gradients it returns a new view each time.
             local = fsdp_gather.local_tensor(value)
             shared = [self.sharded.to_local()] + [
                 fsdp_gather.local_tensor(x) for x in outputs
@@ -300,8 +259,7 @@ class GatheredWeight:
         self.storage = storage
         self.nbytes = storage.nbytes()
         storage.resize_(0)
-        # Once the weight's gradient is complete, every backward op that
-        # read the gathered value has run.
+        # Once the gradient is complete, every backward op reading it has run.
         value.register_hook(self._release_after_backward)
         self.value = None
         self.geometry = (
@@ -322,15 +280,13 @@ class GatheredWeight:
         )
 
     def fill(self, fresh):
-        """Writes the gathered local tensor `fresh` into the freed
-        storage."""
+        """Writes the gathered local tensor `fresh` into the freed storage."""
         dtype, device, offset, shape, stride = self.geometry
         with torch.no_grad():
             self.storage.resize_(self.nbytes)
-            # Written through a tensor of its own on the storage: written
-            # through the local tensor, the version counter that its views
-            # share would change, and autograd would refuse the views it
-            # saved (`to_local()` returns a view).
+            # A fresh tensor on the storage: writing through the local tensor
+            # would bump the version counter its views share, and autograd
+            # would refuse the views it saved.
             target = torch.empty(0, dtype=dtype, device=device)
             target.set_(self.storage, offset, shape, stride)
             target.copy_(fresh)

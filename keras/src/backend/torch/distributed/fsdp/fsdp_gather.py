@@ -1,29 +1,17 @@
 """One collective for all the weights a layer call gathers, as FSDP2 does.
 
-`fsdp` gathers the weights of a layer call along the batch axis. Gathered
-one by one through DTensor's `redistribute`, each weight costs a collective
-forward, one more when the backward pass gathers it again, and a
-reduce-scatter of its gradient: 2-3 per weight per step, 30 or more for a
-transformer block. FSDP2's `fully_shard` issues one all-gather for all of a
-module's parameters and one reduce-scatter for their gradients, on flat
-buffers; `gather` does the same for the weights of one call:
+`fsdp` gathers a layer call's weights along the batch axis; through
+`redistribute` each would cost 2-3 collectives per step. Like FSDP2's
+`fully_shard`, `gather` pads each local shard to the largest (DTensor shards
+as `torch.chunk` does: the last can be smaller, or empty), concatenates them
+flat and issues one all-gather over the mesh dimension's group, copying each
+weight out into its own storage (which `fsdp` frees); backward, the
+partial-sum gradients are split per process, padded and concatenated the
+same way for one reduce-scatter.
 
-- each weight's local shard is padded to the size of the largest shard
-  (DTensor shards as `torch.chunk` does: the last shards can be smaller,
-  or empty), flattened, and concatenated with the others;
-- one all-gather into a flat tensor over the mesh dimension's process group
-  brings every process' buffer; each weight's gathered value is copied out
-  of it (its own storage, which `fsdp` frees and fills again);
-- in the backward pass, the gradients that are partial sums over the batch
-  are split into each process' part, padded and concatenated the same way,
-  and one reduce-scatter of the flat tensor gives each process the sum of
-  its parts: the gradient of its shards.
-
-A weight that one flat buffer cannot gather (gathered along more than one
-mesh dimension, or sharded on the same tensor dimension along another
-mesh dimension, whose shards nest) goes through DTensor's `redistribute`,
-one collective each, as does a gradient reduced otherwise than by a sum.
-Weights of different dtypes go in one buffer per dtype.
+A weight one flat buffer cannot gather (gathered along several mesh
+dimensions, or with nested shards) goes through `redistribute`, as does a
+gradient not reduced by a sum. Each dtype gets its own buffer.
 """
 
 import math
@@ -42,8 +30,7 @@ def gather(shards, placements, async_op=False):
     """Starts gathering `shards` to `placements`.
 
     Args:
-        shards: `DTensor`s, each a weight's value in the dtype it is
-            gathered in.
+        shards: the weights' `DTensor` values, in the dtype to gather in.
         placements: for each of `shards`, its placements once gathered.
         async_op: whether to return before the collectives complete.
 
@@ -54,19 +41,12 @@ def gather(shards, placements, async_op=False):
 
 
 class PendingGather:
-    """Gathers of weights, started; see `gather`.
-
-    Args:
-        shards: the weights' sharded values.
-        placements: their placements once gathered.
-        async_op: whether the collectives run asynchronously.
-    """
+    """Gathers of weights, started; see `gather` for the arguments."""
 
     def __init__(self, shards, placements, async_op):
         self.shards = list(shards)
         self.placements = list(placements)
-        # The grouped gathers, and the index of each weight gathered alone
-        # with its `redistribute`d value.
+        # `_alone`: index -> `redistribute`d value of a weight gathered alone.
         self._groups = []
         self._alone = {}
         grouped = {}
@@ -74,10 +54,9 @@ class PendingGather:
             mesh_dim = _flat_mesh_dim(shard, target)
             if mesh_dim is None:
                 if async_op and shard.requires_grad and torch.is_grad_enabled():
-                    # The backward pass of an asynchronous `redistribute`
-                    # reduce-scatters asynchronously too, and the collective
-                    # holds its whole input until it is waited for: the
-                    # optimizer would find every layer's whole gradient.
+                    # Backward, an asynchronous `redistribute` reduce-scatters
+                    # asynchronously too, holding its whole input until waited
+                    # for: the optimizer would see each layer's whole gradient.
                     shard = shard.view_as(shard)
                     shard.register_hook(_completed_gradient)
                 self._alone[index] = shard.redistribute(
@@ -98,12 +77,7 @@ class PendingGather:
             )
 
     def values(self):
-        """The gathered values, as `DTensor`s whose gradients are
-        reduce-scattered to the shards'.
-
-        Returns:
-            A list of `DTensor`s, one per shard.
-        """
+        """The gathered `DTensor`s; their gradients reduce-scatter to shards."""
         values = [None] * len(self.shards)
         for index, value in self._alone.items():
             values[index] = value
@@ -114,11 +88,7 @@ class PendingGather:
         return values
 
     def local_values(self):
-        """The gathered local tensors, with no autograd history.
-
-        Returns:
-            A list of `torch.Tensor`s, one per shard.
-        """
+        """The gathered local tensors (no autograd history), one per shard."""
         values = [None] * len(self.shards)
         for index, value in self._alone.items():
             values[index] = local_tensor(value)
@@ -137,8 +107,7 @@ class PendingGather:
 
 
 def _flat_mesh_dim(shard, target):
-    """The mesh dimension along which a flat buffer gathers `shard` to
-    `target`, or `None` if it cannot."""
+    """The mesh dim along which a flat buffer gathers `shard`, or `None`."""
     changed = [
         dim
         for dim, (now, then) in enumerate(zip(shard.placements, target))
@@ -159,17 +128,14 @@ def _flat_mesh_dim(shard, target):
 
 
 def local_tensor(value):
-    """The local tensor of `value` (a tensor or `DTensor`), once computed:
-    that of an asynchronous collective is a wrapper, whose `wait` returns
-    the tensor."""
+    """The local tensor of `value`, once its async collective (if any) ends."""
     local = value.to_local() if isinstance(value, DTensor) else value
     wait = getattr(local, "wait", None)
     return local if wait is None else wait()
 
 
 def _completed_gradient(grad):
-    """The gradient of an asynchronous gather's input, its reduce-scatter
-    completed."""
+    """An async gather's input gradient, its reduce-scatter waited for."""
     local = local_tensor(grad)
     if local is grad.to_local():
         return grad
@@ -183,8 +149,7 @@ def _completed_gradient(grad):
 
 
 class _FlatGather:
-    """One all-gather of several weights' shards along one mesh dimension,
-    and the reduce-scatter of their gradients."""
+    """One all-gather of shards along a mesh dim; reduce-scatters gradients."""
 
     def __init__(self, shards, placements, indices, mesh_dim, async_op):
         self.shards = shards
@@ -217,18 +182,14 @@ class _FlatGather:
         self._buffer = None
 
     def local_values(self):
-        """The gathered local tensors, each in a storage of its own.
-
-        Given once and not kept: held here, they would outlive the
-        `DTensor`s built on them, which `fsdp` frees after the call.
-        """
+        """The gathered local tensors, each in its own storage; not kept here,
+        or they would outlive the `DTensor`s `fsdp` frees after the call."""
         if self._work is not None:
             self._work.wait()
             self._work = None
         buffer, self._buffer = self._buffer, None
         if len(self.layouts) == 1 and self.layouts[0].is_whole_buffer():
-            # The buffer is the gathered tensor: no copy, whose transient
-            # second copy of the weight would raise the peak memory.
+            # The buffer is the gathered tensor: a copy would raise peak memory.
             return [buffer.view(self.layouts[0].gathered_shape)]
         rows = buffer.view(self.size, -1)
         offset = 0
@@ -243,8 +204,7 @@ class _FlatGather:
         """The gradients of the shards, from those of the gathered values.
 
         Args:
-            grads: for each shard, the gradient of its gathered value (a
-                `DTensor`), or `None`.
+            grads: each shard's gathered value's gradient (`DTensor`) or `None`.
 
         Returns:
             A list of `DTensor`s in the shards' layouts, or `None`s.
@@ -266,10 +226,8 @@ class _FlatGather:
                 results[index] = grad.redistribute(self.mesh, shard.placements)
                 continue
             if placement == shard.placements[self.mesh_dim]:
-                # Sharded as the weight already (the call's input was
-                # sharded on the features the weight is stored by): each
-                # process holds its own part, and gathering it to take
-                # that part again would be a collective for nothing.
+                # Already sharded as the weight (the input was sharded on its
+                # stored features): each process holds its own part already.
                 results[index] = grad.redistribute(
                     self.mesh, shard.placements
                 ).to_local()
@@ -287,8 +245,7 @@ class _FlatGather:
                 results[index] = layout.own_part(local, self.coordinate)
         if summed:
             if len(summed) == 1 and summed[0][1].is_whole_buffer():
-                # Each process' part is its rows, in order: the gradient
-                # itself is the flat tensor.
+                # Parts are rows in order: the gradient is the flat tensor.
                 pieces = [summed[0][2].reshape(-1)]
             else:
                 parts = [
@@ -322,14 +279,9 @@ class _FlatGather:
         ]
 
     def _summed_over_other_dims(self, grads):
-        """`grads`, with the partial sums along other mesh dimensions
-        (where the weight is replicated) summed in one all-reduce per
-        mesh dimension and dtype.
-
-        A norm scale feeding model-sharded heads has a gradient that is a
-        partial sum over the model axis too; a `redistribute` per weight
-        would cost a collective each.
-        """
+        """`grads` with their partial sums along other mesh dims (the weight
+        replicated there) summed in one all-reduce per dims and dtype, not one
+        `redistribute` each (a norm scale feeding model-sharded heads)."""
         grads = list(grads)
         groups = {}
         for index, (grad, target) in enumerate(zip(grads, self.placements)):
@@ -373,14 +325,12 @@ def _is_partial_sum(placement):
 
 
 def _concatenated(pieces):
-    """The flat tensors `pieces` end to end; one piece is not copied (a
-    second copy of a layer's weight or gradient would raise the peak)."""
+    """`pieces` end to end; a single piece is not copied, to spare memory."""
     return pieces[0].contiguous() if len(pieces) == 1 else torch.cat(pieces)
 
 
 class _ShardLayout:
-    """Where one process' shard lies in a weight's gathered local tensor,
-    along the tensor dimension sharded over the gathered mesh dimension."""
+    """Where each process' shard lies along a weight's sharded tensor dim."""
 
     def __init__(self, shard, mesh_dim, size):
         self.dim = shard.placements[mesh_dim].dim
@@ -398,8 +348,7 @@ class _ShardLayout:
         self.gathered_shape[self.dim] = length
 
     def is_whole_buffer(self):
-        """Whether the gathered buffer of this weight alone is its gathered
-        local tensor: sharded on its first dimension, with no padding."""
+        """Whether it is sharded on dim 0 unpadded: the buffer is the tensor."""
         return self.dim == 0 and all(n == self.chunk for n in self.lengths)
 
     def padded(self, local):
@@ -412,8 +361,7 @@ class _ShardLayout:
         return torch.cat([local, local.new_zeros(shape)], dim=self.dim)
 
     def joined(self, pieces):
-        """The gathered local tensor from each process' flat padded shard
-        (the rows of `pieces`)."""
+        """The gathered tensor from `pieces`' rows, each a flat padded shard."""
         parts = [
             row.view(self.padded_shape).narrow(self.dim, 0, length)
             for row, length in zip(pieces, self.lengths)
@@ -421,8 +369,7 @@ class _ShardLayout:
         return torch.cat(parts, dim=self.dim)
 
     def padded_parts(self, local):
-        """`local` (a gathered local tensor) split into each process'
-        part, padded to the largest."""
+        """`local` (a gathered tensor) split per process, each part padded."""
         parts = torch.split(local, self.lengths, dim=self.dim)
         return [self.padded(part) for part in parts]
 
@@ -439,14 +386,12 @@ class _ShardLayout:
 
 
 class _GatherFunction(torch.autograd.Function):
-    """The gathered values of a `_FlatGather` as a differentiable function
-    of the shards: the backward pass reduce-scatters the gradients."""
+    """The gathered values of a `_FlatGather`, reduce-scattering backward."""
 
     @staticmethod
     def forward(ctx, flat_gather, *shards):
-        # A gradient that never reaches a gathered value stays `None` for
-        # its shard, as it would for the weight in one process: an
-        # optimizer skips a weight without gradient, but not a zero one.
+        # Unreached gradients stay `None`, as in one process: an optimizer
+        # skips a weight without gradient, but not a zero one.
         ctx.set_materialize_grads(False)
         ctx.flat_gather = flat_gather
         return tuple(

@@ -1,21 +1,8 @@
 """The order of a step's gathers, to gather each layer's weights ahead.
 
-`fsdp` gathers a layer's weights sharded over the batch axis when the
-layer is called, and again when the backward pass reaches it. Within a
-step, a `GatherSchedule` lets each of those gathers start while the layer
-before it computes, as FSDP2 prefetches: it learns the order of the step's
-gathers, and the next step issues the gather of the following layer
-asynchronously as a layer is called; in the backward pass, the gradient
-that gathers a layer's weights again also starts the gather of the layer
-before it. At most one layer's gather is ahead, forward or backward.
-
-It costs memory (one more layer's gathered weights, and the collective's
-buffers) for the overlap of communication with compute: on by default on
-CUDA devices, off on CPUs (see `gathers_ahead`).
-
-The order also tells which call is the step's last to gather, ahead or
-not: the backward pass starts with it, so its weights are kept, not freed
-and gathered again at once (one all-gather fewer a step).
+`fsdp` gathers a layer's batch-sharded weights when it is called and in the
+backward pass. As FSDP2 prefetches, a `GatherSchedule` learns a step's order
+of gathers so the next step gathers one layer ahead, forward and backward.
 """
 
 import contextlib
@@ -27,8 +14,7 @@ import numpy as np
 
 GATHER_AHEAD_ENV = "KERAS_DISTRIBUTION_GATHER_AHEAD"
 
-# Per thread, as Keras' own state is: the `GatherSchedule` of the step
-# running in this thread (see `following`).
+# Per thread, as Keras' own state is.
 _running = threading.local()
 
 
@@ -40,17 +26,11 @@ def running_schedule():
 def gathers_ahead(distribution):
     """Whether a step's layer calls gather their weights ahead.
 
-    On CUDA devices, collectives run on a stream of their own and overlap
-    compute; on CPU processes (gloo), measured on 2 cores
-    (`benchmarks/bench_fsdp.py`), gathering ahead held 1.4x the gathered
-    memory for a step 0.97-1.04x as long, so it is off there.
+    `KERAS_DISTRIBUTION_GATHER_AHEAD` (`"1"`/`"0"`) if set, else off on CPU
+    meshes, where gathering ahead costs memory without overlapping compute.
 
     Args:
         distribution: the distribution in effect.
-
-    Returns:
-        A `bool`: `KERAS_DISTRIBUTION_GATHER_AHEAD` (`"1"` or `"0"`) if
-        set, else whether the mesh's devices are not CPUs.
     """
     choice = os.environ.get(GATHER_AHEAD_ENV)
     if choice is None:
@@ -66,10 +46,7 @@ def gathers_ahead(distribution):
 
 @contextlib.contextmanager
 def following(schedule, distribution):
-    """Lets the layer calls of one step follow `schedule`: the step's
-    last call keeps its gathered weights for the backward pass, and, if
-    `gathers_ahead(distribution)`, each call gathers the next one's
-    weights ahead.
+    """Makes one step's layer calls follow `schedule`.
 
     Args:
         schedule: the step's `GatherSchedule`.
@@ -88,35 +65,24 @@ def following(schedule, distribution):
 class GatherSchedule:
     """The order in which a step function's layer calls gather weights.
 
-    A step records the order of its gathers; the next step follows it to
-    gather each layer's weights while the layer before computes. The order
-    is the same on every process (the same model, called the same way), so
-    the asynchronous gathers are issued in the same order everywhere. A
-    weight gathered ahead stands for its variable only in the call it was
-    gathered for, with the same placements, dtype and gradient mode and an
-    unchanged variable; otherwise it is dropped once its gather completes,
-    and the call gathers anew (a call order that changed: a layer called
-    conditionally).
+    The order is the same on every process, so async gathers are issued in
+    the same order everywhere. A weight gathered ahead is dropped unless the
+    call, placements, dtype, gradient mode and variable are unchanged.
     """
 
     def __init__(self, ahead=True):
-        # Whether calls gather the next call's weights ahead.
         self.ahead = ahead
-        # The previous step's layer calls that gathered, as weak references.
+        # Weak references to the previous (`_order`) and this step's layers.
         self._order = []
         self._calls = []
-        # The call gathered ahead: `(weak reference to its layer, call)`.
+        # `(weak reference to its layer, call)` gathered ahead.
         self._ahead = None
-        # This step's calls whose gathered storage was freed after the
-        # forward pass, in call order.
+        # This step's calls freed after the forward pass, in call order.
         self._released = []
 
     def take_ahead(self, layer, call):
-        """Gives `call` (of `layer`) what was gathered ahead for it.
-
-        Returns:
-            The call's position in the step's order of calls.
-        """
+        """Gives `call` (of `layer`) what was gathered ahead for it, and
+        returns the call's position in the step's order."""
         self._calls.append(weakref.ref(layer))
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[0]() is not layer:
@@ -126,15 +92,9 @@ class GatherSchedule:
         return len(self._calls) - 1
 
     def is_last(self, position, layer):
-        """Whether the call of `layer` at `position` was the last to gather
-        in the previous step: the backward pass starts with it, so freeing
-        its weights would only gather them again at once (FSDP2 keeps its
-        root module's parameters for the same reason).
-
-        Args:
-            position: what `take_ahead` returned for the call.
-            layer: the layer called.
-        """
+        """Whether the call of `layer` at `position` (from `take_ahead`) was
+        the previous step's last to gather: the backward pass starts with it,
+        so it keeps its weights."""
         return position == len(self._order) - 1 and (
             self._order[position]() is layer
         )
@@ -166,9 +126,8 @@ class GatherSchedule:
         """Records a call whose weights were freed after the forward pass.
 
         Returns:
-            A function that, in the backward pass, starts gathering again
-            the weights of the call released before this one, or `None`
-            when calls do not gather ahead.
+            A function that, in the backward pass, starts gathering the
+            previously released call's weights, or `None` if not `ahead`.
         """
         if not self.ahead:
             return None
@@ -177,13 +136,8 @@ class GatherSchedule:
         return lambda: self._restore_ahead(index)
 
     def kept(self):
-        """Records that the step's last call kept its gathered weights.
-
-        Returns:
-            A function that, in the backward pass, starts gathering again
-            the weights of the call released before it, or `None` when
-            calls do not gather ahead.
-        """
+        """Records that the step's last call kept its gathered weights;
+        returns as `released`."""
         if not self.ahead:
             return None
         index = len(self._released)
@@ -196,8 +150,7 @@ class GatherSchedule:
                 return
 
     def finish_step(self):
-        """Drops what was gathered for calls that did not come, and keeps
-        this step's order for the next."""
+        """Drops unused gathers and keeps this step's order for the next."""
         if self._ahead is not None:
             self._ahead[1].drop_ahead()
             self._ahead = None

@@ -1,10 +1,7 @@
 """Checks that the processes of a job agree, before they can hang.
 
-Processes that build different models, or iterate over different numbers
-of batches, issue different collectives: one waits for a collective the
-others never start, or a transport error ends the job. Here they compare
-what they are about to do, in one small collective, and every process
-raises the same `ValueError` naming what differs.
+Processes that build different models or iterate over different numbers of
+batches issue different collectives; one small collective catches that.
 """
 
 import hashlib
@@ -17,9 +14,6 @@ from keras.src.backend.torch.distributed.core import runtime
 
 def check_same_variable(path, shape, dtype):
     """Raises on every process if the processes create different variables.
-
-    Called before each variable is broadcast from process 0, so that the
-    first variable that differs is the one named.
 
     Args:
         path: the variable's path, e.g. `"sequential/dense/kernel"`.
@@ -46,13 +40,11 @@ def check_same_variable(path, shape, dtype):
 def check_same_num_batches(num_batches):
     """Raises on every process if they have different numbers of batches.
 
-    With `auto_shard_dataset=False` every process iterates over its own
-    data; each step needs every process, so they must have as many
-    batches (`None`: unknown, e.g. a generator).
+    Only with `auto_shard_dataset=False`, where each process has its own data.
 
     Args:
-        num_batches: the number of batches of this process' data (or the
-            `steps_per_epoch` it was given), or `None`.
+        num_batches: this process' number of batches (or `steps_per_epoch`),
+            or `None` if unknown.
     """
     distribution = runtime.current_distribution()
     if (
@@ -75,13 +67,9 @@ def check_same_num_batches(num_batches):
 
 
 def _gather_if_different(text):
-    """Gathers `text` from every process if they do not all have the same.
+    """Gathers `text` from every process, or returns `None` if all agree.
 
-    One all-gather of a digest when they agree; a second, of the texts
-    themselves, only when they differ.
-
-    Returns:
-        The texts in process order, or `None` if all are the same.
+    One all-gather of a digest; the texts are gathered only if they differ.
     """
     if runtime.world_size() == 1:
         return None

@@ -1,26 +1,15 @@
 """Collective calls agreed in the job's store before they communicate.
 
-Some calls a user makes are collectives: reading the global value of a
-sharded value (`get_weights`, `numpy()`, `convert_to_numpy`, printing a
-variable), starting `fit`, `evaluate` or `predict`, saving a model to one
-file. Made on some processes only (`if process_id == 0:`), such a call
-waits for the others, or pairs its collective with whatever collective
-they run next and returns another collective's data.
-
-So each such call is first announced in the job's store, numbered in the
-order of this process' calls, and it communicates only once every process
-has announced the same call under the same number. The store is not a
-process group: an announcement cannot pair with a collective. Under each
-number a process announces its call, a step it already runs, or the end
-of its program; as soon as two differ, every process involved raises a
-`ValueError` naming what each did. A process that announces nothing is
-waited for as long as a collective is (`health.current_timeout()`).
-
-A watcher thread on each process notices a call that another process
-announced and this one has not made: once this process runs a step the
-caller has not run (so it cannot make the call before that step), the
-watcher announces the step for it, and the caller stops at once. Nothing
-is announced per step: a step costs nothing more.
+Some user calls are collectives (`get_weights`, `numpy()`, printing a
+sharded variable, starting `fit`, saving a model to one file). Made on some
+processes only (`if process_id == 0:`), such a call hangs, or pairs with the
+others' next collective and returns its data. So each is first announced in
+the store (which cannot pair with a collective) under this process' next
+call number, and communicates once every process announced the same call.
+A process announces its call, a step it already runs, or its end; on a
+difference, each process involved raises a `ValueError` naming what each
+did. A watcher thread announces for this process a step the caller has not
+run, which rules the call out. Steps announce nothing.
 """
 
 import atexit
@@ -38,9 +27,8 @@ from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.health import agreement
 from keras.src.backend.torch.distributed.health import health
 
-# How often the watcher looks at this process' steps while another
-# process' call waits for it, and the longest pause between two reads of
-# an announcement by a caller.
+# How often the watcher checks steps while another process' call waits, and
+# a caller's longest pause between reads of an announcement.
 _WATCH_SECONDS = 0.05
 _POLL_MAX_SECONDS = 0.02
 # The watcher waits for the next announcement this long at a time.
@@ -51,8 +39,7 @@ _lock = threading.Lock()
 _state = {
     # The number of this process' last announced call.
     "count": 0,
-    # How deep this process is in announced calls (nested ones are not
-    # announced again: every process makes them in the same order).
+    # Depth in announced calls (nested ones are made in the same order).
     "depth": 0,
     "store": None,
     "pid": None,
@@ -68,13 +55,8 @@ class CallMismatchError(ValueError):
 
 
 def start():
-    """Starts agreeing on calls in this process, once the job exists.
-
-    Called where the job is joined, and again before calls and steps (for
-    a process group created without `keras.distribution.initialize`);
-    nothing happens after the first time, in a job of one process, or in
-    a data loader's worker process.
-    """
+    """Starts agreeing on calls in this process, once the job exists (also
+    for a process group made without `keras.distribution.initialize`)."""
     if (
         _state["tried"] == os.getpid()
         or not dist.is_initialized()
@@ -97,17 +79,14 @@ def start():
     )
     _state.update(watcher=watcher, stop=stop_event)
     watcher.start()
-    # Before the process group is destroyed at exit (handlers run last
-    # registered first).
+    # Runs before the process group's teardown (atexit runs LIFO).
     atexit.register(stop)
 
 
 def stop(reason="the end of its program"):
     """Announces that this process makes no more calls; stops the watcher.
 
-    Called at exit (and when an uncaught error ends the process), so that
-    a process waiting for this one's call learns at once that it will not
-    come.
+    Called at exit and on an uncaught error: waiting processes learn at once.
 
     Args:
         reason: what this process does instead, for the others' errors.
@@ -131,21 +110,16 @@ def stop(reason="the end of its program"):
 def collective_call(description):
     """Runs a collective call once every process has announced it.
 
-    Calls made while this one runs, while a step runs, or while a step is
-    traced are not announced: every process makes them in the same order.
+    Nested calls, and calls during a step or its tracing, are not announced:
+    every process makes them in the same order.
 
     Args:
-        description: what the call does, for errors (`"a read of the
-            global value of 'dense/kernel'"`).
-
-    Yields:
-        Nothing; the call runs in the `with` block.
+        description: what the call does, for errors.
 
     Raises:
         CallMismatchError: another process made another call under this
             number, ran a step instead, or ended.
-        health.JobFailedError: a process did not announce within the
-            job's collective timeout.
+        health.JobFailedError: a process did not announce in time.
     """
     start()
     if not _announces():
@@ -160,15 +134,11 @@ def collective_call(description):
 
 
 def check_same_num_batches(num_batches):
-    """Starts iterating over a dataset in `fit`, `evaluate` or `predict`.
-
-    Their steps are collectives, so starting one is agreed like any
-    collective call a user makes (`collective_call`); processes that each
-    read their own data also agree on its number of batches.
+    """Agrees on the start of `fit`/`evaluate`/`predict` (collective steps)
+    and on the number of batches of each process' data.
 
     Args:
-        num_batches: the number of batches of this process' data (or the
-            `steps_per_epoch` it was given), or `None`.
+        num_batches: this process' batches (or `steps_per_epoch`), or `None`.
     """
     if runtime.current_distribution() is None:
         return
@@ -219,8 +189,7 @@ def _agree(description):
         time.sleep(pause)
         pause = min(2 * pause, _POLL_MAX_SECONDS)
     if rank == 0 and number > 2:
-        # Every process has announced `number`, so no one reads the
-        # announcements two calls back any more.
+        # All announced `number`: nobody reads `number - 2` any more.
         store.delete_key(_KEY.format(number - 2))
 
 
@@ -307,12 +276,8 @@ def _watch(store, stop_event):
 
 
 def _rule_out(store, number):
-    """Announces this process' step under `number` if it rules the call out.
-
-    A process that runs (or ran) a step the caller has not run cannot make
-    the caller's call before that step, which needs the caller: the two
-    would wait for each other until the job's timeout.
-    """
+    """Announces this process' step under `number` if it rules the call out:
+    the caller has not run it, so the two would wait for each other."""
     announced = _entries(store, number)
     counts = health.step_counts()
     for _, (their_counts, _) in announced.items():

@@ -1,17 +1,10 @@
 """Bounded collectives, and clear errors when a process of the job fails.
 
-A job that hangs burns its whole allocation, and one that dies with a
-transport error ("Connection reset by peer") leaves its user to guess which
-of its logs to read. Here:
-
-- Every process group is bounded: by `start_timeout()` until the first step
-  has completed (set-up, building the model, compiling the first step), by
-  `step_timeout()` after, as torchtitan bounds its init and its steps.
-- A process whose own code raises writes why to the job's store before it
-  exits. A process whose collective then fails or times out reads the
-  store and raises `JobFailedError`, which names the step, the collective,
-  and the processes that failed or did not arrive, in place of the
-  transport's error.
+Process groups are bounded by `start_timeout()` until the first step
+completes, then by `step_timeout()` (as torchtitan does). A process whose own
+code raises writes why to the job's store; one whose collective then fails
+raises `JobFailedError` naming the step, the collective and the processes that
+failed or did not arrive, instead of a bare transport error.
 """
 
 import contextlib
@@ -27,20 +20,17 @@ import torch.distributed as dist
 
 STEP_TIMEOUT_ENV = "KERAS_DISTRIBUTION_TIMEOUT"
 START_TIMEOUT_ENV = "KERAS_DISTRIBUTION_START_TIMEOUT"
-# Seconds a collective may wait once training runs: CPU steps are slower
-# and CPU hosts more often shared than GPUs.
+# Seconds: CPU steps are slower and CPU hosts more often shared.
 DEFAULT_STEP_TIMEOUT = {"gloo": 300, "nccl": 120}
-# The start (rendezvous, model build, first compiled step) waits this many
-# times longer: one process may load data or compile while others wait.
+# The start waits longer: one process may load data or compile meanwhile.
 START_TIMEOUT_FACTOR = 5
-# How long a process whose collective failed waits for the others to say
-# where they are, and how long any store access may take.
+# How long a failed process waits for the others' reports, and the bound on
+# any store access.
 REPORT_GRACE_SECONDS = 5.0
 STORE_TIMEOUT_SECONDS = 5.0
 
 _STORE_PREFIX = "keras_distribution_health"
-# Functions of `torch.distributed` that communicate, as they appear in a
-# traceback (the public API and DTensor's functional collectives).
+# Files of communicating `torch.distributed` functions, seen in tracebacks.
 _COLLECTIVE_FILES = ("distributed_c10d.py", "_functional_collectives.py")
 
 _state = {
@@ -61,11 +51,7 @@ class JobFailedError(RuntimeError):
 def step_timeout():
     """Seconds a collective may wait once the first step has completed.
 
-    `KERAS_DISTRIBUTION_TIMEOUT` if set; otherwise 300 on CPU (gloo) and 120
-    on GPU (NCCL).
-
-    Returns:
-        float.
+    `KERAS_DISTRIBUTION_TIMEOUT` if set, else 300 (gloo) or 120 (NCCL).
     """
     value = os.environ.get(STEP_TIMEOUT_ENV)
     if value is not None:
@@ -77,11 +63,7 @@ def step_timeout():
 def start_timeout():
     """Seconds a collective may wait before the first step has completed.
 
-    `KERAS_DISTRIBUTION_START_TIMEOUT` if set, otherwise 5 times
-    `step_timeout()`.
-
-    Returns:
-        float.
+    `KERAS_DISTRIBUTION_START_TIMEOUT` if set, else 5 x `step_timeout()`.
     """
     value = os.environ.get(START_TIMEOUT_ENV)
     if value is not None:
@@ -119,7 +101,7 @@ def bound_groups(groups):
 
 
 def install(coordinator=None):
-    """Records, on this process, any uncaught error for the others to read.
+    """Reports this process' uncaught errors to the others, via excepthook.
 
     Called once the job's process group exists.
 
@@ -144,8 +126,7 @@ def install(coordinator=None):
 def guarded_step(kind, all_groups):
     """Runs a step; turns a failed collective into a `JobFailedError`.
 
-    After the first step that completes, every process group is bounded
-    by `step_timeout()`.
+    After the first completed step, groups are bounded by `step_timeout()`.
 
     Args:
         kind: `"train"`, `"test"` or `"predict"`.
@@ -160,9 +141,8 @@ def guarded_step(kind, all_groups):
         # Once: a job without a reachable store still runs, unreported.
         _state["store"] = _connect_store()
     if _state["written"]:
-        # This process raised or waited in an earlier step and lived on
-        # (its caller caught the error): what it reported then is no
-        # longer true, and must not name an old error in a later failure.
+        # An earlier failure was caught and the process lived on: its stale
+        # report must not be blamed for a later failure.
         _clear_own_reports()
     _state["running"] = kind
     try:
@@ -188,27 +168,19 @@ def running_step():
 
 
 def step_counts():
-    """How many steps of each kind this process has started.
-
-    Returns:
-        A dict such as `{"train": 12, "test": 3}`.
-    """
+    """Steps started per kind, e.g. `{"train": 12, "test": 3}`."""
     return dict(_state["steps"])
 
 
 def connect_store():
-    """A new client of the job's store (its own connection), or `None`.
-
-    `None` in a job of one process, or when the store cannot be reached.
-    """
+    """A new client of the job's store, or `None` (one process, unreachable)."""
     return _connect_store()
 
 
 def report_failure(error):
     """Writes this process' error to the job's store, for the others.
 
-    Errors caused by another process' failure are not reported: the others
-    must learn of the process that failed first.
+    Not for errors caused by another process: the first failure is named.
 
     Args:
         error: the exception.
@@ -264,12 +236,7 @@ def _job_error(error, where):
 
 
 def _peer_reports(rank, size):
-    """Reads what the other processes wrote, waiting a little for them.
-
-    Returns:
-        `(failed, silent)`: `(process, error)` pairs of the processes that
-        reported an error, and the processes that said nothing.
-    """
+    """`(failed, silent)` after a short wait: `(rank, error)`s, silent ranks."""
     failed, silent = [], []
     deadline = time.monotonic() + min(REPORT_GRACE_SECONDS, step_timeout())
     others = [r for r in range(size) if r != rank]

@@ -1,8 +1,7 @@
-"""Input: global batches from each process' share of the data.
+"""Input: global batches assembled from each process' share of the data.
 
-- `data_input`: global batches assembled from each process' rows.
-- `data_sources`: `DataLoader`s and `PyDataset`s read one process' share.
-- `data_parts`, `loader_rows`, `pydataset_shares`: which part each
-  process reads.
-- `tf_data`: `tf.data` input.
+`data_input` assembles them; `data_sources` reads one process' share of
+`DataLoader`s and `PyDataset`s; `data_parts`, `loader_rows` and
+`pydataset_shares` pick which part each process reads; `tf_data` reads
+`tf.data` input.
 """

@@ -1,9 +1,7 @@
 """Data inputs under a distribution: global batches as batch-sharded DTensors.
 
-The data adapters yield global batches. Each process keeps its rows of the
-batch axis (processes along other mesh axes keep the same rows) and the
-global batch is assembled as a `DTensor`, without communication when the
-global batch size is known.
+Each process keeps its rows of the global batch; the `DTensor` is assembled
+without communication when the global batch size is known.
 """
 
 import weakref
@@ -14,8 +12,7 @@ from keras.src.backend.torch.distributed.core import layouts
 from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.core.runtime import DTensor
 
-# Each distribution's data layouts, by global shape: built once, not for
-# every input of every batch.
+# Each distribution's data layouts by global shape, built once.
 _DATA_LAYOUTS = weakref.WeakKeyDictionary()
 # A bound on the shapes kept per distribution (batches of varying lengths).
 _MAX_DATA_LAYOUTS = 64
@@ -28,8 +25,7 @@ def distribute_global_batch(data, distribution):
     the global batch instead.
 
     Args:
-        data: nested structure of arrays or tensors; every array has the
-            batch as its leading dimension.
+        data: nested arrays or tensors, each with the batch leading.
         distribution: the `keras.distribution.Distribution` in effect.
 
     Returns:
@@ -85,10 +81,8 @@ def _flatten(data):
 
 
 def _map_structure(function, data):
-    """`tree.map_structure(function, data)`, without its cost (tens of
-    microseconds a batch) where `data` is made of plain lists and tuples
-    of arrays, as a step's `[(x, y)]` is; other containers go to
-    `tree.map_structure`."""
+    """`tree.map_structure(function, data)`, without its overhead for plain
+    lists and tuples of arrays such as a step's `[(x, y)]`."""
     if type(data) in (list, tuple):
         return type(data)(_map_structure(function, x) for x in data)
     if type(data) is dict or not _plain(data):
@@ -97,8 +91,7 @@ def _map_structure(function, data):
 
 
 def _plain(x):
-    """Whether `x` is a leaf of `tree` that is no container: an array, a
-    tensor, `None`, a number or a string."""
+    """Whether `x` is an array, tensor, `None`, number or string."""
     return x is None or hasattr(x, "shape") or isinstance(x, (int, float, str))
 
 

@@ -1,7 +1,5 @@
-"""What the data sources read in parts share: their adapter, their rows.
-
-See `data_sources`. A source read in parts yields global batches of which
-this process read only its rows, as `DTensor`s placed by the distribution.
+"""What the data sources read in parts (`data_sources`) share. Each yields
+global batches as `DTensor`s, of which this process read only its rows.
 """
 
 import numpy as np

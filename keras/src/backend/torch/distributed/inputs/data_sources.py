@@ -1,24 +1,13 @@
 """Data sources under a distribution: each process reads only its rows.
 
-Without this module every process reads the whole global batch and keeps
-its rows of it (`data_input.distribute_global_batch`). Sources that can be
-read in parts are read in parts instead:
-
-- A map-style `torch.utils.data.DataLoader` with a batch sampler: every
-  process draws the global batches of indices from the loader's own batch
-  sampler (the order one process would see) and fetches only the samples
-  of its rows, with the loader's own workers and `collate_fn` (without
-  workers, one thread reads ahead). Processes that share rows (along the
-  other mesh axes) fetch the same samples.
-- A finite `keras.utils.PyDataset`, which returns whole batches: the
-  processes take turns reading the batches one process would take, with
-  the dataset's own workers, and each batch's rows are sent to the
-  processes that hold them.
-
-Both yield global batches as `DTensor`s, which the step takes as they are
-(`loader_rows`, `pydataset_shares`; what they share: `data_parts`).
-Other sources (generators, iterable datasets, infinite `PyDataset`s) and
-`auto_shard_dataset=False` keep the default path.
+Instead of every process reading the whole global batch and keeping its rows
+(`data_input.distribute_global_batch`), two sources are read in parts, yielding
+global `DTensor` batches (shared code: `data_parts`): a map-style `DataLoader`
+with a batch sampler (`loader_rows`: each process fetches its rows of the
+loader's index batches, with its workers and `collate_fn`) and a finite
+`PyDataset` (`pydataset_shares`: processes take turns reading whole batches and
+send each process its rows). Other sources and `auto_shard_dataset=False` keep
+the default path.
 """
 
 import torch
@@ -39,10 +28,9 @@ def process_data_adapter(adapter):
         adapter: the `DataAdapter` Keras made for the input.
 
     Returns:
-        `adapter` itself without a multi-process distribution that shards
-        the data (`auto_shard_dataset=True`), or for a source that cannot
-        be read in parts; otherwise an adapter yielding global batches as
-        `DTensor`s of which this process read only its share.
+        `adapter` itself without a multi-process distribution sharding the data
+        (`auto_shard_dataset=True`) or for a source not readable in parts; else
+        an adapter yielding global `DTensor` batches.
     """
     distribution = runtime.current_distribution()
     if (

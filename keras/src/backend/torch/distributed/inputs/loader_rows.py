@@ -1,10 +1,8 @@
 """A map-style `DataLoader` under a distribution: each process its rows.
 
-Every process draws the global batches of indices from the loader's own
-batch sampler (the order one process would see) and fetches only the
-samples of its rows, with the loader's own workers and `collate_fn`
-(without workers, one thread reads ahead). Processes that share rows
-(along the other mesh axes) fetch the same samples.
+Every process draws the global batches of indices from the loader's batch
+sampler and fetches only its rows' samples, with the loader's own workers and
+`collate_fn`; processes sharing rows (along other mesh axes) fetch the same.
 """
 
 import collections
@@ -31,21 +29,16 @@ class DataLoaderRows(data_parts.SharedAdapter):
         return data_parts.Batches(self._batches)
 
     def _batches(self):
-        # Now, as `iter(loader)` would: it draws the workers' base seed.
+        # Created here, as `iter(loader)` would: it draws the workers' seed.
         batches = iter(self._loader)
-        # The loader's workers read ahead; without workers, one thread
-        # does: a process waits for every other's rows at each step, so
-        # reading in line would add up its steps' time and its reading.
+        # Without workers one thread reads ahead: each step waits for every
+        # process' rows, so reading in line would add to the step's time.
         reader = _ReadAhead(batches, enabled=self._loader.num_workers == 0)
         return self._global_batches(reader, self._sampler.drawn)
 
     def _global_batches(self, reader, drawn):
-        """Checks the order the processes drew, on this (the step's) thread.
-
-        On the first batch (and the number of batches) and on all batches
-        when the pass ends: two collectives per pass, which every process
-        makes at the same point.
-        """
+        """Checks on the step's thread that all processes drew one order:
+        two collectives per pass, on its first batch and at its end."""
         first, digest = True, 0
         try:
             for rows in reader:
@@ -69,14 +62,9 @@ class DataLoaderRows(data_parts.SharedAdapter):
 class _ProcessRowsSampler(torch.utils.data.Sampler):
     """This process' indices of each batch of the loader's batch sampler.
 
-    Every process draws the whole batch of indices, so samplers advance as
-    in one process. A process with no rows of a batch (a last batch
-    smaller than the number of batch shards) fetches its first sample and
-    drops it, to know the structure of an empty part.
-
-    Each batch drawn is recorded in `drawn` (its global and local sizes, its
-    indices and a digest of the pass so far), for the checks that
-    `DataLoaderRows` makes on the step's thread.
+    Every process draws the whole batch, so samplers advance as in one
+    process; one with no rows of a batch fetches its first sample and drops
+    it, to know an empty part's structure. Draws are recorded in `drawn`.
     """
 
     def __init__(self, batch_sampler, rows):
@@ -124,11 +112,7 @@ def _check_same_order(drawn, digest):
 
 
 def _loader_with_sampler(loader, batch_sampler):
-    """A `DataLoader` like `loader`, batching with `batch_sampler`.
-
-    The batches come in the sampler's order (`in_order`, the default),
-    which `DataLoaderRows` relies on.
-    """
+    """A `DataLoader` like `loader`, batching with `batch_sampler` in order."""
     return torch.utils.data.DataLoader(
         loader.dataset,
         batch_sampler=batch_sampler,
@@ -148,9 +132,8 @@ def _loader_with_sampler(loader, batch_sampler):
 class _ReadAhead:
     """Reads an iterator's items ahead on one thread once `start()`ed.
 
-    Until then it reads in line, so that Keras' peek at the first batch
-    reads no more. Items come in order; an error raised while reading is
-    raised by the `next` that would have returned the item.
+    Until then it reads in line, so Keras' peek at the first batch reads no
+    more. An error raised while reading is raised by the matching `next`.
     """
 
     def __init__(self, iterator, enabled, depth=2):

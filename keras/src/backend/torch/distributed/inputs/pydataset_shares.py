@@ -1,22 +1,9 @@
 """A finite `PyDataset` under a distribution, read in shares.
 
-A `PyDataset` returns whole batches: each batch is read on one process,
-the processes taking turns, with the dataset's own workers (one thread at
-least), and its rows are sent to the processes that hold them. The
-batches come in the order one process would take them, in either of
-Keras' two ways of reading a `PyDataset`:
-
-- In line (one worker, no multiprocessing): each pass over the dataset
-  draws an order of its batches and reads each batch when it is taken.
-- Through Keras' `OrderedEnqueuer` (more workers, or multiprocessing):
-  each `on_epoch_begin` draws an order and the workers read ahead of the
-  steps; at `on_epoch_end` the batches read ahead but not yet taken stay
-  in its queue, and the next epoch takes them first, as read before the
-  dataset's `on_epoch_end` changed it.
-
-A shuffled order is drawn as the base's `PyDatasetAdapter` draws it (see
-`_pass_order`): from Python's `random` on Keras 3.15, from the epoch's
-number on Keras master.
+A `PyDataset` returns whole batches, so processes take turns reading batches
+(with the dataset's workers) and scatter the rows to their holders, in the
+order one process takes them, in line or through Keras' `OrderedEnqueuer`
+(whose read-ahead batches carry over `on_epoch_end` into the next epoch).
 """
 
 import collections
@@ -38,31 +25,24 @@ from keras.src.trainers.data_adapters.py_dataset_adapter import PyDataset
 class PyDatasetShares(data_parts.SharedAdapter):
     """A finite `PyDataset` read in shares: each batch on one process.
 
-    Each batch is read on one process (the processes take turns, each
-    reading ahead its own batches with the dataset's workers, or one
-    thread), then scattered from its reader to the processes that hold
-    its rows. The batches and the dataset's state each is read in are
-    those of one process (`PyDatasetAdapter`), with or without Keras'
-    enqueuer.
+    Batches, and the dataset state each is read in, match a single-process
+    `PyDatasetAdapter`, with or without Keras' enqueuer.
     """
 
     def __init__(self, adapter, distribution):
         super().__init__(adapter, distribution)
         self._dataset = adapter.py_dataset
         self._reader = None
-        # The adapter's count of ended epochs, where the base seeds a pass'
-        # order with it (Keras master), kept as the adapter keeps it: this
+        # Ended epochs, Keras master's shuffle seed; counted here as this
         # object takes the adapter's `on_epoch_end`.
         self._epoch = getattr(adapter, "_epoch", None)
-        # Keras reads through an enqueuer exactly when it made one.
         self._queue = None
         if adapter.enqueuer is not None:
             self._queue = _QueuedBatches(adapter)
 
     def get_torch_dataloader(self):
-        # Wrapped as `PyDatasetAdapter` wraps its batches (the `DTensor`s
-        # are kept as they are), so that each pass draws torch's random
-        # state as in one process.
+        # Wrapped as `PyDatasetAdapter` does, so that each pass draws torch's
+        # random state as in one process.
         if self._queue is not None:
             batches = self._queued_batches()
         else:
@@ -78,19 +58,15 @@ class PyDatasetShares(data_parts.SharedAdapter):
         if self._queue is not None:
             self._queue.stop()
         elif self._reader is not None:
-            # An epoch of `steps_per_epoch` ended within a pass, which the
-            # next epoch goes on with: what was read ahead is read again
-            # after `on_epoch_end`, as one process reads it.
+            # An epoch ended mid-pass (`steps_per_epoch`): what was read
+            # ahead is reread after `on_epoch_end`, as one process would.
             self._reader.rewind()
         self._dataset.on_epoch_end()
         if self._epoch is not None:
             self._epoch += 1
 
     def _batches(self):
-        """A pass read in line, in rounds of N batches: its own one each.
-
-        Batch `i` of the pass' order is read on process `i % N`.
-        """
+        """A pass read in line: batch `i` of the order on process `i % N`."""
         order = _pass_order(self._adapter, self._epoch)
         rank, size = runtime.rank(), runtime.world_size()
         reader = self._reader = _ShareReader(self._adapter, order[rank::size])
@@ -121,16 +97,11 @@ class PyDatasetShares(data_parts.SharedAdapter):
     def _shared_batch(self, batch, src):
         """The global batch `batch`, read on process `src`, as `DTensor`s."""
         rows, global_size = self._scatter_rows(batch, src)
-        # Tensors as `PyDatasetAdapter` gives them to torch.
         rows = tree.map_structure(data_parts.to_tensor, rows)
         return self._global_batch(rows, global_size)
 
     def _scatter_rows(self, batch, src):
-        """Sends each process its rows of `batch`, read on process `src`.
-
-        Returns:
-            `(rows, global_size)`: this process' rows of the batch.
-        """
+        """Scatters `batch` from `src`; returns own `(rows, global_size)`."""
         parts = None
         if batch is not None:
             global_size = data_parts.batch_size(batch)
@@ -146,11 +117,8 @@ class PyDatasetShares(data_parts.SharedAdapter):
 class _QueuedBatches:
     """The batches Keras' `OrderedEnqueuer` gives, read in shares.
 
-    Each `start()` opens a `_Window`: an order of all the batches, which
-    the workers read ahead. `stop()` keeps the batches the enqueuer had
-    read ahead, which `next()` returns first after that: its queue of
-    `max_queue_size` batches, and the one its thread was waiting to put
-    (with a queue of any size, all the rest of the order).
+    `stop()` keeps what the enqueuer would have read ahead (its queue plus the
+    batch its thread was putting) for `next()` to return first.
     """
 
     def __init__(self, adapter):
@@ -159,16 +127,11 @@ class _QueuedBatches:
         self._kept_at_stop = queue_size + 1 if queue_size > 0 else None
         self._kept = collections.deque()
         self._window = None
-        # The turn of the next window's first batch: the processes take
-        # turns over the batches of all windows.
+        # Turns continue across windows.
         self._turn = 0
 
     def start(self, epoch):
-        """Opens a window unless one is open, as the enqueuer's `start`.
-
-        Args:
-            epoch: see `_pass_order`.
-        """
+        """Opens a window unless one is open, as the enqueuer's `start`."""
         if self._window is not None:
             return
         order = _pass_order(self._adapter, epoch)
@@ -182,12 +145,8 @@ class _QueuedBatches:
         self._window = None
 
     def next(self):
-        """Returns `(src, batch)`: the next batch, read on process `src`.
-
-        `batch` is None on the other processes.
-        """
+        """Returns `(src, batch)`; `batch` is None off process `src`."""
         if self._window is None:
-            # As Keras' enqueuer, which has stopped.
             raise ValueError(
                 "Iterator called after `on_epoch_end` or before "
                 "`on_epoch_begin`."
@@ -198,11 +157,7 @@ class _QueuedBatches:
 
 
 class _Window:
-    """An order of the batches, from `start()` to `stop()` of the enqueuer.
-
-    Batch `j` of the order is read on process `(turn + j) % N`, which
-    reads its batches in order, ahead of the steps.
-    """
+    """Batches between enqueuer start and stop: `j` on `(turn + j) % N`."""
 
     def __init__(self, adapter, order, turn):
         self._order = order
@@ -227,15 +182,9 @@ class _Window:
         return src, batch
 
     def close(self, limit):
-        """Reads the batches the enqueuer has read ahead; stops reading.
+        """Stops; returns what the enqueuer read ahead (`limit`, None: all).
 
-        Args:
-            limit: how many batches the enqueuer reads ahead; None for
-                all of them.
-
-        Returns:
-            Those batches, as `next()` returns them: read now, before the
-            dataset's `on_epoch_end`, as the enqueuer read them.
+        Read now, before the dataset's `on_epoch_end`, as the enqueuer did.
         """
         left = len(self._order) - self._taken
         count = left if limit is None else min(left, limit)
@@ -245,21 +194,10 @@ class _Window:
 
 
 def _pass_order(adapter, epoch):
-    """The order of the batches of a pass, as the base's adapter takes it.
+    """The order of a pass' batches, the same on every process.
 
-    Keras' `PyDatasetAdapter` (in line) and `OrderedEnqueuer` draw the
-    same order at each pass they start. Keras 3.15 draws it from Python's
-    global `random` state, process 0's here; Keras master seeds a
-    `random.Random` with the number of epochs the adapter has ended, the
-    same on every process.
-
-    Args:
-        adapter: the `PyDatasetAdapter` Keras made.
-        epoch: the epochs it has ended, on a base that seeds with it; else
-            `None`.
-
-    Returns:
-        The batch indices, the same on every process.
+    As the base draws it: Keras 3.15 from the global `random` (process 0's),
+    Keras master from `random.Random(epoch)`, `epoch` being `None` on 3.15.
     """
     order = list(range(adapter.py_dataset.num_batches))
     if not adapter.shuffle:
@@ -274,9 +212,7 @@ def _pass_order(adapter, epoch):
 class _ShareReader:
     """Reads one process' batches of a pass (or window), in order.
 
-    The first batch is read at once; the dataset's workers (at least one
-    thread) start reading the others ahead only on `read_ahead()`, so that
-    Keras' peek at the first batch reads no more.
+    Workers start on `read_ahead()`, so Keras' first-batch peek reads one.
     """
 
     def __init__(self, adapter, indices):
@@ -286,7 +222,7 @@ class _ShareReader:
         self._read = 0
         self._enqueuer = None
         self._batches = None
-        # The last batch `next()` returned was read before `rewind()`.
+        # The last batch returned was read before `rewind()`.
         self.stale = False
 
     def next(self):
@@ -314,10 +250,8 @@ class _ShareReader:
         rest = self._indices[self._read :]
         if self._enqueuer or not rest:
             return
-        # Even a dataset of one worker, which one process reads between
-        # steps, is read here while the steps run: a process waits for
-        # every other's batch, so reading in line would add up its steps'
-        # time and its reading.
+        # Read ahead even with one worker: each process waits for every
+        # other's batch, so reading in line would add reading to step time.
         self._enqueuer = OrderedEnqueuer(
             _Share(self._dataset, rest),
             workers=max(1, self._dataset.workers),
@@ -330,9 +264,8 @@ class _ShareReader:
     def close(self):
         if self._enqueuer is None:
             return
-        # With every batch read there is nothing to wait for: draining
-        # the queue would wait out its 0.1 s poll at each epoch's end.
-        # Otherwise it is joined: no read overlaps what comes next.
+        # When all is read, draining would just wait out the queue's poll;
+        # otherwise join so that no read overlaps what comes next.
         done = self._read == len(self._indices)
         self._enqueuer.stop(drain_queue_and_join=not done)
         self._enqueuer = self._batches = None
@@ -367,10 +300,7 @@ def _process_zero_order(order):
 
 
 def _scatter_objects(objects, src):
-    """Gives process `i` `objects[i]` from process `src`; returns its own.
-
-    Two collectives: the pickled sizes, then the padded bytes.
-    """
+    """Gives process `i` `objects[i]` from process `src`; returns its own."""
     device = runtime.comm_device()
     size = runtime.world_size()
     sizes = torch.zeros(size, dtype=torch.int64, device=device)
@@ -399,9 +329,8 @@ def _padded_bytes(data, length, device):
 def start_enqueuer(enqueuer):
     """Starts a Keras `OrderedEnqueuer`, on either Keras base.
 
-    Keras master's `start` takes the epoch, its shuffle seed (Keras 3.15
-    shuffles unseeded); our shares are never shuffled by the enqueuer, so
-    any epoch reads them in order.
+    Keras master's `start` takes an epoch (a shuffle seed); shares are never
+    shuffled by the enqueuer, so any epoch does.
     """
     if "epoch" in inspect.signature(enqueuer.start).parameters:
         enqueuer.start(epoch=0)

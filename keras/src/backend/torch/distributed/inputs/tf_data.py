@@ -1,24 +1,12 @@
 """`tf.data` input under a multi-process distribution.
 
-Upstream shards a `tf.data.Dataset` across processes by the batch size it
-computes from the dataset (`Distribution.distribute_dataset`), and refuses
-a dataset whose batch size it cannot compute, e.g. one whose batches pass
-through `map` and `prefetch` (keras-hub's `fit` on arrays builds one).
-
-Here a dataset is sharded upstream's way when every batch has the same,
-static size that the processes along the batch axis can split evenly in
-the order of the device mesh; each process then reads its own part and
-the parts are assembled into the global batch. Any other dataset is read
-whole by every process as global batches, each process keeping its rows,
-as arrays and the other data sources are. Either way the steps compute
-on the same global batches as one process, and every process runs the
-same number of steps.
-
-A dataset read as global batches must yield the same batches on every
-process: shuffle it with a seed.
-
-`keras.src.backend.torch.distribution_lib` imports this module when it is
-first used: it needs the data adapters, which need the backend.
+Upstream's `Distribution.distribute_dataset` refuses a dataset whose batch
+size it cannot compute (batches passed through `map` and `prefetch`). Here a
+dataset of one static batch size, split evenly by the batch-axis processes in
+mesh order, is sharded upstream's way; any other is read whole by every
+process, which keeps its rows, so it must yield the same batches everywhere
+(shuffle it with a seed). Imported lazily: it needs the data adapters, which
+need the backend.
 """
 
 from keras.src import tree
@@ -33,14 +21,11 @@ def tf_dataset_adapter(dataset, class_weight=None, distribution=None):
     Args:
         dataset: a `tf.data.Dataset`.
         class_weight: optional dict of class ids to weights.
-        distribution: the `keras.distribution.Distribution` in effect, or
-            `None`.
+        distribution: the `Distribution` in effect, or `None`.
 
     Returns:
-        A `TFDatasetAdapter`. Under a multi-process distribution that
-        shards the data, its batches are either this process' parts of
-        the global batches, yielded already assembled into global
-        `DTensor` batches, or the global batches themselves.
+        A `TFDatasetAdapter`; sharded, it yields global `DTensor` batches
+        assembled from this process' parts.
     """
     if not _shards_data(distribution):
         return TFDatasetAdapter(
@@ -66,14 +51,11 @@ def _shards_data(distribution):
 def _shardable_batch_size(dataset, distribution):
     """The global batch size if upstream's sharding can split `dataset`.
 
-    Upstream's sharding cuts each batch into equal parts, one per data
-    shard, and gives part `distribution.data_shard_id` to this process.
-    That is this process' rows only when the shards are the processes
-    along the batch axis, in mesh order, and every batch divides evenly.
+    Upstream's part `data_shard_id` is this process' rows only when the
+    shards are the batch-axis processes in mesh order and batches split evenly.
 
     Returns:
-        The batch size, or `None` when the dataset must be read as global
-        batches.
+        The batch size, or `None` if the dataset must be read whole.
     """
     from tensorflow.python.data.experimental.ops import (
         distribute as tf_data_distribute,

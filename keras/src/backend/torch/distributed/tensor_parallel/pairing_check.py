@@ -1,30 +1,15 @@
 """The auto plan's column and row pairs, checked against what layers read.
 
-`AutoModelParallel` pairs kernels by their widths as they are created
-(`keras/src/distribution/auto_plan.py`). Where a feed-forward layer is as
-wide as its block (a tiny config), a kernel reading another kernel's output
-has the block's width too, and widths cannot tell it from one reading the
-block's stream. What a kernel reads is checked at the first symbolic call
-of the layer that holds it, as a functional model is built: before its
-weights are loaded (a preset's are loaded after its constructor builds it)
-and before any optimizer slot copies its layout.
-
-- A block (a layer with layers inside) is traced once: its `call` runs on
-  stand-ins for its inputs and weights, on the meta device, or on zeros
-  where an op lacks a meta implementation (as Keras' own shape inference
-  falls back), and each tensor carries the column-parallel kernels whose
-  output reached it through the ops between (`_Trace`, a
-  `TorchFunctionMode`). A kernel paired by widths reads a column-parallel
-  output if its input carries one.
-- A kernel of a functional model itself (a `Sequential` of `Dense` layers)
-  is checked on the model's graph: its input is walked back through layers
-  without kernels to the kernels that produced it.
-
-A kernel that reads otherwise than its widths said is laid out again
-(`AutoModelParallel.check_pairing` says how; `_relayout` moves the value).
-The check moves data only: any layout computes the same numbers, so a
-block neither can run keeps the width pairing (logged), as does a kernel
-the trace does not reach.
+`AutoModelParallel` pairs kernels by width at creation (`auto_plan.py`), which
+cannot tell a kernel reading another's output from one reading the block's
+stream when a feed-forward layer is as wide as its block. So a paired kernel's
+input is checked at its layer's first symbolic call, before weights are loaded:
+a block is traced once on meta (else zero) stand-ins (`_Trace`, a
+`TorchFunctionMode`) that carry the column kernels feeding each tensor; a
+functional model's own kernel by walking its graph back to the kernels producing
+its input. A kernel that reads otherwise is laid out again (`check_pairing`,
+`_relayout`); one the trace cannot run or reach keeps its width pairing, which
+costs collectives, never correctness.
 """
 
 import functools
@@ -42,16 +27,15 @@ from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.core.runtime import DTensor
 from keras.src.backend.torch.distributed.core.runtime import Replicate
 
-# A dimension of unknown size (batch, sequence) is traced at this size:
-# small, since a block the meta device cannot run is run on zeros.
+# Size of unknown dimensions (batch, sequence) in a trace; small, since a block
+# the meta device cannot run is run on zeros.
 UNKNOWN_DIMENSION = 8
-# The roles of `keras/src/distribution/plan_pairs.py` (not imported: the
-# backend is imported before `keras.src.distribution`).
+# The roles of `keras/src/distribution/plan_pairs.py` (not imported: the backend
+# is imported before `keras.src.distribution`).
 COLUMN = "column"
 ROW = "row"
 
-# The trace running in this thread, if any (layer calls inside it go to
-# `_Trace.call_layer`).
+# The trace running in this thread (layer calls go to `_Trace.call_layer`).
 _state = threading.local()
 
 
@@ -61,14 +45,10 @@ def active_trace():
 
 
 def check_layer(layer, distribution, args, kwargs):
-    """Checks the pairings of `layer`'s kernels after its first symbolic
-    call with `KerasTensor`s (a functional model being built).
+    """Checks the pairings of `layer`'s kernels after its first symbolic call.
 
-    Args:
-        layer: the layer called.
-        distribution: the distribution in effect.
-        args: the positional arguments of the call.
-        kwargs: its keyword arguments.
+    Called with the call's `args` and `kwargs` (`KerasTensor`s, as a functional
+    model is built) under `distribution`.
     """
     if not hasattr(distribution, "check_pairing"):
         return
@@ -88,17 +68,15 @@ def check_layer(layer, distribution, args, kwargs):
     try:
         trace.run(layer, args, kwargs)
     except Exception as error:  # noqa: BLE001 - a trace only informs.
-        # Ops neither the meta device nor zeros can run (a check of the
-        # values, say): the width pairing stands.
+        # Ops neither meta nor zeros can run (a check of values): widths stand.
         runtime.log_debug(
             "pairings of %s not checked: its trace failed (%s)",
             layer.name,
             error,
         )
         trace.reads.clear()
-    # A kernel the trace did not reach (a branch not taken) keeps its
-    # width pairing: checked once, a model holding the layer does not
-    # trace it again.
+    # A kernel the trace did not reach (a branch not taken) keeps its width
+    # pairing; a model holding the layer does not trace it again.
     for inner, role in paired:
         reads = trace.reads.get(inner, role == ROW)
         _check(inner, distribution, reads)
@@ -115,8 +93,7 @@ def _check(layer, distribution, reads_column_output):
 
 
 def _relayout(variable, layout):
-    """Moves `variable`'s value to `layout`, keeping its parameter object
-    (the layers that track it hold that object)."""
+    """Moves `variable`'s value to `layout`, keeping its parameter object."""
     value = variable._value
     if not isinstance(value, DTensor):
         return
@@ -131,8 +108,7 @@ def _relayout(variable, layout):
 
 
 def _graph_reads_column(x, distribution):
-    """Whether the symbolic tensor `x` is computed from a column-parallel
-    kernel's output, through layers and ops without kernels."""
+    """Whether symbolic `x` comes from a column kernel, past no other kernel."""
     pending, seen = [x], set()
     while pending:
         history = getattr(pending.pop(), "_keras_history", None)
@@ -144,8 +120,7 @@ def _graph_reads_column(x, distribution):
         if role == COLUMN:
             return True
         if role is not None or _is_block(operation):
-            # A row-parallel or stacked kernel's output, like a block's, is
-            # whole.
+            # Row-parallel, stacked and block outputs are whole.
             continue
         node = operation._inbound_nodes[history.node_index]
         pending.extend(node.input_tensors)
@@ -160,26 +135,22 @@ def _is_block(operation):
 
 
 class _Trace(TorchFunctionMode):
-    """Runs a block on stand-ins, following which column-parallel kernels'
-    outputs each tensor is computed from.
+    """Runs a block on stand-ins, tracking the column kernels each tensor reads.
 
     Attributes:
-        reads: `{layer: whether its input is computed from a column-parallel
-            kernel's output}` for each layer whose kernel widths paired.
+        reads: `{layer: whether its input comes from a column-parallel kernel's
+            output}` for each layer whose kernel widths paired.
     """
 
     def __init__(self, distribution):
         super().__init__()
         self.distribution = distribution
         self.reads = weakref.WeakKeyDictionary()
-        # id(tensor) -> (weak reference to it, the column kernels it
-        # carries).
+        # id(tensor) -> (weak reference to it, the column kernels it carries).
         self._carried = {}
 
     def run(self, layer, args, kwargs):
-        """Calls `layer` on stand-ins for `args`, `kwargs` and its weights:
-        on the meta device, else (as Keras' own `compute_output_spec` does
-        where an op lacks a meta implementation) on zeros."""
+        """Calls `layer` on stand-ins on the meta device, else on zeros."""
         try:
             self._run(layer, args, kwargs, "meta")
         except Exception:  # noqa: BLE001 - retried on real tensors.
@@ -213,8 +184,7 @@ class _Trace(TorchFunctionMode):
                 _state.trace = None
 
     def call_layer(self, call_function, layer, args, kwargs):
-        """A layer call inside the trace: records what a paired kernel
-        reads, and marks a kernel's output with what its role makes it."""
+        """Records what a paired kernel reads; marks outputs by role."""
         paired = self.distribution.paired_role(layer)
         if paired is not None and layer not in self.reads:
             inputs = tree.flatten((args, kwargs))
@@ -234,8 +204,7 @@ class _Trace(TorchFunctionMode):
         outputs = func(*args, **kwargs)
         carried = self._of((args, kwargs))
         if carried:
-            # An in-place op's output is one of its inputs: it keeps what
-            # it carried.
+            # An in-place op's output is an input: it keeps what it carried.
             self._mark(outputs, frozenset(carried))
         return outputs
 

@@ -1,15 +1,10 @@
 """Einsum, batched matmul and attention computed on each process' shards.
 
-Tensor parallelism splits these ops along a dimension no shard needs
-another's values of: attention heads, batch rows, a contracted head axis
-(whose parts sum to the result). On `DTensor`s torch computes them through
-views that merge such a dimension into a larger one (a strided shard, which
-`fallback` gathers), or through the math decomposition of attention, so
-every process would compute every head. The torch backend's `einsum`,
-`matmul` and `dot_product_attention` are wrapped here: where the operands
-split, each process computes its part on its local tensors and the result
-is laid out along the split; otherwise the backend's function runs as it
-is. With no distribution set, each wrapper only checks that.
+On `DTensor`s torch computes these through views merging a head or batch
+dimension into a strided shard (which `fallback` gathers), or through
+attention's math decomposition, so every process would compute every head.
+The wrapped backend functions compute on local tensors where the operands
+split along such a dimension, and run as they are otherwise.
 """
 
 import functools
@@ -29,29 +24,12 @@ _STACK_LABELS = "abcdefghlmnopq"
 
 
 def local_einsum(function):
-    """Runs `einsum` on each process' shards, as tensor parallelism does.
+    """Wraps the backend's `einsum` (`function`) to run on local shards.
 
-    An einsum is a sum of products: split along one label, each process
-    computes its part on its shards. A label kept in the output (a batch
-    row, an attention head) gives the output's shards: the query-key product
-    and the weighted sum of values of head-sharded attention. A contracted
-    label gives a partial sum: the attention output projection, row
-    parallel over heads. On `DTensor`s, torch would compute an einsum
-    through views merging such a label into a larger dimension (a strided
-    shard, which the fallback gathers), so every process would compute all
-    heads, and the projections' gradients would need an all-reduce. Here
-    each mesh axis may shard one label, the same way in every operand that
-    has it (operands without it replicated there); other layouts (two
-    labels on one mesh axis, an operand replicated along the split label,
-    a partial operand, uneven shards, an ellipsis, a plain operand) go to
-    `function`, their dimensions DTensor cannot contract sharded gathered
-    first (`_einsum_operands`).
-
-    Args:
-        function: the backend's `einsum`.
-
-    Returns:
-        The wrapped function.
+    Each mesh axis may shard one label, evenly, in every operand that has
+    it; a kept label shards the output, a contracted one gives a partial
+    sum (a row-parallel projection). Other layouts go to `function`, after
+    `_einsum_operands`.
     """
 
     @functools.wraps(function)
@@ -70,20 +48,8 @@ def local_einsum(function):
 
 
 def _einsum_operands(operands):
-    """Lays out einsum operands the way DTensor can contract them.
-
-    DTensor computes an einsum through views, which cannot keep a dimension
-    sharded unevenly or a dimension of size 1 sharded (e.g. Gemma's single
-    key/value head on a model axis of 1 or 2): such dimensions are gathered
-    first. Gathering is differentiable:
-    gradients come back sharded like the operand.
-
-    Args:
-        operands: the einsum operands.
-
-    Returns:
-        The operands, as a list.
-    """
+    """Gathers the dimensions DTensor's einsum views cannot keep sharded
+    (uneven, or of size 1); gradients come back sharded like the operand."""
     return [_gather_uneven_dims(x) for x in operands]
 
 
@@ -109,21 +75,7 @@ def _uneven(x, dim, num_shards):
 
 
 def local_matmul(function):
-    """Runs a batched `matmul` on each process' shards, as `local_einsum`.
-
-    A product of stacks of matrices (`(batch, heads, i, j) @ (batch, heads,
-    j, k)`) is the einsum `...ij,...jk->...ik`: split along a stacked
-    dimension, each process multiplies its own matrices. On `DTensor`s
-    torch merges the stacked dimensions into one first (a strided shard,
-    which the fallback gathers): keras-hub's Qwen3.5 gated delta net
-    gathered its heads for every step of its chunk loop.
-
-    Args:
-        function: the backend's `matmul`.
-
-    Returns:
-        The wrapped function.
-    """
+    """Wraps the backend's batched `matmul` (`function`) as `local_einsum`."""
 
     @functools.wraps(function)
     def matmul(x1, x2):
@@ -140,8 +92,7 @@ def local_matmul(function):
 
 
 def _shard_local_matmul(x1, x2):
-    """How a batched `matmul` splits into one per shard, or `None`: operands
-    of one rank above 2 with the same stacked dimensions."""
+    """`_shard_local_einsum` of a batched `matmul` (rank > 2), or `None`."""
     shapes = [getattr(getattr(x, "value", x), "shape", None) for x in (x1, x2)]
     if any(shape is None or len(shape) < 3 for shape in shapes):
         return None
@@ -154,15 +105,11 @@ def _shard_local_matmul(x1, x2):
 
 
 def _shard_local_einsum(subscripts, operands):
-    """How `einsum` splits into one per shard, or `None`.
-
-    Returns:
-        `(mesh, output placements, local operands)`.
-    """
+    """How `einsum` splits into one per shard: `(mesh, output placements,
+    local operands)`, or `None`."""
     if torch.compiler.is_compiling():
         # Compiled steps trace DTensor's own einsum: dynamo fails on this
-        # path in a compiled MultiHeadAttention step
-        # (`InternalTorchDynamoError`).
+        # path (`InternalTorchDynamoError` in a MultiHeadAttention step).
         return None
     projection = any(isinstance(x, KerasVariable) for x in operands)
     operands = [
@@ -191,12 +138,9 @@ def _shard_local_einsum(subscripts, operands):
             return None
         split_labels.append(label)
     if projection and not any(split_labels):
-        # A replicated projection (key/value heads read by split query
-        # heads) goes to DTensor, whose backward keeps a partial-sum output
-        # gradient partial: the weight's gradient joins the step's
-        # reduction, the input's the partial sums its producer reduces
-        # once. A product of two activations reduces it here instead, once,
-        # rather than leave both operands' gradients partial.
+        # A replicated projection goes to DTensor, whose backward keeps a
+        # partial output gradient partial (reduced later, once); a product
+        # of two activations reduces it here instead.
         return None
     placements = [_output_placement(label, output) for label in split_labels]
     local_operands = [
@@ -207,8 +151,7 @@ def _shard_local_einsum(subscripts, operands):
 
 
 def _output_placement(label, output):
-    """A kept label's shards are the output's; a contracted label's sum to
-    it."""
+    """A kept label shards the output; a contracted one's parts sum to it."""
     if label is None:
         return Replicate()
     if label in output:
@@ -217,9 +160,8 @@ def _output_placement(label, output):
 
 
 def _split_label(inputs, operands, mesh_dim, num_shards):
-    """The one label sharded on `mesh_dim` (`None`: none, `False`: a layout
-    that does not split: several labels, a partial sum, an uneven shard, an
-    operand replicated along the label)."""
+    """The one label sharded on `mesh_dim`; `None` if none, `False` if the
+    layout does not split (see `local_einsum`)."""
     found = set()
     for labels, x in zip(inputs, operands):
         placement = x.placements[mesh_dim]
@@ -247,9 +189,8 @@ def _split_label(inputs, operands, mesh_dim, num_shards):
 
 
 def _local_part(x, labels, split_labels):
-    """This process' part of an einsum operand: its local tensor, whose
-    gradient is a partial sum where the einsum splits on a label the
-    operand lacks (each process' part of the output reads all of it)."""
+    """An einsum operand's local tensor; its gradient is partial where the
+    split label is one it lacks (each output part reads all of it)."""
     grad_placements = []
     for label in split_labels:
         if label is None:
@@ -262,32 +203,15 @@ def _local_part(x, labels, split_labels):
 
 
 def local_attention(function):
-    """Runs `dot_product_attention` on each process' shards of its operands.
+    """Wraps the backend's `dot_product_attention` (`function`) likewise.
 
-    Attention is computed per batch row and per head, so operands sharded
-    only on those dimensions are attended shard by shard, as tensor
-    parallelism does, with no collective. On `DTensor`s DTensor would
-    instead decompose the math kernel into views that it cannot shard
-    under `torch.compile` (torch 2.13), and, eagerly, into strided shards
-    that the fallback gathers: every process would attend every head. A
-    mask or a bias (that needs no gradient) goes along when it is laid out
-    like the scores it masks: its batch and head dimensions sharded as the
-    query's, or of size 1 and replicated (a causal or padding mask
-    broadcast over the heads). Grouped-query attention with fewer
-    key/value heads than processes keeps its key and value replicated
-    (whole heads, from split input features: `auto_plan`): each process
-    attends its query heads with the key/value heads they read, and the key
-    and value get a partial gradient. Upstream's flash attention probe
-    (`SDPAParams`) is skipped there too: dynamo cannot trace it, and
-    torch's own kernel choice takes the flash kernel first where it can
-    run. Other operands (a partial or uneven layout, a mask laid out
-    otherwise) go to `function` as they are.
-
-    Args:
-        function: the backend's `dot_product_attention`.
-
-    Returns:
-        The wrapped function.
+    Operands sharded only on batch rows or heads are attended shard by
+    shard, with no collective (DTensor's math decomposition cannot shard
+    under `torch.compile`), with a mask or bias laid out like the scores.
+    Replicated key and value (fewer key/value heads than processes) give
+    each process the heads its query heads read. Upstream's flash attention
+    probe (`SDPAParams`) is skipped: dynamo cannot trace it, and torch's
+    kernel choice tries flash first where it can run.
     """
 
     @functools.wraps(function)
@@ -311,9 +235,8 @@ def local_attention(function):
 
 
 def _shard_local_attention(query, key, value, args, kwargs):
-    """Whether attention splits into one per shard: `DTensor` operands laid
-    out alike, sharded evenly on batch (0) or heads (2) only, and a mask or
-    bias laid out like the scores (see `local_attention`)."""
+    """Whether attention splits per shard: `DTensor`s laid out alike, sharded
+    evenly on batch (0) or heads (2) only, mask and bias like the scores."""
     if not all(isinstance(x, DTensor) for x in (query, key, value)):
         return False
     if args:
@@ -355,10 +278,8 @@ def _shard_local_attention(query, key, value, args, kwargs):
 
 
 def _reads_whole_heads(query, key, mesh_dim):
-    """Whether a `key` (or value) replicated over `mesh_dim`, over which
-    the query's heads are split, gives each process the key/value heads its
-    query heads read, whole: grouped-query attention with fewer key/value
-    heads than processes (a plan computes them whole on each process)."""
+    """Whether a replicated `key` (or value) gives whole the key/value heads
+    each process' query heads read, over `mesh_dim` (grouped-query)."""
     placement = query.placements[mesh_dim]
     if not (
         key.placements[mesh_dim].is_replicate()
@@ -376,10 +297,8 @@ def _reads_whole_heads(query, key, mesh_dim):
 
 
 def _local_key_value_heads(x, query):
-    """This process' tensor of key or value `x`: on the mesh dimensions
-    where it is replicated and the query's heads are split, the key/value
-    heads of this process' query heads. Their gradient there is a partial
-    sum: each process' query heads give their key/value heads' part."""
+    """Local key or value `x`: where replicated, the heads this process'
+    query heads read, with a partial gradient."""
     mesh = query.device_mesh
     whole = [
         mesh_dim
@@ -403,10 +322,8 @@ def _local_key_value_heads(x, query):
 
 
 def _scores_like(mask, query):
-    """Whether `mask` (absent, or broadcast to the scores' `(batch, heads,
-    queries, keys)`) splits as the query `(batch, queries, heads, size)`
-    does: each sharded dimension of the query sharded alike in the mask,
-    or of size 1 there and replicated."""
+    """Whether `mask` (`None`, or of the scores' shape) splits as the query:
+    each dimension sharded alike, or of size 1 and replicated."""
     if mask is None:
         return True
     if not isinstance(mask, DTensor) or mask.requires_grad or mask.ndim != 4:

@@ -1,11 +1,8 @@
 """The training step and the layer-call hook under a distribution.
 
-- `step`: a step function of the trainer run under the distribution
-  (`DistributedStep`).
-- `step_reduction`: the step's reduction of gradients, overlapped with
-  the backward pass.
-- `gradients`: gradients reduced once per step, in buckets.
-- `compiled_step`: steps compiled by `torch.compile` on DTensors.
-- `layer_call`: layer calls: plain tensors as replicated global values,
-  row-parallel outputs reduced.
+`step` runs the trainer's step functions (`DistributedStep`);
+`step_reduction` overlaps the gradient reduction with the backward pass;
+`gradients` reduces gradients once per step, in buckets; `compiled_step`
+compiles steps with `torch.compile` on DTensors; `layer_call` takes plain
+tensors as replicated global values and reduces row-parallel outputs.
 """

@@ -1,13 +1,7 @@
 """Steps compiled by `torch.compile` (`jit_compile=True`) on `DTensor`s.
 
-A compiled step is compiled whole, with the graph breaks Keras' step has
-anyway (at `loss.backward()`). Two things make that work on DTensors: the
-loss and metrics are built before the first compiled call (dynamo cannot
-trace their lazy build), and the metrics read predictions detached from
-the autograd graph (`step.DistributedStep.metric_predictions`). A step
-that torch still cannot compile falls back to the eager one, with a
-warning (`run_first`). Compiled steps are cached on disk for each rank
-apart (see `compile_step`).
+Loss and metrics are built before the first call (dynamo cannot trace their
+lazy build); a step torch cannot compile runs eagerly (`run_first`).
 """
 
 import contextlib
@@ -25,13 +19,8 @@ from keras.src.backend.torch.distributed.fsdp import fsdp
 def compile_step(step_function):
     """`torch.compile` of a step that runs on `DTensor`s.
 
-    Shapes are static: the batches of a step have one shape (the last, if
-    ragged, one more), and a dynamic shape reaches DTensor's own Python
-    code as a symbol that dynamo cannot make a constant (torch 2.13), as
-    the backward pass rebuilds `DTensor` gradients.
-
-    Its compiled code is cached on disk under a key of this rank's own
-    (see `_rank_cache_key`).
+    Shapes are static: dynamo cannot make a constant of a symbolic shape in
+    DTensor's Python code (the backward pass rebuilds `DTensor` gradients).
 
     Args:
         step_function: the eager step function.
@@ -50,21 +39,12 @@ def compile_step(step_function):
 
 
 def _rank_cache_key():
-    """Keys torch's on-disk compile caches by this process' rank.
+    """Returns a context that keys torch's compile caches by this rank.
 
-    Traced through DTensor, a step compiles to a different graph on each
-    rank: a replicated tensor that meets a sharded one is cut to this
-    rank's shard, a slice whose offset is a constant of the graph. The
-    AOTAutograd cache keys a graph by its `DTensor` inputs' mesh and
-    placements, the same on every rank (torch 2.13), so a rank that finds
-    another rank's entry (written by an earlier run on the same machine, or
-    a moment earlier in this one) runs that rank's slices: wrong numbers,
-    no error (pytorch/pytorch issue 188390). A rank of its own in
-    `cache_key_tag` keeps the entries apart. (A torch without the tag keyed
-    a `DTensor` by its storage address, which no other process shares.)
-
-    Returns:
-        A context manager.
+    Each rank's graph slices replicated tensors at its own shard's offset,
+    but AOTAutograd keys graphs by mesh and placements only, so a rank could
+    silently run another rank's cached graph (pytorch/pytorch#188390). A
+    torch without `cache_key_tag` keys by storage address, per process.
     """
     config = getattr(torch.compiler, "config", None)
     tag = getattr(config, "cache_key_tag", None)
@@ -80,10 +60,8 @@ class CompileFailed(Exception):
 def run(compiled_step_function, model, data):
     """Runs the compiled step and drops the gradients it leaves.
 
-    The step's `zero_grad()` finds no gradients on the first step and the
-    last step's on the next ones: a guard that failed on the second step
-    and compiled the whole step again. Dropped, every step starts as the
-    first did (and the gradients' memory is free between steps).
+    Otherwise `zero_grad()` sees gradients from the second step on, which
+    fails a guard and recompiles the step.
     """
     try:
         return compiled_step_function(data)

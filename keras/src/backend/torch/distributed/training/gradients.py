@@ -1,13 +1,9 @@
 """Gradients reduced once per step, in buckets, before the optimizer.
 
-Gradients of replicated weights computed on a sharded batch come out of
-autograd as partial sums (`Partial` DTensors). Left so, every optimizer op
-that reads one would all-reduce it again; here each is all-reduced once, in
-buckets of about `BUCKET_BYTES`, as DDP does, and the optimizer issues no
-collectives.
-
-In Keras' own train step the buckets are all-reduced while the backward
-pass runs (see `step_reduction`).
+Gradients of replicated weights computed on a sharded batch are `Partial`
+DTensors, which every optimizer op reading them would all-reduce again. Here
+each is all-reduced once, in DDP-like buckets of about `BUCKET_BYTES`; in
+Keras' own train step, while the backward pass runs (`step_reduction`).
 """
 
 import weakref
@@ -22,23 +18,18 @@ from keras.src.backend.torch.distributed.core.runtime import DTensor
 from keras.src.backend.torch.distributed.core.runtime import Partial
 
 BUCKET_BYTES = 25 * 1024 * 1024
-# The first bucket of an overlapped reduction is small, as DDP's (1 MiB):
-# its all-reduce starts early in the backward pass.
+# The first overlapped bucket is small, as DDP's: it starts early in backward.
 FIRST_BUCKET_BYTES = 1024 * 1024
 
-# Each optimizer's flat gradient buffers, kept from one step to the next:
-# allocated anew, they would cost fresh memory pages every step.
+# Each optimizer's flat gradient buffers, kept across steps to reuse memory.
 _GRADIENT_BUFFERS = weakref.WeakKeyDictionary()
 
 
 def apply_gradients(apply_function, optimizer, grads, trainable_variables):
     """Runs `optimizer.apply` on distributed gradients.
 
-    Partial gradients are first reduced once (see `reduce_gradients`). When
-    every variable and gradient is replicated (data parallelism), the update
-    then runs on the local tensors, which hold the whole values: the math is
-    the same and skips DTensor's dispatch on every optimizer op. Without a
-    distribution, `apply_function` runs as it is.
+    Partial gradients are reduced once first. When all is replicated, the
+    update runs on the local tensors, skipping DTensor's dispatch.
 
     Args:
         apply_function: the optimizer's own `apply(grads, variables)`.
@@ -68,13 +59,10 @@ def apply_gradients(apply_function, optimizer, grads, trainable_variables):
 
 
 def laid_out_as(gradients, variables):
-    """Each gradient in its variable's layout, redistributed once.
+    """Each gradient redistributed once to its variable's layout.
 
-    Autograd's layout of a gradient can differ from its variable's (a
-    kernel sharded on its output features, contracted with an input
-    sharded on the same mesh axis, gets a gradient sharded on its input
-    features): left so, every optimizer op that reads it would
-    redistribute it again (Adam: 3 times).
+    Autograd's layout can differ from it, and every optimizer op reading the
+    gradient would redistribute it again.
     """
     laid_out = []
     for g, v in zip(gradients, variables):
@@ -91,8 +79,7 @@ def laid_out_as(gradients, variables):
 
 
 def reduces_to_replicated(values):
-    """Whether every `DTensor` in `values` is partial or replicated on
-    each of its mesh axes, so that it is replicated once reduced."""
+    """Whether every `DTensor` in `values` is replicated once reduced."""
     return all(
         all(p.is_partial() or p.is_replicate() for p in x.placements)
         for x in values
@@ -101,11 +88,8 @@ def reduces_to_replicated(values):
 
 
 def optimizer_buffers(optimizer):
-    """The optimizer's kept flat buffers; none in a compiled step.
-
-    Compiled, the buffers are the graph's own: a dict filled on the first
-    step would fail a guard on the second and compile the step again.
-    """
+    """The optimizer's kept flat buffers; `None` in a compiled step (a dict
+    filled on its first run would fail a guard and recompile it)."""
     if torch.compiler.is_compiling():
         return None
     return _GRADIENT_BUFFERS.setdefault(optimizer, {})
@@ -114,20 +98,16 @@ def optimizer_buffers(optimizer):
 def reduce_gradients(gradients, buffers=None, as_local=False):
     """Turns partial-sum gradients into the replicated or sharded ones.
 
-    Partial sums and partial averages of one mesh and dtype, partial over
-    the same mesh axes, share buckets whatever their layout on the other
-    axes (a kernel's gradient sharded over the model axis beside a norm's
-    replicated one): each bucket is summed once, and an average's part is
-    then divided.
+    Partial values of one mesh and dtype, partial over the same axes, share
+    buckets whatever their layout on other axes; averages are summed, then
+    divided.
 
     Args:
         gradients: list of gradients (`DTensor`, tensor or `None`).
-        buffers: optional dict in which the flat buffers the buckets are
-            packed into are kept for the next call. The gradients returned
-            by a call are views of these buffers: the next call with the
-            same dict overwrites them.
+        buffers: optional dict keeping the flat buffers across calls; the
+            returned gradients are views of them, overwritten by the next.
         as_local: if `True`, a value replicated once reduced comes back as
-            its local tensor (the whole value) instead of a `DTensor`.
+            its local tensor instead of a `DTensor`.
 
     Returns:
         The list with every `Partial` placement reduced.
@@ -158,11 +138,9 @@ def reduce_gradients(gradients, buffers=None, as_local=False):
 
 
 def _reduced_axes(value):
-    """The placements `value` is all-reduced over: its partial ones, as
-    sums. An all-reduce over an axis sums the local values of the
-    processes that differ only on that axis, which hold the same part of
-    a value sharded or replicated over the other axes: values laid out
-    otherwise on those can share the collective."""
+    """The placements `value` is all-reduced over, as sums. Processes that
+    differ only on such an axis hold the same part of the value, however it
+    is laid out on the others, so such values can share one collective."""
     return tuple(
         _summed([p])[0] if p.is_partial() else None for p in value.placements
     )
@@ -218,16 +196,8 @@ def reduced_value(value, local, as_local):
 
 
 def _all_reduce_bucket(gradients, flat, as_local):
-    """All-reduces values of one mesh, summed placements and dtype at once.
-
-    Args:
-        gradients: the bucket's `Partial` values (sums or averages).
-        flat: a 1-D tensor of their total local size to pack them into.
-        as_local: see `reduce_gradients`.
-
-    Returns:
-        The reduced values, views of `flat`.
-    """
+    """All-reduces a bucket (one mesh, summed placements, dtype) packed in
+    `flat`, a 1-D tensor of its local size; returns views of `flat`."""
     torch.cat([g.to_local().reshape(-1) for g in gradients], out=flat)
     for group, op in _all_reduces(gradients[0]):
         dist.all_reduce(flat, op=op, group=group)
@@ -237,10 +207,8 @@ def _all_reduce_bucket(gradients, flat, as_local):
 def _all_reduces(value):
     """`(process group, op)` of each all-reduce that sums `value`'s parts.
 
-    One per mesh axis it is partial over; one over every process instead
-    when it is partial, by one op, over every axis longer than one of a
-    mesh of every process (the gradient of a weight replicated on a 2-D
-    mesh: one collective, not two).
+    One per partial mesh axis, or one over every process when it is partial
+    by one op on every non-trivial axis of a whole-world mesh.
     """
     mesh = value.device_mesh
     partial = [
@@ -287,9 +255,8 @@ def _average_divisor(value):
 
 
 def buckets(items, nbytes, first_cap=None):
-    """`items` in consecutive buckets of `BUCKET_BYTES` or more (the first
-    of `first_cap`, if given), as DDP's reducer groups gradients;
-    `nbytes(item)` is an item's size."""
+    """`items` in consecutive buckets of at least `BUCKET_BYTES` (`first_cap`
+    for the first), as DDP's reducer; `nbytes(item)` is an item's size."""
     result, bucket, size = [], [], 0
     for item in items:
         bucket.append(item)

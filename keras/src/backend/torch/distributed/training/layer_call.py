@@ -1,12 +1,10 @@
 """Layer calls under a distribution.
 
-Inside a layer call (and a training step), a plain tensor is a global value
-replicated on every process, as a plain array is in JAX. Outputs that are
-partial sums (a row-parallel kernel) are reduced as the layer returns, as
-Megatron's and torch's `RowwiseParallel` layers do, and so are the partial
-sums of a replicated output's gradient as they reach the layer (Megatron's
-`f`), but for a layer whose backward keeps them partial at no cost (a
-linear projection with replicated weights, a layer with no weights).
+Inside a layer call or a step, a plain tensor is a global value replicated on
+every process, as in JAX. Partial-sum outputs (a row-parallel kernel) are
+reduced as the layer returns, as in Megatron's `RowwiseParallel`, and so are
+the partial sums of a replicated output's gradient (Megatron's `f`), unless
+the layer's backward keeps them partial at no cost (`_partial_gradient_axes`).
 """
 
 import contextlib
@@ -40,22 +38,15 @@ from keras.src.backend.torch.distributed.fsdp import fsdp
 from keras.src.backend.torch.distributed.tensor_parallel import pairing_check
 
 CHECK_REPLICATION_ENV = "KERAS_DISTRIBUTION_CHECK_REPLICATION"
-# Marks a layer output whose gradient a layer call has hooked.
 GRADIENT_HOOK_ATTRIBUTE = "_keras_distribution_gradient_hook"
 
-# How many `replicated_plain_tensors` contexts are open (they nest), in
-# the whole process: the `implicit_replication` flag they set is torch's,
-# one for the process, and only the outermost entry may clear it.
+# Open `replicated_plain_tensors` contexts, process-wide: torch's
+# `implicit_replication` flag is one per process.
 _replication_depth = 0
-# Whether a distribution is set in this process (`hold_replication`), which
-# keeps the flag on outside layer calls and steps too.
 _replication_held = False
-# The open `implicit_replication` context while the flag is on, else None.
 _implicit_replication = None
-# How many `call_layer` calls are running in this thread (a model calls its
-# layers): the depth of the calls a thread makes, not a step's state; per
-# thread, as Keras' own call context is (a layer called by a data loader's
-# thread is not nested in the model the main thread calls).
+# Nesting depth of `call_layer`, per thread as Keras' call context is (a data
+# loader thread's layer call is not nested in the main thread's model).
 _calls = threading.local()
 
 
@@ -66,33 +57,26 @@ def _call_depth():
 def call_layer(call_function, layer, *args, **kwargs):
     """Calls a Keras layer under the distribution in effect.
 
-    Plain tensor inputs are global values: they enter the call as replicated
-    DTensors (so that autograd saves DTensors); inside the call, see
-    `replicated_plain_tensors`. Partial sums: see the module docstring and
-    `_partial_gradient_axes`. With `KERAS_DISTRIBUTION_CHECK_REPLICATION=1`,
-    the outermost call's plain inputs are first checked to be identical on
-    all processes. A model's first call checks its layout rules.
+    Plain tensor inputs enter as replicated DTensors (so autograd saves
+    DTensors); `KERAS_DISTRIBUTION_CHECK_REPLICATION=1` checks them first.
 
     Args:
         call_function: `call_function(layer, *args, **kwargs)` calls it.
         layer: the layer.
-        *args: the positional arguments of the call.
-        **kwargs: the keyword arguments of the call.
+        *args, **kwargs: the arguments of the call.
 
     Returns:
         The outputs of the layer.
     """
     distribution = runtime.current_distribution()
-    # Inside `torch.compile` the step function has entered the context
-    # already: dynamo cannot trace the context manager itself.
+    # Under `torch.compile` the step entered the context (dynamo can't).
     if distribution is None or torch.compiler.is_compiling():
         if not runtime.suspended_depth:
             return call_function(layer, *args, **kwargs)
-        batch = coupled_layers.routing(layer)  # In a call on local rows.
+        batch = coupled_layers.routing(layer)  # A call on local rows.
         if batch is None:
             outputs = call_function(layer, *args, **kwargs)
         else:
-            # A layer that couples samples, through DTensor.
             through_dtensor = functools.partial(
                 _call_with_dtensors, call_function, layer, None
             )
@@ -107,12 +91,10 @@ def call_layer(call_function, layer, *args, **kwargs):
         return batch_coupling.record(layer, outputs)
     trace = pairing_check.active_trace()
     if trace is not None:
-        # The auto plan's trace of a block, on stand-ins: no layout.
         return trace.call_layer(call_function, layer, args, kwargs)
     if _replication_depth == 0 and os.environ.get(CHECK_REPLICATION_ENV) == "1":
         check_replicated((args, kwargs), "layer call input")
     if _call_depth() == 0:
-        # A per-sample model under data parallelism.
         through_dtensor = functools.partial(
             _call_with_dtensors, call_function, layer, distribution
         )
@@ -129,8 +111,7 @@ def call_layer(call_function, layer, *args, **kwargs):
 
 
 def _call_with_dtensors(call_function, layer, distribution, args, kwargs):
-    """`call_layer`'s call of `layer` on `DTensor`s (under the distribution
-    in effect when `distribution` is `None`)."""
+    """Calls `layer` on `DTensor`s (`distribution=None`: the current one)."""
     if distribution is None:
         distribution = runtime.current_distribution()
     mesh = distribution.device_mesh.backend_mesh
@@ -144,19 +125,16 @@ def _call_with_dtensors(call_function, layer, distribution, args, kwargs):
             random_draws.one_key_per_call(),
             replicated_plain_tensors(),
             fallback.dtensor_fallback(),
-            # Weights sharded over the batch axis, one layer at a time.
             fsdp.gathered_weights(layer, distribution, not symbolic) as release,
         ):
             outputs = release(call_function(layer, *args, **kwargs))
     finally:
         _calls.depth -= 1
     if _calls.depth == 0 and not symbolic:
-        # The outermost call on data (not while a functional model that
-        # calls this one is built): a whole model, built by now.
+        # The outermost call on data: a whole model, built by now.
         layout_rules.check_model(layer, distribution)
     if _calls.depth == 0 and symbolic and _has_keras_tensors((args, kwargs)):
-        # A functional model being built calls `layer`: its weights are
-        # neither loaded nor copied into optimizer slots yet.
+        # A functional model being built: weights not loaded or copied yet.
         pairing_check.check_layer(layer, distribution, args, kwargs)
     partial_axes = ()
     if not symbolic and torch.is_grad_enabled():
@@ -166,32 +144,15 @@ def _call_with_dtensors(call_function, layer, distribution, args, kwargs):
 
 
 def _partial_gradient_axes(layer, ndim, inputs):
-    """The mesh dimensions over which `layer`'s backward takes a partial-sum
-    output gradient as it is.
+    """Mesh dims over which `layer`'s backward can take a partial-sum output
+    gradient as it is, so it is reduced once, where its producer gets all.
 
-    A gradient's partial sums are reduced where they are smallest and
-    fewest: once, where the value's producer gets them all. A `Dense` or
-    `EinsumDense` with no activation is linear, and its backward multiplies
-    the output gradient by its kernel: for a partial sum over an axis its
-    weights are replicated on, DTensor gives partial sums of the input and
-    weight gradients with no collective. The input's joins the other
-    partial sums its producer gets (a query's, beside key/value heads that
-    the model axis does not divide), which the producer's one all-reduce
-    makes whole, and the weights' join the step's one reduction of
-    replicated weights: the layer's own all-reduce is saved. A layer with
-    no weights and one input that needs a gradient (a rotary embedding)
-    hands the partial sum on to it, for DTensor to reduce where an op needs
-    it whole; with several (an `Add`, a `Dot`), each would get partial sums
-    to reduce. Any other layer computes on its whole output gradient
-    (`_whole_output_gradient`).
-
-    Args:
-        layer: the layer called.
-        ndim: the number of mesh dimensions.
-        inputs: the arguments of the call.
-
-    Returns:
-        A tuple of mesh dimension indices.
+    A linear `Dense`/`EinsumDense` multiplies by its kernel: over axes its
+    weights are replicated on, it yields partial input and weight gradients
+    with no collective, which the producer's all-reduce and the step's
+    weight reduction make whole. A weightless layer with one differentiated
+    input (a rotary embedding) passes the partial sum on; with several (an
+    `Add`), each would get partial sums to reduce.
     """
     from keras.src import activations
     from keras.src import layers
@@ -207,7 +168,6 @@ def _partial_gradient_axes(layer, ndim, inputs):
     axes = set(range(ndim))
     for variable in layer.weights:
         value = variable._value
-        # A plain tensor is a global value: replicated everywhere.
         if isinstance(value, DTensor):
             axes &= {
                 d for d, p in enumerate(value.placements) if not p.is_shard()
@@ -225,8 +185,7 @@ def _differentiated_inputs(inputs):
 
 
 def _is_symbolic(values):
-    """Whether `values` hold symbolic tensors: `KerasTensor`s, or torch
-    tensors on the meta device (as `compute_output_spec` runs layers)."""
+    """Whether `values` hold `KerasTensor`s or meta-device torch tensors."""
     return any(
         isinstance(x, KerasTensor)
         or (isinstance(x, torch.Tensor) and x.is_meta)
@@ -239,13 +198,7 @@ def _has_keras_tensors(values):
 
 
 def _layer_output(x, partial_axes=()):
-    """A layer output with its partial sums and their gradients reduced.
-
-    Args:
-        x: an output of a layer call.
-        partial_axes: mesh dimensions over which the output's gradient may
-            stay a partial sum (`_partial_gradient_axes`).
-    """
+    """A layer output with its partial sums and their gradients reduced."""
     if not isinstance(x, DTensor):
         return x
     mesh = x.device_mesh
@@ -261,8 +214,8 @@ def _layer_output(x, partial_axes=()):
             for d, p in enumerate(output.placements)
         )
     ):
-        # A hook, not an autograd Function: the output stays the tensor
-        # it was, which the next layer may update in place.
+        # A hook, not an autograd Function: the output stays the same
+        # tensor, which the next layer may update in place.
         output.register_hook(
             functools.partial(
                 _whole_output_gradient,
@@ -273,22 +226,16 @@ def _layer_output(x, partial_axes=()):
         setattr(output, GRADIENT_HOOK_ATTRIBUTE, True)
     mask = get_keras_mask(x)
     if output is not x and mask is not None:
-        # A mask the layer attached to its output stays with it.
         set_keras_mask(output, mask)
     return output
 
 
 def _hooked_by_inner_layer(output):
-    """Whether `output` is an inner layer's output returned as it is (a
-    router's logits from a mixture-of-experts block), or a view of one.
+    """Whether `output` is (a view of) an inner layer's returned output.
 
-    Its gradient goes to that layer's backward alone (through the view's,
-    which is linear), and the inner call's hook prepares it
-    (`_partial_gradient_axes`): a second hook, for the outer layer, would
-    make a partial sum that the inner layer keeps partial whole, at a
-    collective. A view counts as the output itself since module backward
-    hooks (`CommDebugMode`'s module tracker) return views of every
-    module's outputs.
+    The inner call's hook already prepares its gradient; a second hook would
+    make whole, at a collective, a partial sum the inner layer keeps. Views
+    count since module backward hooks (`CommDebugMode`) return views.
     """
     while output is not None:
         if getattr(output, GRADIENT_HOOK_ATTRIBUTE, False):
@@ -298,19 +245,13 @@ def _hooked_by_inner_layer(output):
 
 
 def _whole_output_gradient(grad, placements, partial_axes=()):
-    """A replicated layer output's gradient, whole on the axes where the
-    output is.
+    """A replicated output's gradient, made whole where the output is.
 
-    The gradient of a replicated layer output arrives as a partial sum when
-    column-parallel layers consumed the output, and sharded when a consumer's
-    backward split it (DTensor's backward of a scatter or an index, as a
-    mixture of experts dispatches tokens, shards the rows over the model
-    axis). Made whole here, once autograd has summed what all consumers
-    sent, the layer's own backward runs on the whole gradient (Megatron's
-    `f` operator), and its weights' gradients are whole too. Left to
-    DTensor, the backward of e.g. a LayerNorm reduce-scatters and
-    all-gathers it instead, or computes on each process' rows, and leaves
-    partial-sum weight gradients to all-reduce as well.
+    It arrives partial after column-parallel consumers, or sharded after a
+    consumer's scatter or index (mixture-of-experts dispatch). Made whole
+    once all consumers are summed (Megatron's `f`), the layer's backward and
+    weight gradients are whole; left to DTensor, e.g. a LayerNorm would
+    reduce-scatter and all-gather, and leave partial weight gradients.
     """
     if not isinstance(grad, DTensor):
         return grad
@@ -329,15 +270,9 @@ def _whole_output_gradient(grad, placements, partial_axes=()):
 def replicated_plain_tensors():
     """Treats plain tensors as replicated global values (JAX semantics).
 
-    Entered around layer calls and training steps: the inputs and the
-    constants that ops create inside them are plain tensors, which DTensor
-    ops then take as replicated. Only the outermost entry acts. On CPU
-    meshes, attention also runs the math kernel of
-    `scaled_dot_product_attention`, as DTensor has no sharding rule for the
-    CPU flash kernel.
-
-    Yields:
-        None.
+    Entered around layer calls and steps; only the outermost entry acts. On
+    CPU meshes it also selects the math SDPA kernel, as DTensor has no
+    sharding rule for the CPU flash kernel.
     """
     global _replication_depth
     _replication_depth += 1
@@ -359,12 +294,8 @@ def replicated_plain_tensors():
 def hold_replication(distribution):
     """Treats plain tensors as replicated while `distribution` is set.
 
-    Code outside layer calls and steps mixes plain tensors with layer
-    outputs too: keras-hub's `generate` stacks the caches its layers return
-    with the zeros it made for the layers that left theirs untouched. As
-    in JAX, where a plain array is a replicated value wherever it meets a
-    sharded one, the flag stays on as long as the process has a
-    distribution (`set_distribution`, `Distribution.scope()`).
+    As in JAX, code outside layer calls and steps also mixes plain tensors
+    with layer outputs (e.g. a generation loop's caches).
 
     Args:
         distribution: the process' distribution, or `None`.
@@ -373,8 +304,7 @@ def hold_replication(distribution):
     if not runtime.DTENSOR_AVAILABLE:
         return
     if distribution is not None and not _replication_held:
-        # DTensor warns, on every process, each time it takes a plain
-        # tensor of one element (a keras-hub sampling step's index) as
+        # DTensor warns each time it takes a one-element plain tensor as
         # replicated: here that is the rule, not an accident.
         warnings.filterwarnings(
             "ignore",
@@ -386,8 +316,7 @@ def hold_replication(distribution):
 
 
 def _update_implicit_replication():
-    """Turns torch's process-wide `implicit_replication` flag on while a
-    context or a distribution wants it, off when none does any more."""
+    """Sets torch's process-wide `implicit_replication` flag as wanted."""
     global _implicit_replication
     wanted = _replication_held or _replication_depth > 0
     if wanted and _implicit_replication is None:
@@ -399,18 +328,13 @@ def _update_implicit_replication():
 
 
 def loop_function(function):
-    """A `while_loop` body or condition, run under the distribution.
-
-    Loop bodies such as keras-hub's sampling loop mix layer outputs with
-    plain tensors outside any layer; as in layer calls, the plain tensors
-    are taken as replicated global values.
+    """A `while_loop` body or condition taking plain tensors as replicated.
 
     Args:
         function: the loop's `cond` or `body`.
 
     Returns:
-        `function` itself without a distribution, else a function that
-        calls it inside `replicated_plain_tensors`.
+        `function` itself without a distribution, else a wrapper.
     """
     if runtime.current_distribution() is None:
         return function
@@ -426,19 +350,15 @@ def loop_function(function):
 def loop_condition(cond):
     """A `while_loop` condition, run under the distribution.
 
-    As `loop_function`; besides, the loop reads the condition's result as
-    a Python `bool`, outside any layer call: a `DTensor` result (a
-    reduction over a sharded batch, such as keras-hub's "every prompt has
-    stopped") is made its global value first, which every process reads
-    alike. DTensor would read each process' own part of it, and the
-    processes would leave the loop at different steps.
+    As `loop_function`, but a `DTensor` result is made its global value
+    before the loop reads it as a `bool`; read as each process' own part,
+    the processes would leave the loop at different steps.
 
     Args:
         cond: the loop's condition.
 
     Returns:
-        `cond` itself without a distribution, else a function that calls
-        it under the distribution and returns a plain value.
+        `cond` itself without a distribution, else a wrapper.
     """
     function = loop_function(cond)
     if function is cond:

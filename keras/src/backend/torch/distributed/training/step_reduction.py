@@ -1,30 +1,12 @@
 """The gradient reduction of Keras' own train step, overlapped with backward.
 
-In Keras' eager train step (one backward pass, then `reduce_step_gradients`)
-under data parallelism, gradient buckets are all-reduced while the backward
-pass runs, as DDP's reducer does: the variables are grouped in reverse
-order, the order in which the backward pass produces their gradients, the
-first bucket small; a bucket's all-reduce is launched asynchronously as
-soon as its last gradient is accumulated. The last bucket is complete only
-when the backward pass ends: it is reduced then, after the others are
-waited for, together with the loss the loss tracker took as a partial sum
-before the backward pass (`defer`), so a step issues one collective per
-bucket.
-
-A per-sample model runs on each process' rows (see `local_rows`). In this
-step its trainable weights enter as plain leaf tensors that share their
-storage with the weights' local tensors (`local_leaf`), kept from one step
-to the next. Autograd accumulates each process' partial gradient on them
-as plain tensors, and the reduced gradients reach the optimizer as local
-tensors, which `gradients.apply_gradients` updates on anyway. Taken
-through DTensor (a `Partial` gradient built for each weight, torch's
-`local_map`) they cost DTensor's dispatch per weight and step, a large part
-of a small model's step.
-
-The train step (`step.DistributedStep`) owns its reduction and the leaves;
-the gradient hooks hold the reduction itself, as autograd may run them on
-threads of its own (CUDA devices'), where no thread-local lookup would
-find it.
+As DDP's reducer does, buckets of variables in reverse order (the first small)
+are all-reduced asynchronously as backward completes them; the last bucket is
+reduced in `reduce_step_gradients`, with the loss tracker's partial sum
+(`defer`). Per-sample models (`local_rows`) take their weights as plain leaves
+sharing the local storage (`local_leaf`), avoiding DTensor's per-weight
+dispatch. Hooks hold the reduction itself: autograd may run them on its own
+(CUDA) threads, where no thread-local lookup would find it.
 """
 
 import contextlib
@@ -46,17 +28,13 @@ from keras.src.backend.torch.distributed.training import (
 def reduce_step_gradients(reduction, optimizer, gradients):
     """Reduces a train step's gradients once, in buckets.
 
-    Values replicated once reduced come back as local tensors (the whole
-    values): the optimizer computes on those. With nothing to reduce, the
-    gradients come back as they are.
+    Gradients that reduce to replicated values come back as local tensors,
+    which the optimizer computes on.
 
     Args:
-        reduction: the step's `OverlappedReduction`, or `None` if its
-            buckets were not reduced during the backward pass.
-        optimizer: the optimizer the gradients are for (its flat buffers
-            are reused).
-        gradients: list of gradients (`DTensor`, tensor or `None`), in the
-            order of the model's trainable weights.
+        reduction: the step's `OverlappedReduction`, or `None`.
+        optimizer: the optimizer (its flat buffers are reused).
+        gradients: gradients (`DTensor`, tensor or `None`) of the weights.
 
     Returns:
         The gradients, reduced.
@@ -82,28 +60,19 @@ def reduce_step_gradients(reduction, optimizer, gradients):
 def overlapped_reduction(model, leaves, plans=None):
     """All-reduces gradient buckets as the backward pass produces them.
 
-    Entered around Keras' own eager train step, which takes the reduced
-    buckets in `reduce_step_gradients`. Hooks launch each bucket's all-reduce
-    asynchronously once its gradients are accumulated; a bucket whose
-    gradients cannot be reduced together (not all partial sums of one mesh
-    axis and dtype) is left to `reduce_step_gradients`. Only variables on a 1-D
-    mesh (data parallelism) take part. The hooks hold the reduction itself
-    (autograd may run them on threads of its own: CUDA devices').
+    Entered around Keras' eager train step. Only variables on a 1-D mesh take
+    part; a bucket that cannot be reduced together (not all partial sums of
+    one mesh axis and dtype) is left to `reduce_step_gradients`.
 
     Args:
         model: the model whose train step runs in the block.
-        leaves: a dict kept from one step to the next, in which the plain
-            leaves standing for the weights are kept (see `local_leaf`).
-        plans: optionally, a dict kept from one step to the next, in which
-            the buckets are kept for the model's trainable weights (see
-            `_BucketPlan`): computed once, not in every step.
+        leaves: a dict, kept across steps, of the weights' plain leaves.
+        plans: optionally, a dict, kept across steps, of `_BucketPlan`s.
 
     Yields:
         The `OverlappedReduction`, or `None` if there is nothing to reduce.
     """
     trainable = list(getattr(model, "trainable_weights", ()))
-    # The same weights (made trainable or not since: other weights) have
-    # the same buckets.
     key = tuple(id(v) for v in trainable)
     plan = None if plans is None else plans.get(key)
     if plan is None:
@@ -125,8 +94,7 @@ def overlapped_reduction(model, leaves, plans=None):
             )
     try:
         yield reduction
-        # Launched but not taken (the step did not reduce its gradients):
-        # waited for, so that every process leaves the step in step.
+        # Launched but not taken: wait, so processes leave the step together.
         reduction.wait_all(as_local=False)
         reduction.complete_deferred()
     finally:
@@ -136,8 +104,7 @@ def overlapped_reduction(model, leaves, plans=None):
 
 
 def _reverse_buckets(variables):
-    """`variables` in reverse order (the backward pass'), in buckets of
-    DDP's sizes, the first small."""
+    """`variables` reversed, in buckets of DDP's sizes, the first small."""
     return gradients_lib.buckets(
         variables[::-1],
         lambda v: gradients_lib.nbytes(v.value),
@@ -146,20 +113,9 @@ def _reverse_buckets(variables):
 
 
 class _BucketPlan:
-    """The buckets of a model's trainable weights, for every step.
+    """The buckets of a model's trainable weights on a 1-D mesh, per step.
 
-    Args:
-        trainable: the model's trainable weights, in the order of the
-            train step's gradients.
-
-    Attributes:
-        trainable: the weights, as given.
-        buckets: the lists of weights reduced together, in the order the
-            backward pass produces them (see `_reverse_buckets`): the
-            weights of a 1-D mesh only (data parallelism; on a
-            model-parallel mesh the backward pass runs collectives of its
-            own, which these would race).
-        positions: `id(weight)` -> `(bucket index, index in the bucket)`.
+    A model-parallel mesh's backward pass runs collectives these would race.
     """
 
     def __init__(self, trainable):
@@ -182,11 +138,8 @@ class _BucketPlan:
 class OverlappedReduction:
     """The buckets of one train step, launched as their gradients arrive.
 
-    A variable's gradient arrives either as its `DTensor` gradient or, for
-    a weight that entered the step as a leaf (`local_leaf`), as the leaf's
-    plain gradient: a partial sum over the variable's (1-D) mesh. The
-    leaves are kept from one step to the next, by the step that owns the
-    reduction.
+    A gradient arrives as a `DTensor` or, for a leaf (`local_leaf`), as a
+    plain partial sum over the variable's 1-D mesh.
 
     Args:
         optimizer: the optimizer (its flat buffers are reused).
@@ -196,21 +149,17 @@ class OverlappedReduction:
 
     def __init__(self, optimizer, plan, leaves):
         self.buffers = gradients_lib.optimizer_buffers(optimizer)
-        # The variables in the order of the train step's gradients.
         self.trainable = plan.trainable
         self.buckets = plan.buckets
         self.positions = plan.positions
         self.arrived = [[None] * len(bucket) for bucket in self.buckets]
-        # Every leaf made so far, by id(variable): kept from step to step.
+        # By id(variable): all leaves made (kept across steps), this step's.
         self.leaves = leaves
-        # The leaves this step computed with, by id(variable).
         self.leaf_of = {}
         # (bucket index, gradients, flat buffer, work) of each launch.
         self.launched = []
-        # The gradient hooks this step registered.
         self.handles = []
-        # `(mesh, local tensor, partial value)` of replicated state to
-        # write whole with the last bucket (see `defer`).
+        # (mesh, local tensor, partial value), see `defer`.
         self.deferred = []
 
     def local_leaf(self, variable):
@@ -220,10 +169,8 @@ class OverlappedReduction:
             variable: a trainable variable, replicated on a 1-D mesh.
 
         Returns:
-            A tensor sharing the storage of the variable's local tensor,
-            whose gradient autograd accumulates as a plain tensor; `None`
-            for a variable this reduction does not reduce (the caller then
-            takes the local value through DTensor).
+            A tensor sharing the storage of the variable's local tensor, or
+            `None` for a variable this reduction does not reduce.
         """
         if id(variable) not in self.positions:
             return None
@@ -233,7 +180,6 @@ class OverlappedReduction:
         with torch.no_grad():
             local = variable.value.to_local()
         leaf = self.leaves.get(id(variable))
-        # A new value (a new storage) is a new leaf.
         if leaf is None or leaf.data_ptr() != local.data_ptr():
             leaf = local.detach().requires_grad_()
             self.leaves[id(variable)] = leaf
@@ -246,13 +192,10 @@ class OverlappedReduction:
         return leaf
 
     def defer(self, local, value):
-        """Takes a partial sum assigned to replicated state, to be written
-        whole once reduced with the last bucket.
+        """Defers a partial sum assigned to replicated state to the last bucket.
 
-        The loss tracker meets the step's loss as a partial sum before the
-        backward pass; nothing reads its state before the optimizer, so
-        its total is reduced with the gradients instead of by a collective
-        of its own.
+        The loss tracker gets the loss as a partial sum before backward and
+        nothing reads it before the optimizer, so it saves a collective.
 
         Args:
             local: the state's local tensor.
@@ -301,10 +244,11 @@ class OverlappedReduction:
         self.launched.append((bucket_index, gradients, flat, work))
 
     def _supersede(self, bucket_index):
-        """Waits for and forgets an earlier launch of a bucket launched
-        again: a weight used twice (a shared layer) accumulates a second
-        gradient after its bucket was complete, and the new launch reuses
-        the buffer the earlier one may still be reducing."""
+        """Waits for and forgets an earlier launch of a relaunched bucket.
+
+        A shared weight accumulates again after its bucket completed, and the
+        new launch reuses the buffer the earlier one may still be reducing.
+        """
         earlier = [e for e in self.launched if e[0] == bucket_index]
         if not earlier:
             return
@@ -330,13 +274,7 @@ class OverlappedReduction:
         )
 
     def wait_all(self, as_local):
-        """Waits for the launched buckets.
-
-        Returns:
-            A dict from each reduced variable's id to a tuple `(gradient,
-            reduced gradient)` (see `gradients.reduce_gradients` for
-            `as_local`; a leaf's is always local).
-        """
+        """Waits for the launches: `{id(variable): (gradient, reduced)}`."""
         timeout = datetime.timedelta(seconds=health.current_timeout())
         reduced = {}
         for bucket_index, gradients, flat, work in self.launched:
@@ -354,12 +292,10 @@ class OverlappedReduction:
     def finish(self, gradients, as_local):
         """The step's gradients, with what this reduction reduced.
 
-        Waits for the launched buckets, then all-reduces the gradients of
-        the leaves not launched yet.
+        Waits for the launched buckets, then reduces the unlaunched leaves.
 
         Args:
-            gradients: the train step's gradients, in the order of the
-                model's trainable weights (a leaf's is `None` there).
+            gradients: the train step's gradients (a leaf's is `None`).
             as_local: see `gradients.reduce_gradients`.
 
         Returns:
@@ -376,13 +312,12 @@ class OverlappedReduction:
         for i, variable in enumerate(self.trainable):
             leaf = self.leaf_of.get(id(variable))
             if leaf is not None and gradients[i] is not None:
-                # Also used through DTensor (a regularization loss): the
-                # two gradients add up, reduced as a `DTensor`.
+                # Also used through DTensor (a regularization loss).
                 result[i] = _with_leaf_gradient(gradients[i], leaf.grad)
                 continue
             gradient = gradients[i] if leaf is None else leaf.grad
             entry = launched.get(id(variable))
-            # Reduced as launched unless accumulated again since.
+            # Reduced as launched, unless accumulated again since.
             if entry is not None and entry[0] is gradient:
                 result[i] = entry[1]
             elif leaf is not None and gradient is not None:
@@ -392,18 +327,15 @@ class OverlappedReduction:
         return result
 
     def take_deferred(self):
-        """The deferred state (see `defer`) no bucket reduced, as pairs
-        `(local tensor, partial value)`, now the caller's to reduce."""
+        """Hands the unreduced deferred state to the caller, as pairs."""
         deferred, self.deferred = self.deferred, []
         return [(local, value) for _, local, value in deferred]
 
     def _reduce_pending(self, pending, result):
-        """All-reduces `pending` leaf gradients into `result`, and the
-        deferred state (see `defer`) into its local tensors."""
+        """All-reduces `pending` leaf gradients and the deferred state."""
         deferred, self.deferred = self.deferred, []
         if not pending and not deferred:
             return
-        # Grouped by mesh and dtype, the deferred state first in each.
         groups = {}
         for mesh, local, value in deferred:
             key = (mesh, value.dtype)
@@ -427,13 +359,12 @@ class OverlappedReduction:
                         target.copy_(value.reshape(target.shape))
 
     def complete_deferred(self):
-        """Writes the deferred state whole (see `defer`) if the step's
-        gradients were not reduced."""
+        """Reduces the deferred state if the step's gradients were not."""
         if self.deferred:
             self._reduce_pending([], [])
 
     def drop_leaf_gradients(self):
-        """Frees the leaves' gradients: the next step starts without."""
+        """Frees the leaves' gradients before the next step."""
         for leaf in self.leaf_of.values():
             leaf.grad = None
 
@@ -460,12 +391,7 @@ def _with_leaf_gradient(gradient, leaf_gradient):
 
 
 def _single_reduction_dim(gradients):
-    """The mesh axis a bucket is reduced over, or `None` if it cannot be.
-
-    A bucket is reduced by one asynchronous all-reduce when its gradients
-    share a mesh, placements and dtype, and are partial over exactly one
-    mesh axis of more than one process.
-    """
+    """The one partial mesh axis of a uniform bucket, or `None`."""
     first = gradients[0]
     if not isinstance(first, DTensor):
         return None
