@@ -14,12 +14,11 @@ class DistributedCheckpoint(MonitorCallback):
     """Saves sharded checkpoints: every process writes its own shards.
 
     The counterpart of `OrbaxCheckpoint` for backends that write distributed
-    checkpoints (torch); it also works without a distribution. Each save is
-    the directory `directory/<step>/` (the epoch, or the number of batches
-    seen), which appears only once complete. `model.load_weights(directory)`
-    and `keras.saving.load_model(directory)` load the latest step into the
-    model's current layouts, on any mesh or number of processes; `load_model`
-    also restores the optimizer's state.
+    checkpoints (torch), with or without a distribution. Each save is
+    `directory/<step>/` (the epoch, or the batches seen), which appears only
+    once complete. `model.load_weights(directory)` and `load_model(directory)`
+    load the latest step into the model's current layouts, on any mesh or
+    number of processes; `load_model` also restores the optimizer's state.
 
     Example:
 

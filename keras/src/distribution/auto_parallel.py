@@ -1,7 +1,7 @@
 """`AutoModelParallel`: model parallelism with no `LayoutMap` to write.
 
-Variables no `LayoutMap` rule matches are laid out, as they are created, by
-a plan derived from the model's structure (`auto_plan.py`), on any backend.
+Variables no `LayoutMap` rule matches are laid out as they are created by a
+plan derived from the model's structure (`auto_plan.py`), on any backend.
 """
 
 import re
@@ -125,11 +125,8 @@ class AutoModelParallel(ModelParallel):
 
     def check_pairing(self, layer, reads_column_output):
         """Lays `layer`'s kernel (and bias) out again if its first call shows
-        it reads otherwise than its widths paired it.
-
-        Width pairing is ambiguous where a feed-forward layer is as wide as
-        its block; torch traces the first symbolic call to tell. Under JAX
-        the widths decide.
+        it reads otherwise than its widths paired it (ambiguous where a
+        feed-forward layer is as wide as its block; under JAX widths decide).
 
         Args:
             layer: a layer with a `paired_role`.
@@ -138,8 +135,7 @@ class AutoModelParallel(ModelParallel):
                 making it row parallel; else it is column parallel.
 
         Returns:
-            A list of `(variable, TensorLayout)` to lay out anew (their
-            values redistributed).
+            A list of `(variable, TensorLayout)` to lay out anew.
         """
         role = auto_plan.ROW if reads_column_output else auto_plan.COLUMN
         weights = [

@@ -1,31 +1,14 @@
 """A tensor-parallel plan for any model, decided as each variable is created.
 
-`AutoModelParallel` (`auto_parallel.py`) asks this planner for the layout of
-every variable no `LayoutMap` rule lays out: Megatron-style tensor parallelism
-over the model axis and, with a batch axis longer than one, FSDP-like sharding
-over it of a kernel's largest other dimension and of a block's vectors. Layouts
-are decided at creation, since `from_preset` creates and loads variables in the
-constructor, and laying them out later would first hold the whole model on every
-process.
-
-Keras builds layers in data-flow order, so within an enclosing layer
-(`layer_reading`) a kernel reading the block's stream is column parallel and a
-later one reading its output row parallel: one all-reduce per pair
-(`plan_pairs`). Where widths cannot tell, a backend that can follow data checks
-the pairing at the block's first symbolic call (`check_pairing`). `EinsumDense`
-equations name head dimensions, an `Embedding` shards its vocabulary (or
-features), and vectors stay replicated over the model axis except
-column-parallel biases.
-
-Heads the model axis does not divide are never sharded unevenly. Beside sharded
-query heads, such (key/value) heads' kernel is replicated, as in Megatron-LM,
-within `REPLICATION_BUDGET`, else stored sharded and gathered for each call of
-its block (`gathered_for_call`, ZeRO-3-like); with a batch axis the projection
-splits its input features instead. Storage beyond an even share is bounded by
-`SHARE_BOUND`.
-
-The plan decides where data lives, never what is computed: a wrong pairing guess
-costs collectives, not correctness.
+`AutoModelParallel` asks it for each variable no `LayoutMap` rule lays out:
+Megatron-style tensor parallelism over the model axis, plus FSDP-like sharding
+over a batch axis longer than one; at creation, since `from_preset` loads
+weights in the constructor. Layers are built in data-flow order, so a kernel
+reading the block's stream is column parallel and a later one reading its output
+row parallel (`plan_pairs`). Heads the model axis does not divide are never
+sharded unevenly: replicated, gathered per call or split on input features. The
+plan decides where data lives, never what is computed: a wrong guess costs
+collectives, not correctness.
 """
 
 import math
@@ -36,35 +19,25 @@ from keras.src.distribution import plan_axes
 from keras.src.distribution import plan_pairs
 from keras.src.distribution import plan_share
 
-# Roles a kernel can take in the plan.
 COLUMN = plan_pairs.COLUMN
 ROW = plan_pairs.ROW
 STACK = "stack"
-# Projections to at most this many features starting a pair (a router, a gate, a
-# head) keep their output whole: softmax or top-k reads every feature.
+# Projections to at most this many features starting a pair (a router, a gate)
+# keep their output whole: softmax or top-k reads every feature.
 NARROW_WIDTH = 256
-# Storage beyond an even share that kernels replicated to save collectives
-# (key/value heads) may add, as a fraction of the model so far.
+# Fractions of the model so far that storage beyond an even share may reach:
+# kernels replicated to save collectives (key/value heads), and all weights
+# (past it, would-be replicated weights are sharded and gathered where used).
 REPLICATION_BUDGET = 0.03
-# Bound on storage beyond an even share, as a fraction of the model so far; past
-# it, would-be replicated weights are sharded and gathered where used.
 SHARE_BOUND = 0.04
 
 
 class Plan:
-    """The planner's state for one distribution.
-
-    Args:
-        mesh_shape: `{axis name: size}` of the device mesh.
-        model_dim_name: the mesh axis tensor parallelism shards over.
-        batch_dim_name: the mesh axis the batch is split over; kernels are also
-            sharded over it (on another dimension) when it is longer than one.
-    """
+    """The planner's state for one distribution, on a `{axis: size}` mesh."""
 
     def __init__(self, mesh_shape, model_dim_name, batch_dim_name):
         self.model_size = mesh_shape[model_dim_name]
-        # On a 1-D mesh the batch and the model share the one axis: only
-        # tensor parallelism shards kernels over it.
+        # On a 1-D mesh only tensor parallelism shards kernels over the axis.
         self.batch_size = (
             mesh_shape.get(batch_dim_name, 1)
             if batch_dim_name != model_dim_name
@@ -76,10 +49,9 @@ class Plan:
         # The role and sharded size of each layer's kernel, for its bias.
         self._roles = weakref.WeakKeyDictionary()
         self._batch_sharded = weakref.WeakSet()
-        # Layers whose attention heads are sharded (a query kernel's).
         self._head_parallel = weakref.WeakSet()
         self._gathered_blocks = weakref.WeakSet()
-        # Variables gathered per call, id -> weakref (variables are unhashable).
+        # id -> weakref: variables are unhashable.
         self._call_gathered = {}
         self._gathering = False
         self._mesh = plan_axes.MeshAxes(
@@ -88,21 +60,14 @@ class Plan:
         self._share = plan_share.PlanShare(self._mesh)
 
     def layout_axes(self, variable):
-        """The mesh axes of each dimension of `variable`, and why.
-
-        Args:
-            variable: a Keras variable being created.
-
-        Returns:
-            `(axes, reason)`: a tuple of mesh axis names (or `None`), one per
-            dimension, and a short text saying what decided it.
-        """
+        """`(axes, reason)`: the mesh axis (or `None`) of each dimension of a
+        new `variable`, and a short text saying what decided it."""
         self._gathering = False
         axes, reason = self._layout_axes(variable)
         if _is_float(variable.dtype):
             shape = tuple(variable.shape)
-            # Used whole, as it would have been replicated: gathered with
-            # its layer's call where that is the call's one gather.
+            # Used whole, as it would have been replicated: gathered with its
+            # layer's call where that is the call's one gather.
             axes, reason, bound = self._share.bounded(
                 shape, axes, reason, SHARE_BOUND, self.batch_size == 1
             )
@@ -130,17 +95,8 @@ class Plan:
         return None if pairing is None else pairing.role
 
     def check_pairing(self, layer, role, weights):
-        """Lays `layer`'s weights out as `role` where widths said otherwise.
-
-        Args:
-            layer: a layer with a `paired_role`.
-            role: `ROW` if its first call reads a column-parallel kernel's
-                output (through elementwise ops), else `COLUMN`.
-            weights: `[(variable, axes)]`: `layer`'s weights as laid out.
-
-        Returns:
-            `[(variable, axes, reason)]` for the weights laid out anew.
-        """
+        """`[(variable, axes, reason)]` for `weights` (`[(variable, axes)]`) to
+        lay out anew where `layer`'s checked `role` is not what widths said."""
         pairing = self._pairs.checked(layer)
         if pairing is None or role == pairing.role:
             return []
@@ -192,8 +148,8 @@ class Plan:
         ):
             axes, reason = self._stack_axes(layer, shape)
         else:
-            # Dense kernels, convolution kernels (the last two dimensions
-            # are input and output channels) and any layer's own matrices.
+            # Dense and conv kernels (last two dims: in, out channels), and any
+            # layer's own matrices.
             scope = parent if kind in ("dense", "conv") else layer
             axes, reason = self._matmul_axes(layer, scope, parent, shape, kind)
         if (
@@ -277,10 +233,9 @@ class Plan:
                     self._gathered_blocks.add(parent)
                 return self._gathered_for_call(layer, shape, contracted)
             if indivisible and contracted:
-                # Indivisible heads (one key/value head) are computed whole from
-                # row-parallel input features: one all-reduce of the output and
-                # of its gradient. Splitting the head size would cost
-                # collectives for rotary halves and scores.
+                # Row-parallel input features: one all-reduce of the output
+                # and its gradient; splitting the head size would cost more
+                # collectives (rotary halves, scores).
                 role, letters = ROW, contracted
                 what = "row-parallel over input features (heads indivisible)"
             else:
@@ -350,9 +305,8 @@ class Plan:
         in_dim, out_dim = len(shape) - 2, len(shape) - 1
         in_width, out_width = shape[in_dim], shape[out_dim]
         reads = self._pairs.reads(in_width, scope, parent)
-        # A narrow projection starting a pair, or one beside the block's column
-        # kernels with an output the model axis does not divide, keeps its
-        # output whole.
+        # A narrow projection starting a pair, or beside the block's column
+        # kernels with an output the model axis does not divide, stays whole.
         if (
             reads != ROW
             and _is_narrow(in_width, out_width)

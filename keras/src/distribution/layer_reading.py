@@ -11,12 +11,10 @@ _EQUATION = re.compile(r"^([a-zA-Z.]+),([a-zA-Z]+)->([a-zA-Z.]+)$")
 
 
 def creating_layers():
-    """The layer creating a variable now, and the layer around it.
+    """`(layer, parent)`: the layer creating a variable now and its parent.
 
-    Read from the `caller`s of the name scopes Keras opens around `add_weight`.
-
-    Returns:
-        `(layer, parent)`, either `None` where there is none.
+    Read from the `caller`s of the name scopes Keras opens around `add_weight`;
+    either is `None` where there is none.
     """
     from keras.src.layers.layer import Layer
 
@@ -34,8 +32,7 @@ def creating_layers():
 
 
 def layer_kind(layer):
-    """What `layer` computes: `"embedding"`, `"einsum"`, `"dense"`, `"conv"`
-    or `"layer"` (anything else)."""
+    """What `layer` computes: embedding, einsum, dense, conv, else "layer"."""
     from keras.src import layers
 
     if isinstance(layer, layers.Embedding):
@@ -50,12 +47,7 @@ def layer_kind(layer):
 
 
 def parse_equation(equation):
-    """The letters of an `EinsumDense` equation such as `"btd,ndh->btnh"`.
-
-    Returns:
-        `(input, kernel, output)` letters (ellipses dropped), or `None` if
-        the equation is not of two operands.
-    """
+    """`EinsumDense` equation's `(input, kernel, output)` letters, or `None`."""
     match = _EQUATION.match(equation.replace(" ", ""))
     if match is None:
         return None
@@ -64,19 +56,10 @@ def parse_equation(equation):
 
 
 def einsum_bias_axes(layer, shape, letter, axis_name):
-    """Axes of an `EinsumDense` bias sharding kernel letter `letter`.
+    """Mesh axes of an `EinsumDense` bias with `letter` over `axis_name`.
 
-    Keras shapes the bias like the output from its first bias axis on.
-
-    Args:
-        layer: the `EinsumDense`.
-        shape: the bias' shape.
-        letter: the kernel letter sharded.
-        axis_name: the mesh axis it is sharded over.
-
-    Returns:
-        A tuple of mesh axis names or `None`s, or `None` if the bias does not
-        have the letter.
+    `None` if the bias lacks the letter. Keras shapes the bias like the output
+    from its first bias axis on.
     """
     parsed = parse_equation(getattr(layer, "equation", ""))
     bias_axes = getattr(layer, "bias_axes", None)

@@ -4,14 +4,9 @@ divides, the batch axis (if longer than one) on the largest free one."""
 
 
 class MeshAxes:
-    """Places the model and batch axes on a variable's dimensions.
-
-    Args:
-        model_dim_name: the mesh axis tensor parallelism shards over.
-        model_size: its length.
-        batch_dim_name: the mesh axis the batch is split over.
-        batch_size: its length, 1 where kernels are not sharded over it.
-    """
+    """Places the model axis (`model_dim_name`, of `model_size`) and the
+    batch axis (of `batch_size`, 1 where kernels are not sharded over it) on
+    a variable's dimensions."""
 
     def __init__(self, model_dim_name, model_size, batch_dim_name, batch_size):
         self.model_dim_name = model_dim_name
@@ -20,19 +15,9 @@ class MeshAxes:
         self.batch_size = batch_size
 
     def shard(self, shape, order, describe, model=True):
-        """Shards the first dimension of `order` the model axis divides,
-        and the batch axis (if longer than one) on the largest other.
-
-        Args:
-            shape: the variable's shape.
-            order: preferred dimensions for the model axis (others follow).
-            describe: `describe(dimension)`, why the model axis is there.
-            model: whether to place the model axis at all.
-
-        Returns:
-            `(axes, reason)`: a mesh axis name (or `None`) per dimension, and
-            a short text.
-        """
+        """`(axes, reason)` for `shape`: the model axis (if `model`) on the
+        first dimension it divides, in `order` then the rest; the batch axis
+        as `with_batch`; `describe(dimension)` says why, in `reason`."""
         axes = [None] * len(shape)
         reasons = []
         if self.model_size > 1 and model and order:
@@ -58,12 +43,8 @@ class MeshAxes:
 
     def with_batch(self, shape, axes, reason):
         """`axes` with the batch axis on the largest dimension it divides
-        that the model axis leaves whole (FSDP-like, for kernels).
-
-        A block's vector sharded over the batch axis joins the block's
-        gather and gradient reduce-scatter, out of the step's all-reduce
-        buckets; replicated, every process would store it whole.
-        """
+        that the model axis leaves whole (FSDP-like): a block's vector joins
+        the block's gather and reduce-scatter, else stored whole everywhere."""
         if self.batch_dim_name in axes:
             return axes, reason
         batched = on_free_dimension(
@@ -77,14 +58,7 @@ class MeshAxes:
 
 def on_free_dimension(shape, axes, axis_name, axis_size):
     """`axes` with `axis_name` on the largest dimension of `shape` that no
-    axis shards and `axis_size` divides, or `None` if none.
-
-    Args:
-        shape: the variable's shape.
-        axes: the mesh axis of each dimension (or `None`).
-        axis_name: the mesh axis to add.
-        axis_size: its length.
-    """
+    axis shards and `axis_size` divides, or `None` if none."""
     free = sorted(
         (d for d, a in enumerate(axes) if a is None), key=lambda d: -shape[d]
     )

@@ -1,16 +1,15 @@
 """Column/row kernel pairs for `AutoModelParallel`, from widths alone.
 
-`auto_plan` lays out each kernel at creation, in data-flow order. Within an
-enclosing layer, a kernel reading the block's stream is column parallel and
-leaves its output width "open"; a later kernel reading an open width is row
-parallel. Where widths are ambiguous (feed-forward as wide as the block), the
-kernel keeps a `Pairing` until a backend that follows data to the first call
-(torch) checks it (`AutoModelParallel.check_pairing`).
+`auto_plan` lays out each kernel at creation, in data-flow order: within an
+enclosing layer, one reading the block's stream is column parallel and leaves
+its output width "open"; a later one reading an open width is row parallel.
+Ambiguous widths (feed-forward as wide as the block) keep a `Pairing` until a
+backend that follows data to the first call (torch) checks it
+(`AutoModelParallel.check_pairing`).
 """
 
 import weakref
 
-# Roles a kernel can take in a pair.
 COLUMN = "column"
 ROW = "row"
 
@@ -45,11 +44,9 @@ class Pairs:
         )
 
     def role(self, scope, in_width, out_width, fallback=None):
-        """Column or row parallel, from what a kernel reads; records it.
-
-        Reading the stream (query/key/value, gate/up) means column; reading
-        an open width means row; anything else starts a pair.
-        """
+        """Column or row parallel, from what a kernel reads; records it. The
+        stream (query/key/value, gate/up) means column, an open width row;
+        anything else starts a pair."""
         for key in (scope, fallback):
             if in_width in self._stream.get(self.key(key), set()):
                 self.open_width(scope, out_width)
@@ -84,15 +81,9 @@ class Pairs:
 
 
 class Pairing:
-    """How a kernel paired by widths alone lays out as either role.
-
-    Args:
-        role: the role its widths gave it.
-        shape: the kernel's shape.
-        orders: `{role: dimensions to shard, in order of preference}`.
-        describe: `describe(role, dimension)`, the reason's text.
-        letters: an `EinsumDense` kernel's letters (for its bias), or `None`.
-    """
+    """How a kernel paired by widths alone (as `role`) lays out as either
+    role: `orders` maps each to the dimensions to shard, by preference;
+    `describe(role, dim)` gives the reason; `letters`: an `EinsumDense`'s."""
 
     def __init__(self, role, shape, orders, describe, letters=None):
         self.role = role
@@ -115,10 +106,8 @@ def matmul_pairing(role, shape, kind):
 
 
 def einsum_pairing(role, shape, equation, kernel, out_only, contracted):
-    """The `Pairing` of a headless `EinsumDense` kernel (letters `kernel`).
-
-    Column parallel over output-only letters, row over contracted ones.
-    """
+    """The `Pairing` of a headless `EinsumDense` kernel (letters `kernel`):
+    column parallel over output-only letters, row over contracted ones."""
     return Pairing(
         role,
         shape,

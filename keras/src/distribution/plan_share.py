@@ -2,9 +2,9 @@
 
 `auto_plan` lays out each variable at creation, before the model's size is
 known, so `PlanShare` keeps a running account of the float elements planned
-and each process' excess over an even share. Bounding the excess for every
-prefix bounds the whole model, except what cannot be sharded (no dimension
-divisible by the model axis, or before the first sharded variable).
+and each process' excess over an even share. Bounding it for every prefix
+bounds the whole model, except what cannot be sharded (no dimension divisible
+by the model axis, or before the first sharded variable).
 """
 
 import math
@@ -13,11 +13,7 @@ from keras.src.distribution import plan_axes
 
 
 class PlanShare:
-    """The running account of what each process stores beyond an even share.
-
-    Args:
-        mesh: the plan's `plan_axes.MeshAxes`.
-    """
+    """The running account of what each process stores beyond an even share."""
 
     def __init__(self, mesh):
         self.mesh = mesh
@@ -40,21 +36,9 @@ class PlanShare:
         return excess <= fraction * (self.elements + size)
 
     def bounded(self, shape, axes, reason, fraction, gathered):
-        """`axes`, or sharded over the model axis where they exceed `fraction`.
-
-        Not judged before the first model-sharded variable: an input norm
-        before the first kernel is the whole model so far, so always exceeds.
-
-        Args:
-            shape: the variable's shape.
-            axes: its mesh axes as planned.
-            reason: why they were planned so.
-            fraction: the bound, a fraction of the model so far.
-            gathered: whether such a weight is gathered per layer call.
-
-        Returns:
-            `(axes, reason, bound)`, `bound` saying whether axes changed.
-        """
+        """`(axes, reason, bound)`: over the model axis (`bound`) where `axes`
+        exceed `fraction`, once a variable is model-sharded (an input norm
+        before the first kernel, the whole model so far, always exceeds)."""
         if not self.sharded or self.within(shape, axes, fraction):
             return axes, reason, False
         sharded = self.over_model(shape, axes)

@@ -1,5 +1,3 @@
-"""Saving and loading under a distribution.
-
-`checkpoint`: sharded checkpoints (torch's DCP), complete or ignored;
-`process_io`: printing and saving from one process.
+"""Saving and loading under a distribution: `checkpoint` (sharded checkpoints
+with torch's DCP, complete or ignored), `process_io` (one process prints/saves).
 """

@@ -1,12 +1,9 @@
 """Sharded checkpoints on `torch.distributed.checkpoint` (DCP).
 
-A checkpoint is a directory of DCP's files plus `keras_checkpoint.json`, which
-lists the variables and, unless only weights were saved, the model's config.
-Each process writes its variables' shards (a replicated value once) and loads
-the parts of them its current layout needs, so a checkpoint loads under any
-mesh or world size. `Checkpointer` writes each step to `.partial-<step>/` and
-renames it to `<step>/` once DCP has written its metadata (after every
-process' data), so an interrupted save never looks complete.
+A checkpoint is DCP's files plus `keras_checkpoint.json` (variables, config).
+Each process writes its shards and loads what its layout needs, so it loads
+under any mesh or world size. Saves go to `.partial-<step>/`, renamed once
+DCP's metadata (written last) exists: an interrupted save never looks complete.
 """
 
 import concurrent.futures
@@ -34,12 +31,7 @@ _background_group = (None, None)
 
 
 class Checkpointer:
-    """Saves the checkpoints of a training run under `directory/<step>/`.
-
-    Args:
-        directory: the root directory of the run's checkpoints.
-        max_to_keep: how many of the latest steps to keep; `None` keeps all.
-    """
+    """A run's checkpoints, `directory/<step>/`, the `max_to_keep` latest."""
 
     def __init__(self, directory, max_to_keep=None):
         if max_to_keep is not None and (
@@ -62,12 +54,7 @@ class Checkpointer:
     def save(self, model, step, weights_only=False, background=False):
         """Saves `model` as step `step`; every process must call it.
 
-        Args:
-            model: the Keras model.
-            step: int, the step number (the directory's name).
-            weights_only: whether to leave out the optimizer and config.
-            background: whether to write on a thread once the values are
-                copied to host memory.
+        `background` writes on a thread once the values are in host memory.
         """
         self.wait()
         final = os.path.join(self.directory, str(int(step)))
@@ -114,21 +101,10 @@ def save_checkpoint(
     process_group=None,
     on_complete=None,
 ):
-    """Writes `model` to checkpoint `path` atomically; every process calls it.
+    """Writes `model` to `path` atomically (replacing it); all processes call.
 
-    Args:
-        model: the Keras model.
-        path: the checkpoint's directory; an existing one is replaced.
-        include_optimizer: whether to save the optimizer's variables.
-        include_config: whether to save the model's config (for `load_model`).
-        background: whether to return once the values are staged, writing
-            them on a thread.
-        process_group: the group of a background save's collectives.
-        on_complete: called by process 0 after the checkpoint is in place.
-
-    Returns:
-        If `background`, a future done once the checkpoint is in place on
-        process 0 (its result raises what the save raised); else `None`.
+    `background` returns once the values are staged: a future done (or raising)
+    once the checkpoint is in place on process 0, where `on_complete` runs.
     """
     path = os.path.abspath(os.fspath(path))
     partial = _sibling(path, PARTIAL_PREFIX)
@@ -165,8 +141,8 @@ def save_checkpoint(
 def background_group():
     """The process group of background saves' collectives, or `None`.
 
-    Apart from the default group, where they would interleave with the
-    training step's. Created once per job, collectively, on first call.
+    Not the default group, where they would interleave with the step's;
+    created collectively on first call.
     """
     global _background_group
     if not _distributed():
@@ -225,15 +201,9 @@ def resolve(path):
 
 
 def load_weights(model, path):
-    """Loads a checkpoint into `model`'s variables, in their current layout.
+    """Loads checkpoint (or latest step) `path` into built `model`'s variables.
 
-    Also loads the optimizer's variables (iterations included) when the
-    checkpoint has them and the model has an optimizer. Every process must
-    call it.
-
-    Args:
-        model: the Keras model, built.
-        path: a checkpoint, or a directory of steps (the latest is loaded).
+    In their current layout, the optimizer's too; every process calls it.
     """
     path = resolve(path)
     info = read_info(path)
@@ -253,14 +223,7 @@ def load_weights(model, path):
 
 
 def load_model(path, custom_objects=None, compile=True, safe_mode=True):
-    """Rebuilds the model a checkpoint was saved from and returns it, loaded.
-
-    Args:
-        path: a checkpoint, or a directory of steps (the latest is loaded).
-        custom_objects: as in `keras.saving.load_model`.
-        compile: whether to compile the model as it was.
-        safe_mode: as in `keras.saving.load_model`.
-    """
+    """The model checkpoint (or latest step) `path` was saved from, loaded."""
     from keras.src.saving import saving_lib
 
     path = resolve(path)
@@ -293,12 +256,8 @@ def read_info(path):
 def save_backup(model, weights_path):
     """Backs up `model` for `BackupAndRestore` as a sharded checkpoint.
 
-    Args:
-        model: the Keras model.
-        weights_path: the `.weights.h5` path of the backup.
-
-    Returns:
-        Whether the backup was saved (`False` without a distribution).
+    Named after the backup's `.weights.h5` path; `False` (not saved) without
+    a distribution.
     """
     if runtime.current_distribution() is None:
         return False
@@ -331,8 +290,8 @@ def _saved_variables(model, include_optimizer):
 
 
 def _tensor(variable):
-    # The variable's own storage: DCP reads shards from it and loads into it
-    # in place, so no process ever holds a whole sharded variable.
+    # Own storage: DCP saves and loads shards in place, so no process ever
+    # holds a whole sharded variable.
     return variable.value.detach()
 
 
@@ -392,8 +351,7 @@ def _sibling(path, prefix):
 
 
 def _replace(partial, path):
-    # os.replace cannot replace a directory that is not empty: the old
-    # checkpoint is moved aside first and deleted after.
+    # os.replace cannot replace a non-empty directory: move the old aside.
     replaced = _sibling(path, REPLACED_PREFIX)
     if os.path.exists(path):
         shutil.rmtree(replaced, ignore_errors=True)
@@ -425,8 +383,7 @@ def _distributed():
 
 @contextlib.contextmanager
 def _single_process_quietly():
-    # Without a process group DCP warns that it assumes one process, which is
-    # what a model without a distribution means.
+    # Without a process group DCP warns it assumes one process: that's meant.
     with warnings.catch_warnings():
         warnings.filterwarnings(
             "ignore", message="torch.distributed is disabled"
@@ -440,5 +397,5 @@ def _barrier():
 
 
 def _timeout():
-    # Background saves may run long after the start: the longer bound.
+    # Background saves may run long: the longer (start) bound.
     return datetime.timedelta(seconds=health.start_timeout())

@@ -21,11 +21,9 @@ def is_logging_process():
 
 
 def async_callbacks_supported():
-    """Whether callbacks may run on another thread than the steps.
-
-    Not under a distribution: converting sharded logs to numpy is a
-    collective, which all processes must issue in the same order.
-    """
+    """Whether callbacks may run on another thread than the steps: not under
+    a distribution, where converting sharded logs to numpy is a collective
+    that all processes must issue in the same order."""
     return runtime.current_distribution() is None
 
 
@@ -33,14 +31,12 @@ def save_from_one_process(save_function, model, filepath, *args, **kwargs):
     """Saves `model` to one file, written by process 0.
 
     Every process runs `save_function` (gathering sharded variables is a
-    collective); process 0 writes a temporary file renamed over `filepath`,
-    so readers never see a partial file. Returns once it is in place.
+    collective); process 0's temporary file is renamed over `filepath`, so
+    readers never see a partial file. Returns once it is in place.
 
     Args:
         save_function: `save_function(model, filepath, *args, **kwargs)`.
-        model: the model to save.
-        filepath: where the file goes.
-        *args, **kwargs: more arguments of `save_function`.
+        model, filepath, *args, **kwargs: its arguments.
     """
     if runtime.world_size() == 1 or not _is_local_file(filepath):
         return save_function(model, filepath, *args, **kwargs)

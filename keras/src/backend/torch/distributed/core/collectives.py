@@ -1,8 +1,5 @@
-"""Collectives over a named mesh axis, like `jax.lax.psum` / `all_gather`.
-
-`x` is this process' own value (a `DTensor`'s local shard); every process
-along the axis must call them, and each gets the result.
-"""
+"""Collectives over a named mesh axis, like `jax.lax.psum` / `all_gather`:
+every process along the axis calls them, and each gets the result."""
 
 import torch
 import torch.distributed as dist

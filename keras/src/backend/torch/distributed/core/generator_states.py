@@ -1,8 +1,7 @@
-"""The states of the global random generators: taken, compared, restored.
+"""The states of torch's, Python's and NumPy's global generators.
 
-A dropped layer call on a process' own rows (`local_rows`) must leave
-torch's, Python's and NumPy's global generators as it found them; a kept one
-must have drawn from them what a call on the global batch draws.
+A dropped layer call on a process' own rows (`local_rows`) must leave them as
+it found them; a kept one must draw what a call on the global batch draws.
 """
 
 import random
@@ -38,13 +37,9 @@ def torch_key():
 
 
 def advanced(states, torch_keys=0, python_draws=False):
-    """Whether a random op drew from a global generator since `states`.
-
-    Args:
-        states: the states of `take` before.
-        torch_keys: number of `torch_key`s drawn meanwhile, not counted.
-        python_draws: whether Python's and NumPy's draws are not counted.
-    """
+    """Whether a random op drew from a global generator since `states` (of
+    `take`), not counting `torch_keys` keys drawn meanwhile, nor Python's and
+    NumPy's draws if `python_draws`."""
     expected = _cpu_state_after_keys(states["cpu"], torch_keys)
     if not torch.equal(expected, torch.get_rng_state()):
         return True

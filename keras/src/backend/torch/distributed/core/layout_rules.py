@@ -1,21 +1,17 @@
 """Which `LayoutMap` rule lays out each variable, and rules that lay out none.
 
-A rule whose key matches no variable path (a typo, a renamed layer) leaves its
-variables replicated on every process, unnoticed until memory runs out. So a
-model is checked when first called under a `ModelParallel` distribution, and the
-rules that matched none of its variables are named in a warning.
+A rule matching no variable path (a typo) silently leaves its variables
+replicated, so a model's first call under `ModelParallel` warns of such rules.
 """
 
 import re
 import warnings
 import weakref
 
-# Layer output layouts are looked up at "<layer path>/output": rules for those
-# lay out no variable.
+# Rules for layer outputs ("<layer path>/output") lay out no variable.
 OUTPUT_SUFFIX = "/output"
 NUM_EXAMPLE_PATHS = 5
 
-# The models checked, per distribution (both weakly referenced).
 _checked_models = weakref.WeakKeyDictionary()
 
 
@@ -26,11 +22,7 @@ def layout_map_of(distribution):
 
 
 def matching_rule(layout_map, path):
-    """The key of `layout_map` that lays out `path`, as `LayoutMap` finds it.
-
-    `path` itself, else the one key matching it as a regular expression; `None`
-    when none or several (which `LayoutMap` refuses) match.
-    """
+    """The key laying out `path`: itself, else its one regex match, or None."""
     # Not `path in layout_map`: `LayoutMap` answers every lookup.
     keys = list(layout_map)
     if path in keys:
@@ -50,11 +42,7 @@ def unmatched_rules(layout_map, paths):
 
 
 def check_model(model, distribution):
-    """Warns about the layout rules that match no variable of `model`.
-
-    Once per model and distribution; a no-op unless `model` (the layer just
-    called) is a `keras.Model` and `distribution` has a `LayoutMap`.
-    """
+    """Warns once per model and distribution of rules matching no variable."""
     from keras.src.models.model import Model
 
     layout_map = layout_map_of(distribution)

@@ -1,8 +1,6 @@
-"""Keras meshes and layouts as torch device meshes and DTensor placements.
-
-A Keras `DeviceMesh` becomes a torch `DeviceMesh` (one device per process) and a
-`TensorLayout` one DTensor placement per mesh axis. Also holds the shared
-sharding rules: `torch.chunk` cuts, DTensors from local pieces.
+"""Keras meshes and layouts as torch device meshes (one device per process) and
+DTensor placements, and the shared sharding rules: `torch.chunk` cuts, DTensors
+from local pieces.
 """
 
 import collections
@@ -29,8 +27,7 @@ Attributes:
         at least this rank, and replicates their dimensions past it.
 """
 
-# (world group, torch mesh) by (device type, ranks, shape, axis names): a 2-D
-# mesh creates process groups, not to be recreated per Keras mesh.
+# Cached: a 2-D mesh creates process groups, not to be recreated per Keras mesh.
 _torch_meshes = {}
 
 
@@ -48,10 +45,7 @@ def to_torch_device(device_name):
 
 
 def to_torch_mesh(device_mesh):
-    """Converts a Keras `DeviceMesh` to a torch `DeviceMesh`.
-
-    Axis names carry over, `"gpu:i"` is rank `i`; joins the job if needed.
-    """
+    """Converts a Keras `DeviceMesh` to a torch one; joins the job if needed."""
     runtime.check_torch_version()
     device_type, ranks = _check_mesh(device_mesh)
     if not dist.is_initialized():
@@ -133,11 +127,8 @@ def _check_mesh(device_mesh):
 
 
 def to_torch_layout(tensor_layout):
-    """Converts a Keras `TensorLayout` to a `TorchLayout` (DTensor placements).
-
-    A dimension naming several mesh axes (`("batch", "model")`) is sharded over
-    their product, first axis outermost, as `jax.sharding.PartitionSpec` does.
-    """
+    """Converts a Keras `TensorLayout` to a `TorchLayout`; a dimension naming
+    several mesh axes is sharded over their product, first axis outermost."""
     if tensor_layout.device_mesh is None:
         raise ValueError(
             "Cannot create sharding when device mesh is not set "
@@ -194,11 +185,8 @@ def as_torch_layout(layout):
 
 
 def check_rank(x, layout, what):
-    """Raises if `layout` has more entries than `x` has dimensions.
-
-    A shorter layout replicates the trailing dimensions (as `PartitionSpec`
-    does), so one `/output` layout fits every output leaf (an LSTM's states).
-    """
+    """Raises if `layout` has more entries than `x` has dimensions (a shorter
+    one replicates the rest, so one `/output` layout fits every output leaf)."""
     if x.ndim < layout.ndim:
         raise ValueError(
             f"The layout of the {what} has {layout.ndim} axes, but the "
@@ -209,10 +197,8 @@ def check_rank(x, layout, what):
 
 
 def chunk_bounds(length, num_parts, index):
-    """Returns `(start, stop)` of part `index` of `length` items in `num_parts`.
-
-    Cut as `torch.chunk` (DTensor's uneven sharding): equal parts, a smaller
-    last one, empty trailing parts when items are few (5 on 4: 2, 2, 1, 0).
+    """`(start, stop)` of part `index` of `length` items cut in `num_parts` as
+    `torch.chunk` (DTensor's uneven sharding) cuts: trailing parts may be empty.
     """
     part_size = -(-length // num_parts)
     start = min(index * part_size, length)
@@ -220,12 +206,8 @@ def chunk_bounds(length, num_parts, index):
 
 
 def without_empty_shards(shape, mesh, placements):
-    """`placements`, replicating dimensions that would leave a process empty.
-
-    On an empty `torch.chunk` part (one prompt, two processes) a reduction
-    without identity (`min`, `max`) fails on those processes alone and the
-    others hang in the next collective; such a dimension is replicated instead.
-    """
+    """`placements`, replicating dimensions that would leave a process empty:
+    there a reduction without identity (`min`, `max`) fails and others hang."""
     placements = list(placements)
     for dim, length in enumerate(shape):
         mesh_dims = [
@@ -250,11 +232,8 @@ def without_empty_shards(shape, mesh, placements):
 
 
 def local_region(shape, mesh, placements):
-    """The slices of a global tensor that this process' shard holds.
-
-    Returns one `slice` per dimension; a dimension sharded over several mesh
-    axes is split again within each part, in mesh order.
-    """
+    """One `slice` per dimension: the region of a global tensor this process'
+    shard holds (several mesh axes split a dimension in mesh order)."""
     coordinate = mesh.get_coordinate()
     bounds = [(0, size) for size in shape]
     for mesh_dim, placement in enumerate(placements):
@@ -270,18 +249,10 @@ def local_region(shape, mesh, placements):
 
 
 def dtensor_from_local(local, mesh, placements, shape=None, stride=None):
-    """Builds a `DTensor` from this process' piece, without communication.
+    """A `DTensor` from this process' `local` piece, without communication.
 
-    Args:
-        local: this process' piece, a plain tensor.
-        mesh: the torch device mesh.
-        placements: one placement per mesh dimension.
-        shape: the global shape; needed when pieces can be uneven (DTensor would
-            assume even ones).
-        stride: the global stride; defaults to the contiguous one of `shape`.
-
-    Returns:
-        A `DTensor`, differentiable with respect to `local`.
+    Pass the global `shape` when pieces can be uneven (DTensor assumes even
+    ones); `stride` defaults to `shape`'s contiguous one.
     """
     if shape is not None:
         shape = torch.Size(shape)
@@ -293,21 +264,15 @@ def dtensor_from_local(local, mesh, placements, shape=None, stride=None):
 
 
 def replicate(x, mesh):
-    """A plain tensor taken as the global value, as a replicated `DTensor`.
-
-    Anything else (a `DTensor`, a meta tensor, a non-tensor) is returned as is.
-    """
+    """A plain tensor as a replicated `DTensor`; anything else as is."""
     if not isinstance(x, torch.Tensor) or isinstance(x, DTensor) or x.is_meta:
         return x
     return dtensor_from_local(x, mesh, [Replicate()] * mesh.ndim)
 
 
 def redistribute(x, mesh, placements):
-    """`x.redistribute(mesh, placements)`, skipped when it changes nothing.
-
-    On a CPU mesh, an axis moving to another dimension is gathered first:
-    DTensor's CPU all-to-all is an all-gather and chunk anyway (and warns).
-    """
+    """`x.redistribute(mesh, placements)` unless a no-op; on CPU a shard moving
+    dimension is gathered first (DTensor's CPU all-to-all does so and warns)."""
     if tuple(x.placements) == tuple(placements) and x.device_mesh == mesh:
         return x
     if mesh.device_type == "cpu":
@@ -326,11 +291,8 @@ def reduced_placements(placements):
 
 
 def drop_unit_shards(mesh, placements):
-    """`placements` with shards over mesh axes of size 1 made `Replicate`.
-
-    The value is the same, but a batch sharded over a size-1 axis would make
-    every weight gradient `Partial` over it, to be relabeled as reduced.
-    """
+    """`placements` with shards over size-1 mesh axes made `Replicate`, lest
+    every weight gradient become `Partial` over such an axis."""
     return tuple(
         Replicate() if p.is_shard() and mesh.size(d) == 1 else p
         for d, p in enumerate(placements)

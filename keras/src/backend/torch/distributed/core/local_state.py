@@ -1,9 +1,5 @@
-"""Replicated state updated on its local values.
-
-Code that reads and writes only replicated values (an optimizer update with
-reduced gradients, a loss tracker's update) computes the same on each
-process' local tensors, skipping DTensor's per-op dispatch.
-"""
+"""Replicated state updated on its local tensors, skipping DTensor's per-op
+dispatch (an optimizer update with reduced gradients, a loss tracker's)."""
 
 import contextlib
 
@@ -27,15 +23,8 @@ def all_replicated(values):
 
 
 def stateless_scope(mapping, collect_losses=False):
-    """A `StatelessScope`, not entered, where each variable reads its value.
-
-    Values enter as updates, skipping `state_mapping=`'s per-variable
-    conversion and checks: they are the variables' own local tensors.
-
-    Args:
-        mapping: pairs `(variable, its local tensor)`.
-        collect_losses: whether losses added in the scope are kept.
-    """
+    """An unentered `StatelessScope` reading `mapping`'s `(variable, local
+    tensor)` pairs, added as updates to skip `state_mapping=`'s checks."""
     scope = StatelessScope(collect_losses=collect_losses)
     for variable, value in mapping:
         scope.add_update((variable, value))
@@ -49,16 +38,10 @@ def local_value(x):
 
 @contextlib.contextmanager
 def on_local_values(variables, defer=None):
-    """Runs the block with `variables` read and assigned as local tensors.
+    """Runs the block with replicated `variables` as local tensors.
 
-    Values assigned anew are replicated and copied in when the block ends.
-
-    Args:
-        variables: replicated variables (see `all_replicated`).
-        defer: optional `defer(local, value)`: takes a partial `DTensor`
-            assigned to `local`'s variable to write later, and returns
-            whether it did (`step_reduction.OverlappedReduction.defer`).
-    """
+    New values are replicated and copied in at the end, unless
+    `defer(local, value)` takes one to write later and returns True."""
     local_values = [(v, local_value(v.value)) for v in variables]
     with stateless_scope(local_values) as scope:
         yield
@@ -83,16 +66,10 @@ def _replicated(x):
 
 @contextlib.contextmanager
 def local_metric_state(metric, defer=None):
-    """Runs a metric's update on the local values of its replicated state.
+    """Runs `metric`'s update on its replicated state's local values.
 
-    A sharded or partial input (each process' share of the loss) is reduced
-    by DTensor where it meets the state. Without a distribution or with
-    unreplicated state, the block runs unchanged.
-
-    Args:
-        metric: a `keras.metrics.Metric`.
-        defer: see `on_local_values`.
-    """
+    A sharded or partial input is reduced by DTensor where it meets the
+    state. Without a distribution or replicated state, runs unchanged."""
     if runtime.current_distribution() is None:
         yield
         return

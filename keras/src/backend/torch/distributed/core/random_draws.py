@@ -1,19 +1,12 @@
 """Random numbers drawn by position, so each process draws only its part.
 
-Under a distribution the backend's `uniform`, `normal` (so also
-`truncated_normal`), `randint` and `dropout` take element `index` of the
-global tensor as SplitMix64's output function of `key + (index + 1) *
-0x9E3779B97F4A7C15`. Unlike torch's generators this can be cut into parts:
-a process computes only its elements, and the values do not depend on the
-layout, like JAX's partitionable draws. Keys come from `draw_seed(seed)`
-(unseeded dropout: process 0's torch generator). Initializers (so first
-values match Keras without a distribution), `gamma`, `binomial`, `beta`,
-`categorical` and `shuffle` keep upstream's draws, the same on every process.
-
-In a call on local rows (`local_rows`), a draw whose first dimension is the
-local row count is taken as rows `[start, stop)` of the global batch's
-draw; later calls must draw as the step's probe did (`DrawPlan`).
-"""
+Under a distribution `uniform`, `normal`, `randint` and `dropout` take
+element `index` as SplitMix64's output function of `key + (index + 1) *
+_GAMMA`: unlike torch's generators, independent of the layout, like JAX's
+partitionable draws. Initializers (so first values match Keras without a
+distribution) and other draws (`gamma`, `shuffle`, ...) keep upstream's.
+On local rows (`local_rows`) a draw of the local row count is those rows of
+the global batch's draw (`DrawPlan`)."""
 
 import contextlib
 import dataclasses
@@ -36,16 +29,9 @@ _state = threading.local()
 
 @dataclasses.dataclass
 class DrawPlan:
-    """How a call on local rows draws: per draw, rows or the whole shape.
-
-    Attributes:
-        draws: per probe draw, `("rows", shape[1:])` or `("whole", shape)`.
-        recording: whether this call records (the probe) or follows.
-        broken: whether a later draw did not fit (run through DTensor).
-        unseeded: how many keys the call took from torch's generator.
-        python_draws: whether the probe drew from Python's or NumPy's
-            global generator, which later calls may then do too.
-    """
+    """How a call on local rows draws: per probe draw, `("rows", shape[1:])`
+    or `("whole", shape)`. `broken`: a later draw fit none; `unseeded`: keys
+    from torch's generator; `python_draws`: the probe used Python's/NumPy's."""
 
     draws: list = dataclasses.field(default_factory=list)
     recording: bool = True
@@ -55,8 +41,7 @@ class DrawPlan:
 
     def decide(self, shape, local_rows):
         """Whether a draw of `shape` is the local rows of a global draw; a
-        later call's draw must match exactly one of the probe's, or breaks
-        the plan."""
+        later call's must match exactly one of the probe's, or breaks it."""
         shape = tuple(shape)
         is_rows = len(shape) > 0 and shape[0] == local_rows
         if self.recording:
@@ -78,8 +63,8 @@ class DrawPlan:
 
 
 def by_position():
-    """Whether draws go by position: under a distribution or on local rows,
-    except in initializers and symbolic (meta device) calls."""
+    """Whether draws go by position (a distribution or local rows), except in
+    initializers and symbolic (meta device) calls."""
     if (
         runtime.current_distribution() is None
         and getattr(_state, "rows", None) is None
@@ -136,14 +121,12 @@ def mix(z):
 
 
 def random_bits(key, index):
-    """64 random bits (int64) per flat position of `index` (overwritten);
-    `key` is a one-element int64 tensor or a Python int."""
+    """64 random bits (int64) per flat position of `index` (overwritten)."""
     return mix(index.add_(1).mul_(_GAMMA).add_(key))
 
 
 def positions(global_shape, offsets, local_shape, device):
-    """The flat positions in `global_shape` of the box of `local_shape` at
-    `offsets`, as an int64 tensor of `local_shape`."""
+    """Flat positions in `global_shape` of a `local_shape` box at `offsets`."""
     ndim = len(global_shape)
     index = torch.zeros((), dtype=torch.int64, device=device)
     stride = 1
@@ -249,8 +232,7 @@ def seed_key(seed):
 @contextlib.contextmanager
 def one_key_per_call():
     """Unseeded draws in the block derive from one key of torch's generator,
-    so a call repeated from the same generator state (the probe's) draws
-    the same keys with one collective. Nested blocks are one."""
+    so a repeat of the probe's call draws the same keys with one collective."""
     if getattr(_state, "keys", None) is not None:
         yield
         return
@@ -319,14 +301,8 @@ def randint(shape, minval, maxval, dtype, seed):
 
 
 def dropout(inputs, rate, noise_shape, seed):
-    """`keras.random.dropout`, its mask drawn by position.
-
-    Args:
-        inputs: a tensor, or a `DTensor` (mask drawn for its local part).
-        rate: the probability of dropping an element.
-        noise_shape: the mask's shape (`None` entries: the inputs'), or `None`.
-        seed: a seed; `None` or an unseeded generator: torch's global one.
-    """
+    """`keras.random.dropout`, its mask drawn by position (a `DTensor`'s for
+    its local part); an unseeded `seed` keys from torch's global generator."""
     from keras.src.random.seed_generator import SeedGenerator
 
     unseeded = seed is None or (
@@ -368,7 +344,6 @@ def _dtensor_scale(inputs, shape, key, keep):
     device = inputs.to_local().device
     mask = keep_mask(key, (shape, offsets, local_shape), device, keep)
     mask = _scale(mask, inputs.dtype, keep)
-    # A partial input's mask, and a mask dimension of 1, are whole.
     mask_placements = [
         _replicate()
         if p.is_partial() or (p.is_shard() and shape[p.dim] == 1)

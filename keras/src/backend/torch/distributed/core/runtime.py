@@ -1,8 +1,6 @@
-"""The job a distribution runs in: processes, the distribution, random state.
-
-One process per device, as torchrun starts them, in torch's default process
-group (gloo on CPU; NCCL, with gloo for CPU tensors, on GPU).
-"""
+"""The job a distribution runs in: processes (one per device, as torchrun
+starts them, in torch's default group: gloo on CPU; NCCL, with gloo for CPU
+tensors, on GPU), the distribution in effect, and random state."""
 
 import atexit
 import contextlib
@@ -76,8 +74,7 @@ def backend_core():
 
 @contextlib.contextmanager
 def distribution_suspended():
-    """Runs the block without a distribution, on one process' plain tensors
-    (see `local_rows`)."""
+    """Runs the block without a distribution, on plain tensors (local rows)."""
     global suspended_depth
     suspended_depth += 1
     try:
@@ -88,8 +85,7 @@ def distribution_suspended():
 
 @contextlib.contextmanager
 def distribution_resumed():
-    """Restores the distribution inside `distribution_suspended` (a layer
-    called through DTensor within a call on local rows, `coupled_layers`)."""
+    """Restores the distribution inside `distribution_suspended`."""
     global suspended_depth
     depth, suspended_depth = suspended_depth, 0
     try:
@@ -193,12 +189,9 @@ def log_debug(message, *args):
 
 
 def _resolve_job(job_addresses, num_processes, process_id):
-    """Reconciles the arguments of `initialize` with torchrun's environment.
-
-    Returns:
-        `(coordinator, num_processes, process_id)`; the coordinator is
-        `"host:port"`, or `None` for torchrun's `MASTER_ADDR`/`PORT`.
-    """
+    """`initialize`'s arguments reconciled with torchrun's environment, as
+    `(coordinator, num_processes, process_id)` (coordinator `None`: torchrun's
+    `MASTER_ADDR`/`PORT`)."""
     env_world = os.environ.get("WORLD_SIZE")
     env_rank = os.environ.get("RANK")
     for name, given, env in (
@@ -297,11 +290,8 @@ def _init_process_group(coordinator, num_processes, process_id):
 
 
 def _local_gpu(process_id):
-    """The index of the GPU this process computes on.
-
-    NCCL fails at the first collective when two processes share a GPU, so
-    more processes on this node (`LOCAL_WORLD_SIZE`) than GPUs is refused.
-    """
+    """This process' GPU index; refuses more processes on the node than GPUs,
+    as NCCL fails at the first collective when two processes share a GPU."""
     num_gpus = torch.cuda.device_count()
     if "LOCAL_RANK" not in os.environ:
         return process_id % num_gpus
@@ -321,11 +311,8 @@ def _local_gpu(process_id):
 
 
 def _launcher_store(timeout):
-    """torchrun's store, with keys of this attempt of the job only.
-
-    torchrun restarts (`--max-restarts`) keep the store; `env://` would find
-    the dead processes of the last attempt ("Connection refused").
-    """
+    """torchrun's store, keyed by attempt: restarts (`--max-restarts`) keep
+    it, and `env://` would find the last attempt's dead processes."""
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),

@@ -44,10 +44,8 @@ def mesh_info(device_mesh=None):
 
 
 def _coordinate(device_mesh):
-    """This process' index along each mesh axis, or `None`.
-
-    Read from Keras device names (`"gpu:i"` is rank `i`): building the torch
-    mesh would be a collective."""
+    """This process' index along each mesh axis, or `None`, read from device
+    names (`"gpu:i"` is rank `i`): building the torch mesh is a collective."""
     ranks = np.vectorize(lambda d: layouts.to_torch_device(d)[1])(
         device_mesh.devices
     )
@@ -63,7 +61,7 @@ def sharding_summary(model, print_fn=None):
     Args:
         model: a Keras model or layer (anything with `.variables`).
         print_fn: if given, called with a table of the variables and of the
-            ops DTensor refused (`fallback.fallback_counts`).
+            ops DTensor refused.
 
     Returns:
         A list of dicts, one per variable: `path`, `dtype`, `global_shape`,

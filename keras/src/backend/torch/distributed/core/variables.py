@@ -1,8 +1,7 @@
 """Variables under a distribution: created sharded, assigned, read whole.
 
-A variable's value is a `DTensor` parameter laid out by the distribution's
-`get_variable_layout`. Its full value exists only transiently on each process at
-creation; every process keeps its part of process 0's.
+A variable's value is a `DTensor` parameter laid out by `get_variable_layout`;
+at creation every process keeps its part of process 0's full value.
 """
 
 import torch
@@ -14,21 +13,14 @@ from keras.src.backend.torch.distributed.core.runtime import DTensor
 from keras.src.backend.torch.distributed.health import agreement
 from keras.src.backend.torch.distributed.health import call_agreement
 
-# Process 0 broadcasts a new variable's value in pieces of about this size.
 BROADCAST_PIECE_BYTES = 1024 * 1024
 
 
 def initialize_variable(variable):
-    """Distributes a newly created variable as the distribution lays it out.
+    """The parameter a new `variable` holds, laid out by the distribution.
 
-    Called at the end of `Variable._initialize`; variables created outside a
-    distribution (or on the meta device) keep their plain value.
-
-    Args:
-        variable: the Keras `Variable`, whose `_value` is its full value.
-
-    Returns:
-        The torch parameter the variable should hold.
+    Called at the end of `Variable._initialize`; outside a distribution (or on
+    the meta device) the plain value is kept.
     """
     distribution = runtime.current_distribution()
     value = variable._value
@@ -61,18 +53,11 @@ def initialize_variable(variable):
 
 
 def distribute_variable(value, layout):
-    """Creates the sharded value of a variable from its full value.
+    """A `DTensor` of the full `value` laid out as `layout`.
 
     Process 0's value is broadcast (so differently seeded initializers agree) in
-    pieces, each process keeping its shard's part: none holds more than its full
-    value, its shard and one piece, unlike a scatter.
-
-    Args:
-        value: the full (global) value, a `torch.Tensor`.
-        layout: `TensorLayout` (or `TorchLayout`) of the variable.
-
-    Returns:
-        A `DTensor` holding this process' shard.
+    pieces, each process keeping its part: unlike a scatter, none holds more
+    than its full value, its shard and one piece.
     """
     layout = layouts.as_torch_layout(layout)
     layouts.check_rank(value, layout, "variable")
@@ -153,16 +138,11 @@ def match_layout(value, reference):
 
 
 def assign(target, value):
-    """Copies `value` into the variable value `target`, in its layout.
+    """Copies `value` (a `DTensor`, or the global value) into `target`.
 
-    State without gradients (metrics, optimizer slots) is written through its
-    local tensor, skipping DTensor's dispatch; a weight requiring grad goes
-    through DTensor, whose version counter autograd and `fsdp_call` check.
-
-    Args:
-        target: the variable's value, a plain tensor or a `DTensor`.
-        value: the new value of the variable's shape: a `DTensor`, or a plain
-            tensor (the global value, the same on every process).
+    State without gradients is written through its local tensor, skipping
+    DTensor's dispatch; a weight requiring grad goes through DTensor, whose
+    version counter autograd and `fsdp_call` check.
     """
     if not isinstance(target, DTensor):
         target.copy_(to_global_value(value))
@@ -180,11 +160,8 @@ def assign(target, value):
 
 
 def operand_like(value, reference):
-    """Makes `value` fit for arithmetic with the variable value `reference`.
-
-    When `reference` is a `DTensor`, a plain `value` of its shape is cut like it
-    (locally) and one of another shape replicated.
-    """
+    """`value` fit for arithmetic with the variable value `reference`: cut like
+    a `DTensor` `reference` when of its shape, else replicated."""
     if not isinstance(reference, DTensor):
         return value
     if isinstance(value, DTensor) or not hasattr(value, "shape"):
@@ -214,10 +191,8 @@ def _read_description(x):
 
 
 def rebind_module_parameter(module, name, parameter):
-    """Makes `module.<name>` (a dotted torch name) refer to `parameter`.
-
-    A wrapped torch module must compute with its Keras variable's distributed
-    parameter, not the full one it was built with.
+    """Makes `module.<name>` refer to `parameter`, so a wrapped torch module
+    computes with the distributed parameter, not the full one it was built with.
     """
     owner_name, _, leaf = name.rpartition(".")
     owner = module.get_submodule(owner_name)

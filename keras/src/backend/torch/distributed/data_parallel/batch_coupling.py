@@ -1,17 +1,10 @@
-"""Whether a model call couples the samples of a batch, from one probe.
+"""Whether a model call couples the samples of a batch, measured by a probe.
 
-Under data parallelism a per-sample call can run on a process' rows as plain
-tensors (`local_rows`). This is measured on the first call (the probe), not
-read from layer classes: 1. it runs through DTensor on the batch-sharded
-inputs under a torch function mode, where a `Partial` result (outside
-`explained()`) is a sum over the batch; 2. it runs again on the local rows
-(no gradients, updates and draws discarded), where a call using the batch
-size or mixing samples gives other outputs than this process' rows of the
-first. It is per-sample if neither finds coupling, its outputs are batches
-of the global rows and it adds no loss. If only step 2 differs, the first
-differing layer (`recording`) is called through DTensor and the call
-checked again (`first_differing_layer`).
-"""
+A per-sample call runs on a process' rows as plain tensors (`local_rows`).
+The first call (the probe) runs through DTensor, where a `Partial` result is
+a sum over the batch (`PartialWatch`), then on the local rows, where
+coupling makes the outputs differ from this process' rows of the first; if
+only those differ, the first differing layer goes through DTensor."""
 
 import contextlib
 import dataclasses
@@ -30,7 +23,6 @@ from keras.src.backend.torch.distributed.data_parallel import coupled_layers
 RTOL = 1e-5
 ATOL = 1e-6
 
-# Why a call is not per-sample when only its local outputs differ.
 DIFFERS = "its outputs on the local rows differ from DTensor's"
 OTHER_PROCESS_DIFFERS = (
     "its outputs on another process' rows differ from DTensor's"
@@ -42,15 +34,9 @@ _recorded = threading.local()
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
-    """What the probe found of a call.
-
-    Attributes:
-        per_sample: whether the call may run on the local rows.
-        reason: why not, for the sharding summary and the catalogues.
-        draws: a per-sample call's `random_draws.DrawPlan`.
-        coupled: layers of a per-sample call that couple samples, each
-            called through DTensor (`coupled_layers`).
-    """
+    """What the probe found of a call: whether `per_sample`, the `reason`
+    (why not, or why layers couple), a per-sample call's `DrawPlan` (`draws`)
+    and its `coupled` layers, each called through DTensor."""
 
     per_sample: bool
     reason: str = ""
@@ -83,7 +69,6 @@ class PartialWatch(TorchFunctionMode):
 
     def __init__(self):
         super().__init__()
-        # `(function name, innermost layer being called)` pairs.
         self.reductions = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -107,9 +92,8 @@ def _is_explained():
 
 
 def coupling_layers(model, watch):
-    """`(layers, reason)`: the layers coupling samples in the probe's call
-    (a sum over the batch in their call, a loss they add); `None` if the
-    model itself does."""
+    """`(layers, reason)`: the layers coupling samples in the probe's call (a
+    sum over the batch, an added loss); `None` if the model itself does."""
     layers, reasons = [], []
     for name, layer in watch.reductions:
         if layer is None or layer is model:
@@ -127,16 +111,9 @@ def coupling_layers(model, watch):
 
 
 def verdict_of(watch, outputs, local_outputs, reason=None, coupled=None):
-    """The `Verdict` on a call from its probe.
-
-    Args:
-        watch: the `PartialWatch` active during the DTensor call.
-        outputs: this process' rows of the DTensor call's output leaves, or
-            `None` if one is not a batch of the global rows.
-        local_outputs: the same call's leaves on the local rows, or `None`.
-        reason: why the local call is ruled out, if it is.
-        coupled: `coupling_layers`'s answer.
-    """
+    """The probe's `Verdict` from its `watch`, this process' rows of the
+    DTensor call's output leaves (`None`: one is not a batch of rows), the
+    local call's, a `reason` ruling that out, and `coupling_layers`'s answer."""
     if coupled is None and watch.reductions:
         name = watch.reductions[0][0]
         return Verdict(False, f"sums over the batch ({name})")
@@ -157,11 +134,7 @@ def verdict_of(watch, outputs, local_outputs, reason=None, coupled=None):
 
 @contextlib.contextmanager
 def recording():
-    """Records each layer call's output leaves, in return order.
-
-    Yields:
-        The list of `(layer, output leaves)` recorded.
-    """
+    """Yields the `(layer, output leaves)` list of the block's layer calls."""
     previous = getattr(_recorded, "calls", None)
     _recorded.calls = calls = []
     try:
@@ -183,19 +156,9 @@ def record(layer, outputs):
 
 
 def first_differing_layer(model, dtensor_calls, local_calls, own_rows, skip):
-    """The first layer whose local outputs differ from its DTensor call's.
-
-    Args:
-        model: the model called.
-        dtensor_calls: `recording`'s list for the DTensor call.
-        local_calls: `recording`'s list for the call on the local rows.
-        own_rows: this process' rows of a DTensor output, or `None`.
-        skip: layers already called through DTensor.
-
-    Returns:
-        Its index in `model._flatten_layers(include_self=False)`, or -1 if
-        none differs (or the first that does is in `skip`).
-    """
+    """The index in `model._flatten_layers(include_self=False)` of the first
+    layer whose outputs in `local_calls` differ from the `own_rows` of those
+    in `dtensor_calls` (`recording`'s), or -1 (none, or it is in `skip`)."""
     layers = list(model._flatten_layers(include_self=False))
     seen = {}
     for layer, local in local_calls:
@@ -217,15 +180,9 @@ def first_differing_layer(model, dtensor_calls, local_calls, own_rows, skip):
 
 
 def agreed(verdict, mesh, differing=-1):
-    """The verdict all processes of `mesh` take, and the layer to try next.
-
-    A call may match DTensor's rows on some processes only (e.g. one reading
-    the batch's first row), yet all must take the same path. One collective,
-    on the probe only.
-
-    Returns:
-        `(verdict, position of the layer to try next, or -1)`.
-    """
+    """`(verdict, position of the layer to try next or -1)` all processes of
+    `mesh` take: a call may match DTensor's rows on some processes only (e.g.
+    one reading the batch's first row), yet all must take the same path."""
     if mesh.size() == 1:
         return verdict, differing
     code = 0 if verdict.per_sample else 1 if differing >= 0 else 2

@@ -1,8 +1,7 @@
 """Moments over a batch sharded across processes, as one process takes them.
 
-Batch normalization in training needs the moments of the whole batch; under
-data parallelism `batch_moments` takes them with one all-reduce of packed
-sums, as torch's CUDA-only `SyncBatchNorm` does.
+Training batch normalization needs whole-batch moments: `batch_moments` takes
+them in one all-reduce of packed sums, as torch's CUDA-only `SyncBatchNorm`.
 """
 
 import functools
@@ -19,19 +18,9 @@ from keras.src.backend.torch.distributed.data_parallel import local_rows
 
 
 def batch_moments(function):
-    """`moments` over the global batch, with one all-reduce forward.
-
-    Moments over the batch axis come from the sums of `x`, `x * x` and the
-    count over all rows, in one collective: a differentiable all-reduce in a
-    local-rows call, or one DTensor partial sum for a batch sharded over a
-    1-D mesh (upstream's `mean(x)` and `mean(x * x)` take 4 collectives).
-
-    Args:
-        function: the backend's `moments(x, axes, keepdims, synchronized)`.
-
-    Returns:
-        The wrapped function.
-    """
+    """The backend's `moments` over the global batch: the sums of `x`, `x * x`
+    and the count in one collective (upstream's means take 4), a differentiable
+    all-reduce on local rows or a DTensor partial sum over a 1-D mesh."""
 
     @functools.wraps(function)
     def moments(x, axes, keepdims=False, synchronized=False):
@@ -41,8 +30,8 @@ def batch_moments(function):
             return function(x, axes, keepdims, synchronized)
         # What couples samples on purpose: not evidence for the probe.
         with batch_coupling.explained():
-            # A DTensor in a call on local rows: a layer of it called
-            # through DTensor (`coupled_layers`).
+            # A DTensor on local rows: its layer runs through DTensor
+            # (`coupled_layers`).
             if _batch_sharded(x):
                 return _packed_moments(x, axes, keepdims)
             if group is not None and not isinstance(x, DTensor):
@@ -62,10 +51,7 @@ def _batch_sharded(x):
 
 
 def _packed_moments(x, axes, keepdims):
-    """`_global_moments` of a batch-sharded `DTensor`, packed for DTensor.
-
-    Packed into one tensor, the partial sums take one all-reduce.
-    """
+    """`_global_moments` of a batch-sharded `DTensor`: one packed all-reduce."""
     dtype = x.dtype
     if dtype in (torch.float16, torch.bfloat16):
         # As upstream: statistics in float32.

@@ -1,10 +1,9 @@
 """The compiled loss computed as plain tensors on each process' rows.
 
-A per-sample "sum_over_batch_size" loss is the sum of every process' weighted
-values over the global count: each process computes its share on its local
-rows (`local_rows`) and returns a partial sum that only the loss tracker
-reduces, so the backward pass runs on plain tensors. Replicated outputs and
-targets are computed whole on each process; anything else runs through DTensor.
+A per-sample "sum_over_batch_size" loss is every process' weighted sum over the
+global count: each process computes its share on its local rows as a partial
+sum only the loss tracker reduces, so the backward pass runs on plain tensors.
+Replicated outputs are computed whole; anything else runs through DTensor.
 """
 
 import functools
@@ -51,18 +50,9 @@ _SOFTMAX_FUNCTION_NAMES = (
 def gathered_predictions(model, y, y_pred):
     """`y_pred` with its class axis gathered where the compiled loss would.
 
-    A model-parallel head leaves logits sharded on their last axis; one gather
-    here serves the softmax cross-entropy and the accuracy metrics' `argmax`
-    (`sharded_positions`), and the loss can then run on plain tensors.
-
-    Args:
-        model: the model being trained or evaluated.
-        y: the targets.
-        y_pred: the model's outputs.
-
-    Returns:
-        `y_pred` made whole on its last axis if it is sharded there and the
-        one compiled loss is a softmax cross-entropy of logits, else itself.
+    Only for one compiled softmax cross-entropy of logits: one gather of a
+    model-parallel head's logits serves it and the metrics' `argmax`, and the
+    loss can then run on plain tensors.
     """
     if not isinstance(y_pred, DTensor) or y_pred.ndim == 0:
         return y_pred
@@ -92,25 +82,11 @@ def _softmax_of_logits(loss):
 def local_compiled_loss(
     model, y, y_pred, sample_weight, local_y_pred, local_weight=None
 ):
-    """The train step's loss, computed on local tensors.
+    """The train step's loss on local tensors, or `None` if it may differ.
 
-    For outputs of a call on the local rows, also adds the model's other
-    losses (regularization on local weights, layers' added losses): a whole
-    value counted by the mesh's first process, a partial sum by each its part.
-
-    Args:
-        model: the model being trained.
-        y: the targets.
-        y_pred: the model's outputs.
-        sample_weight: the sample weights, or `None`.
-        local_y_pred: this process' rows of `y_pred` as a plain tensor if it
-            is the output of a call on the local rows (`local_rows`), or `None`.
-        local_weight: `local_weight(variable)`, a weight's local value in that
-            call (its gradient a partial sum), or `None`.
-
-    Returns:
-        A `DTensor` (partial for local-row outputs, else replicated), or
-        `None` where it may not match DTensor's result (Keras then computes it).
+    `local_y_pred` is `y_pred`'s rows from a call on the local rows (the loss
+    then a partial `DTensor`, else replicated), `local_weight(v)` a weight's
+    local value there; the model's other losses are then added too.
     """
     # Imported here: the backend imports this module.
     from keras.src import ops
@@ -157,8 +133,7 @@ def local_compiled_loss(
 
 
 def _other_losses(model, mesh, placements, local_weight):
-    """The other losses as `(local value function, is_part)` pairs, or `None`;
-    `is_part` says whether a value is this process' part of a partial sum."""
+    """Other losses as `(local value fn, is partial sum's part)`, or `None`."""
     if model._losses_override:
         return None
     added = [
@@ -203,8 +178,7 @@ def _local(x, grad_placement):
 
 
 def _local_prediction(y_pred, local_y_pred, batch):
-    """`(local y_pred, loss placements)` for a call on the local rows with
-    `batch` sharded like it, or all replicated; else `(None, None)`."""
+    """`(local y_pred, loss placements)`, or `(None, None)`."""
     if local_y_pred is not None and (
         _sharded_like(y_pred, batch)
         # One process' rows are the whole batch: a sum of one part.
@@ -219,8 +193,7 @@ def _local_prediction(y_pred, local_y_pred, batch):
 
 
 def _single_compiled_loss(model, y, y_pred):
-    """The one `(path, loss, weight, name)` of the model's compiled loss if
-    Keras' own `compute_loss` computes it on one output, else `None`."""
+    """The compiled loss' one entry, if Keras' own `compute_loss` uses it."""
     from keras.src.models.model import Model
     from keras.src.trainers.compile_utils import CompileLoss
 
@@ -290,8 +263,7 @@ def _replicated_like(y_pred, values):
 
 
 def _loss_share(loss, y_true, y_pred, sample_weight, global_rows):
-    """This process' share of `loss` on the global batch, or `None` unless it
-    is the per-sample values' sum over their global count."""
+    """This process' share of per-sample `loss` on the batch, or `None`."""
     from keras.src import ops
     from keras.src.losses.loss import reduce_weighted_values
 

@@ -1,41 +1,15 @@
-"""Ops DTensor cannot compute, computed on global values instead.
+"""Ops DTensor refuses, computed on global values instead.
 
-DTensor computes an op on shards only where it has a sharding strategy
-for it and accepts the placements its operands have. Where it has none
-(`avg_pool2d_backward`), or refuses what it gets (an `unbind` along a
-sharded dimension, a view that would split an uneven shard, an in-place
-op on a partial sum), it raises, and in a Keras model that is a crash in
-the middle of a training step, often in the backward pass. JAX's GSPMD
-never refuses: a layout moves numbers, and every op works on every
-sharding.
-
-Here every op on `DTensor`s that runs inside a layer call or a step goes
-through one torch dispatch mode. DTensor computes the op as usual; only
-if it refuses, the op's `DTensor` operands are gathered to their global
-values, the op runs on plain tensors as one process runs it, and each
-result is laid out again (`global_values.py`). The numbers are one
-process'; the price is the gathers, which `global_values.fallback_counts`
-records op by op (`keras.distribution.sharding_summary` prints them).
-
-Why a dispatch mode, and not `register_sharding`: a strategy registered
-with `torch.distributed.tensor.experimental.register_sharding` replaces
-DTensor's own strategy for that op, so it cannot mend an op DTensor
-handles in most layouts (views, `unbind`) without losing its sharded
-cases; and it must name every op in advance, while the ops a model meets
-depend on its layers and layouts (backward ops included). The mode sees
-every op as it runs, forward and backward alike (the autograd engine runs
-the backward pass under the modes of the thread that started it), and
-changes nothing where DTensor computes.
-
-The same mode gathers the one kind of result DTensor computes on but
-cannot plan for in reasonable time: a strided shard, which a view merging a
-sharded dimension into an outer one leaves (see `_without_strided_shards`).
-It is counted like a fallback.
-
-DTensor decides whether it can compute an op from its operands' global
-shapes and placements, the same on every process, before it
-communicates: so every process falls back on the same ops, in the same
-order, and the gathers pair up.
+DTensor raises where it has no sharding strategy for an op or refuses its
+operands' placements (`unbind` of a sharded dim, an in-place op on a partial
+sum); JAX's GSPMD computes every op on every sharding. One torch dispatch mode,
+around layer calls and steps, lets DTensor compute; where it refuses, operands
+are gathered, the op runs on plain tensors, and results are laid out again
+(`global_values`, counted in `fallback_counts`). Unlike `register_sharding`,
+which replaces DTensor's own strategy and names ops in advance, the mode sees
+every op as it runs, backward included. It also gathers strided shards, which
+DTensor plans for far too slowly. DTensor refuses from global shapes and
+placements, so every process falls back alike and the gathers pair up.
 """
 
 import contextlib
@@ -47,8 +21,7 @@ import traceback
 import torch
 from torch.overrides import TorchFunctionMode
 
-# The documented base class of torch dispatch modes ("Extending PyTorch:
-# Extending all torch API with Modes").
+# A private module, but the documented base class of torch dispatch modes.
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from keras.src.backend.torch.distributed.core.runtime import DTensor
@@ -59,20 +32,17 @@ from keras.src.backend.torch.distributed.dtensor_gaps import refused_on_rows
 from keras.src.backend.torch.distributed.dtensor_gaps import sharded_positions
 
 _LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default
-# Reductions that return positions: a shard's own `argmax` is a position in
-# the shard, which no collective of the shards' results turns into the
-# global one.
+# Reductions that return positions: a shard's `argmax` is a position in the
+# shard, which no collective of the shards' results makes global.
 _POSITION_REDUCTIONS = (
     torch.ops.aten.argmax.default,
     torch.ops.aten.argmin.default,
 )
 
 
-# Errors DTensor raises when it cannot compute an op on the placements it
-# got: no strategy (`NotImplementedError`), a refused placement
-# (`RuntimeError`, `ValueError`), an assertion in its propagation, and a
-# crash of its redistribution planner (`IndexError`: torch 2.11, a padding
-# of a tensor sharded on the padded dimension). See `is_refusal`.
+# What DTensor raises when it cannot compute an op on these placements: no
+# strategy, a refused placement, an assertion in its propagation, and its
+# redistribution planner's `IndexError` (torch 2.11: padding a sharded dim).
 _REFUSALS = (
     NotImplementedError,
     RuntimeError,
@@ -81,14 +51,12 @@ _REFUSALS = (
     IndexError,
 )
 _DTENSOR_PACKAGE = os.path.join("torch", "distributed", "tensor", "")
-# What torch's CPU allocator says when it runs out of memory (a
-# `RuntimeError` of its own, where CUDA's is `torch.OutOfMemoryError`).
+# The CPU allocator's out-of-memory message (a plain `RuntimeError`).
 _CPU_OUT_OF_MEMORY = "DefaultCPUAllocator: can't allocate memory"
 
 _state = threading.local()
 
-# What the fallback computed on global values, op by op: counted where the
-# gathers happen, read here by the summary and the tests.
+# Counted op by op where the gathers happen; read by the summary.
 fallback_counts = global_values.fallback_counts
 reset_fallback_counts = global_values.reset_fallback_counts
 
@@ -109,22 +77,11 @@ _LOCAL_SCALAR = (
 
 @contextlib.contextmanager
 def dtensor_fallback(lazy=False):
-    """Computes ops that DTensor refuses on global values, in this thread.
-
-    The one way into the fallback: entered around eager layer calls and
-    around a step; nested entries do nothing more. A torch dispatch mode
-    costs every op some microseconds, plain tensors' too, so a step that
-    may run on the local rows enters it lazily: the mode goes on at the
-    step's first nested entry (a layer call through DTensor) or when the
-    yielded function is called, and stays on to the step's end, so that
-    its backward pass has it too. Not under `torch.compile`, which does
-    not trace dispatch modes: a step it cannot compile runs eagerly.
-
-    Args:
-        lazy: whether to wait for a nested entry (a step's).
-
-    Yields:
-        A function that turns the mode on now (a no-op where it is on).
+    """Computes ops DTensor refuses on global values, in this thread; nested
+    entries do nothing more, and nothing under `torch.compile` (which does not
+    trace dispatch modes). The mode costs every op, so with `lazy` (a step that
+    may run on local rows) it goes on at the first nested entry or when the
+    yielded function is called, and stays on to the step's end for backward.
     """
     entered = getattr(_state, "lazy_step", None)
     if _active() or torch.compiler.is_compiling():
@@ -176,16 +133,14 @@ class _FallbackMode(TorchDispatchMode):
         if not any(issubclass(t, DTensor) for t in types):
             return func(*args, **kwargs)
         if func is _LOCAL_SCALAR_DENSE and not _is_replicated(args[0]):
-            # `item()`, `float()`, `bool()` of a `DTensor`: DTensor reads the
-            # local value, a silently wrong number on a partial sum (`max`)
-            # and a failure on the processes without a part.
+            # `item()`, `bool()`...: DTensor reads the local value, silently
+            # wrong on a partial sum, failing on processes without a part.
             return global_values.on_global_values(
                 func, args, kwargs, _LOCAL_SCALAR, str(func)
             )
         if func in _POSITION_REDUCTIONS and _reduces_a_split_dim(args, kwargs):
-            # torch 2.15 computes it on each shard and labels the shard's
-            # positions as a shard of the result: wrong numbers, and a
-            # result whose local tensor has the wrong shape.
+            # torch 2.15 computes it per shard and labels the shard's
+            # positions a shard of the result: wrong numbers and shape.
             result = sharded_positions.positions(func, args, kwargs)
             if result is not None:
                 return result
@@ -225,8 +180,7 @@ class _FallbackMode(TorchDispatchMode):
                 "DTensor cannot do on these placements."
             ) from refusal
         if not mutated:
-            # Per-sample along a batch-sharded operand: on each process'
-            # rows, without gathering the batch.
+            # Per-sample along a batch-sharded operand: on local rows.
             outputs = refused_on_rows.on_local_rows(func, args, kwargs, refusal)
             if outputs is not None:
                 return outputs
@@ -236,12 +190,9 @@ class _FallbackMode(TorchDispatchMode):
 
 
 def is_refusal(error):
-    """Whether `error` is DTensor refusing an op on these placements.
-
-    An out-of-memory error is not (computing on global values needs more
-    memory), nor an assertion that fails outside DTensor's own code (a bug
-    of the code that runs the op, which a retry would hide).
-    """
+    """Whether `error` is DTensor refusing an op on these placements: not an
+    out-of-memory error (global values need more memory), nor an assertion
+    failing outside DTensor's code (a bug, which a retry would hide)."""
     cause = error
     while cause is not None:
         # DTensor's dispatch may re-raise a kernel's error as its cause.
@@ -262,15 +213,9 @@ class _InPlaceViewRefused(RuntimeError):
 
 
 class _FunctionFallbackMode(TorchFunctionMode):
-    """Runs a torch function on global values where DTensor cannot follow
-    its decomposition.
-
-    Some torch functions decompose, below the dispatch modes, into ops that
-    change a tensor's shape in place (`torch.stft`: `as_strided`, then
-    `transpose_`): `_FallbackMode` refuses those, and the outermost torch
-    function (`torch.stft`) runs again as a whole, on the global values of
-    its `DTensor` operands.
-    """
+    """Reruns a torch function whole on global values where it decomposes
+    into in-place shape changes `_FallbackMode` refuses (`torch.stft`:
+    `as_strided`, then `transpose_`)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -280,8 +225,7 @@ class _FunctionFallbackMode(TorchFunctionMode):
             refusal = e
         name = f"torch.{getattr(func, '__name__', func)}"
         if name.endswith("_"):
-            # An in-place function of the caller's: its result must be the
-            # operand it was given, which keeps its shape.
+            # An in-place function must return its operand, whose shape stays.
             raise refusal
         return global_values.on_global_values(
             func, args, kwargs, refusal, name, differentiable=True
@@ -289,23 +233,9 @@ class _FunctionFallbackMode(TorchFunctionMode):
 
 
 def _without_strided_shards(x, name):
-    """`x`, gathered along the mesh axes where it is a strided shard.
-
-    A view that merges a sharded dimension into an unsharded outer one
-    (`(batch, heads, ...) -> (batch * heads, ...)`, heads sharded) leaves
-    a shard with a stride, neither `Shard` nor `Replicate`. DTensor
-    computes on it, but then plans every later op on it with a graph
-    search over the placements of all mesh axes: on a 2-D mesh, minutes
-    for a model's first step. Gathered along those axes, it plans as any
-    other value.
-
-    Args:
-        x: an op's output.
-        name: the op's name, to count the gather under.
-
-    Returns:
-        `x`, or `x` replicated along the mesh axes of its strided shards.
-    """
+    """`x` gathered (counted under `name`) along mesh axes where it is a
+    strided shard, left by a view merging a sharded dim into an outer one:
+    DTensor plans every later op on it with a slow search over all axes."""
     if not isinstance(x, DTensor):
         return x
     placements = x.placements

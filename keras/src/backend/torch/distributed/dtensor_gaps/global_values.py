@@ -1,9 +1,7 @@
-"""Ops computed on the global values of their `DTensor` operands.
+"""Ops DTensor cannot compute as wanted (`fallback.py`), run on global values.
 
-For the ops `fallback.py` finds DTensor cannot compute as wanted: operands are
-gathered, the op runs on plain tensors as on one process, and results are laid
-out again (like a same-shape operand, else replicated) or written back into the
-operands it mutates. Fallbacks are counted for `sharding_summary`.
+Operands are gathered, the op runs on plain tensors, and results are laid out
+again or written back into mutated operands; counted for `sharding_summary`.
 """
 
 import dataclasses
@@ -20,14 +18,8 @@ from keras.src.backend.torch.distributed.core.runtime import Shard
 
 @dataclasses.dataclass
 class FallbackCount:
-    """How often an op fell back, and what it gathered.
-
-    Attributes:
-        calls: how many times the op was computed on global values.
-        gathered_bytes: the bytes this process assembled from other processes'
-            shards and partial sums.
-        reason: the first line of DTensor's first error.
-    """
+    """An op's fallback `calls`, bytes gathered from other processes, and the
+    first line of DTensor's first error (`reason`)."""
 
     calls: int = 0
     gathered_bytes: int = 0
@@ -53,20 +45,11 @@ def reset_fallback_counts():
 def on_global_values(
     func, args, kwargs, refusal, name, mutated=(), differentiable=False
 ):
-    """`func` computed on the global values of its `DTensor` operands.
+    """`func`'s results on the global values of its `DTensor` operands, laid
+    out again; `mutated` operands are written back, counted under `name`.
 
-    Args:
-        func: an op, or a torch function.
-        args: its positional arguments.
-        kwargs: its keyword arguments.
-        refusal: DTensor's error, or `None`.
-        name: the name it is counted under.
-        mutated: the operands it writes into.
-        differentiable: whether autograd records the gathers (a torch function,
-            above autograd; an op below it is recorded whole).
-
-    Returns:
-        Its results, laid out again.
+    `differentiable`: autograd records the gathers (a torch function, above
+    autograd; an op below it is recorded whole).
     """
     operands = [x for x in leaves((args, kwargs)) if isinstance(x, DTensor)]
     mesh = operands[0].device_mesh
@@ -81,13 +64,11 @@ def on_global_values(
             else:
                 whole = gathered_at_once(x)
                 if whole is None:
-                    # Below autograd nothing is recorded; gathering an operand
-                    # that requires grad ends in `detach_`, which torch < 2.13's
-                    # DTensor refuses.
+                    # Nothing is recorded below autograd; torch < 2.13's DTensor
+                    # refuses the `detach_` a requires-grad gather ends in.
                     whole = x.detach().full_tensor()
             if _is_view(func):
-                # The view is copied out anyway; contiguous, it takes every view
-                # one process' tensor takes.
+                # Contiguous, it takes every view one process' tensor takes.
                 gathered[id(x)] = whole.contiguous()
             else:
                 gathered[id(x)] = _in_memory_order_of(whole, x)
@@ -97,8 +78,7 @@ def on_global_values(
     try:
         outputs = func(*global_args, **global_kwargs)
     except Exception as e:
-        # The op fails on plain tensors too: raise its own error, DTensor's as
-        # context.
+        # It fails on plain tensors too: its own error, DTensor's as context.
         raise e from refusal
     count(name, refusal, operands)
     for operand in mutated:
@@ -116,12 +96,8 @@ def on_global_values(
 
 
 def _in_memory_order_of(whole, x):
-    """`whole`, dense, with its dimensions in memory as `x`'s strides say.
-
-    One process' tensor is not always contiguous (cuDNN's batch-first RNN output
-    transposes its time-major buffer, and its backward is wrong on a contiguous
-    copy); a `DTensor`'s strides describe that tensor on every process.
-    """
+    """`whole`, dense, laid out in memory as `x`'s strides say: cuDNN's
+    batch-first RNN output is not contiguous, and its backward needs that."""
     order = _memory_order(x)
     if order is None or order == sorted(order):
         return whole.contiguous()
@@ -131,23 +107,15 @@ def _in_memory_order_of(whole, x):
 
 def _memory_order(x):
     """Dimensions of `x` outermost to innermost in memory; `None` if broadcast.
-
-    Only the order: DTensor's global strides keep its local tensor's order only.
-    """
+    (DTensor's global strides keep only its local tensor's order.)"""
     if any(x.stride(d) == 0 and x.size(d) > 1 for d in range(x.dim())):
         return None
     return sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
 
 
 def gathered_at_once(x):
-    """The global value of `x`, sharded on several mesh dims, in one all-gather.
-
-    `full_tensor` takes one collective per sharded mesh dimension.
-
-    Returns:
-        A plain tensor, or `None` for a value sharded on at most one mesh dim, a
-        partial sum or strided shard, or a mesh that is not every process.
-    """
+    """`x`'s global value in one all-gather (`full_tensor` takes one per sharded
+    mesh dim); `None` unless plainly sharded on several dims of a world mesh."""
     mesh = x.device_mesh
     placements = x.placements
     if (
@@ -223,11 +191,8 @@ def _laid_out(value, mesh, operands):
 
 
 def _write_back(operand, value):
-    """Writes a global `value` into `operand`'s shards, in its layout.
-
-    A partial sum over `n` processes gets `value / n` on each (DTensor does not
-    redistribute to `Partial`); a partial average, max or min gets `value`.
-    """
+    """Writes a global `value` into `operand`'s shards; a partial sum over `n`
+    gets `value / n` each (DTensor does not redistribute to `Partial`)."""
     mesh = operand.device_mesh
     replicated = DTensor.from_local(
         value, mesh, [Replicate()] * mesh.ndim, run_check=False
@@ -271,11 +236,8 @@ def _written_arguments(func):
 
 
 def count(name, refusal, operands, gathered_bytes=0):
-    """Counts one fallback of `name` in `fallback_counts`.
-
-    Keeps the first `refusal` (DTensor's error, a reason or `None`);
-    `gathered_bytes` adds to the bytes of the gathered `operands`.
-    """
+    """Counts one fallback of `name`, keeping its first `refusal`, with the
+    bytes of the gathered `operands` plus `gathered_bytes`."""
     gathered_bytes += sum(_gathered_bytes(x) for x in operands)
     with _counts_lock:
         entry = _counts.setdefault(name, FallbackCount())

@@ -1,18 +1,11 @@
 """Ops linear in an operand, computed on its partial sums as they are.
 
-An op linear in an operand can run on each process' term of a partial sum
-(`Partial()`), with no collective, and give a partial sum. DTensor knows this
-of matmuls, sums and additions but reduces partial sums for the backward ops
-of `softmax` and `log_softmax` and for `scatter` (e.g. a mixture-of-experts
-router's gradient: two collectives where none is needed).
-
-`_LINEAR_OPERANDS` lists each op's linear operands. Where each is partial or
-replicated over a mesh axis on which every other operand is replicated, the op
-runs on local tensors into a partial sum over that axis (a replicated linear
-operand counts on the axis' first process only). On other axes operands are
-replicated or split alike, on a dimension the op does not work along.
-`_sum_with_shards` does the same for a partial sum plus a shard over the same
-axis, which DTensor would reduce-scatter and gather again.
+Such an op can run on each process' term of a partial sum with no collective.
+DTensor knows this of matmuls, sums and additions, but reduces partial sums for
+the backward of `softmax` and `log_softmax` and for `scatter` (e.g. a
+mixture-of-experts router's gradient). `_LINEAR_OPERANDS` lists those ops;
+`_sum_with_shards` handles a partial sum plus a shard over the same axis, which
+DTensor would reduce-scatter and gather again.
 """
 
 import torch
@@ -31,34 +24,25 @@ _LINEAR_OPERANDS = {
     _aten._softmax_backward_data.default: ((0,), 2),
     # grad_input = grad - exp(output) * sum(grad, dim)
     _aten._log_softmax_backward_data.default: ((0,), 2),
-    # `self` where `index` does not point, `src` where it does. The backward
-    # of `topk`, `max`, `sort` (`value_selecting_reduction_backward`).
+    # `self` where `index` does not point, `src` where it does: the backward
+    # of `topk`, `max`, `sort`.
     _aten.scatter.src: ((0, 3), 1),
 }
-# A partial sum plus a shard (`_sum_with_shards`). Plus a replicated value it
-# stays DTensor's (reduced first), or it would be reduced later in more places.
+# Partial sum + shard (`_sum_with_shards`); + a replicated value stays
+# DTensor's: reduced first, not later in more places.
 _ADD = _aten.add.Tensor
 
-# Ops that, given an index twice, keep one of the values written there: each
-# process must keep the same one, or the terms' sum mixes two values. The CPU
-# kernel writes in index order; CUDA's only with deterministic algorithms.
+# Given an index twice, these keep one value, which must be the same on each
+# process: CPU writes in index order, CUDA only with deterministic algorithms.
 _ONE_OF_DUPLICATES = (_aten.scatter.src,)
 
 
 def on_partial_sums(func, args, kwargs):
-    """Computes `func` on the terms of its partial-sum operands.
+    """Aten op `func` on its partial-sum operands' terms, as a partial sum.
 
-    Args:
-        func: the aten op being dispatched.
-        args: its positional arguments, some of them `DTensor`s.
-        kwargs: its keyword arguments.
-
-    Returns:
-        The result, a `DTensor` that is a partial sum over the mesh axes
-        where a linear operand was one, or `None` where `func` is not
-        listed or its operands do not allow it (DTensor then computes it).
+    `None` where `func` is not listed or its operands do not allow it.
     """
-    # Called for every op on `DTensor`s in a step: the op is looked up first.
+    # Called for every op on `DTensor`s: the cheap lookup first.
     entry = _LINEAR_OPERANDS.get(func)
     if entry is None and func is not _ADD:
         return None
@@ -141,8 +125,7 @@ def _result_placements(operands, linear, partial_axes, dim, ndim):
 
 
 def _laid_out_as(x, placements, partial_axes):
-    """`x` split as `placements` on the axes it is replicated over where
-    the others are split (a local chunk, no collective)."""
+    """`x` split as `placements` off `partial_axes` (a local chunk)."""
     target = [
         p if axis not in partial_axes else x.placements[axis]
         for axis, p in enumerate(placements)
@@ -153,8 +136,7 @@ def _laid_out_as(x, placements, partial_axes):
 
 
 def _as_term(local, placements, partial_axes, mesh):
-    """A replicated operand's term of a partial sum: its value on the first
-    process of each axis it is replicated over, zeros elsewhere."""
+    """A replicated operand's term of a partial sum: zeros off first ranks."""
     for axis in partial_axes:
         if placements[axis].is_replicate() and mesh.get_local_rank(axis):
             return torch.zeros_like(local)
@@ -162,8 +144,7 @@ def _as_term(local, placements, partial_axes, mesh):
 
 
 def _sum_with_shards(args):
-    """`a + b` of a partial sum and a shard over the same mesh axis, as a
-    partial sum, or `None` (DTensor then adds them)."""
+    """`a + b` of a partial sum and a shard over one axis, or `None`."""
     a, b = args[:2]
     if not (
         isinstance(a, DTensor)
@@ -202,8 +183,7 @@ def _sum_with_shards(args):
 
 
 def _sole_split(x, axis):
-    """Whether `x` is sharded over mesh `axis` on a dimension no other mesh
-    axis shards."""
+    """Whether `x` is sharded over `axis` on a dim no other mesh axis shards."""
     p = x.placements[axis]
     return type(p) is Shard and not any(
         q.is_shard() and q.dim % x.ndim == p.dim % x.ndim
@@ -213,8 +193,7 @@ def _sole_split(x, axis):
 
 
 def _shard_as_term(x, placements, mesh):
-    """`x`'s local tensor as its term of a partial sum over the axes that
-    `placements` makes partial: a shard over such an axis in zeros."""
+    """`x`'s local term of a partial sum: a shard on a partial axis in 0s."""
     local = x.to_local()
     for axis, target in enumerate(placements):
         p = x.placements[axis]

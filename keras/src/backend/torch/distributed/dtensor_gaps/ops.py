@@ -1,8 +1,8 @@
 """Ops that DTensor alone would not compute as one process does.
 
 DTensor convolves a sharded kernel wrongly and mis-reduces a sharded lookup
-with sharded indices: convolution and `take` lay out their operands here
-first. Refused ops are `fallback`'s, einsum `shard_local`'s.
+with sharded indices, so convolution and `take` lay out their operands here.
+Refused ops are `fallback`'s, einsum `shard_local`'s.
 """
 
 import torch
@@ -15,18 +15,8 @@ from keras.src.backend.torch.distributed.dtensor_gaps import fallback
 
 
 def conv_operands(inputs, kernel):
-    """Lays out convolution operands the way DTensor can convolve them.
-
-    DTensor convolves correctly only batch-sharded inputs with a replicated
-    kernel; anything else is gathered, differentiably.
-
-    Args:
-        inputs: the convolution input.
-        kernel: the convolution kernel.
-
-    Returns:
-        The pair `(inputs, kernel)`.
-    """
+    """`(inputs, kernel)` as DTensor convolves them correctly: inputs sharded
+    on the batch only, kernel replicated; the rest gathered, differentiably."""
     if isinstance(kernel, DTensor):
         mesh = kernel.device_mesh
         kernel = layouts.redistribute(kernel, mesh, [Replicate()] * mesh.ndim)
@@ -40,19 +30,9 @@ def conv_operands(inputs, kernel):
 
 
 def reshape(x, newshape):
-    """`torch.reshape`, on global values where DTensor refuses the view.
-
-    As layer calls and steps do (`fallback`), for a reshape outside them
-    splitting a dimension across shards. DTensor refuses before it
-    communicates, so every process takes the same path.
-
-    Args:
-        x: a tensor.
-        newshape: the new shape.
-
-    Returns:
-        `x` reshaped.
-    """
+    """`torch.reshape`, on global values where DTensor refuses the view, as
+    layer calls and steps do (`fallback`). DTensor refuses before it
+    communicates, so every process takes the same path."""
     if runtime.current_distribution() is None or not isinstance(x, DTensor):
         return torch.reshape(x, newshape)
     try:
@@ -65,19 +45,9 @@ def reshape(x, newshape):
 
 
 def take_operands(x, indices):
-    """Lays out `take` operands the way DTensor can look them up.
-
-    With table and indices sharded on the same mesh axis, DTensor's masked
-    partial sum gets a mask of the wrong shape (`IndexError` when reduced),
-    so the (small) indices are gathered along such axes.
-
-    Args:
-        x: the table.
-        indices: the indices.
-
-    Returns:
-        The pair `(x, indices)`.
-    """
+    """`(x, indices)` for `take`, the (small) indices gathered on mesh axes
+    where the table is sharded too: DTensor's masked partial sum would get a
+    mask of the wrong shape (`IndexError` when reduced)."""
     if not isinstance(x, DTensor) or not isinstance(indices, DTensor):
         return x, indices
     placements = [
@@ -88,21 +58,12 @@ def take_operands(x, indices):
 
 
 def divide_no_nan_local(numerator, divisor):
-    """`divide_no_nan` computed on each process' values where that is exact.
+    """`divide_no_nan` on each process' values, placed like `numerator`.
 
-    `where(d == 0, 0, x / d)` is linear in `x`: a partial-sum numerator (a
-    loss over a sharded batch) divided share by share stays partial, reduced
-    where it is read, where DTensor's `where` would reduce it at once. A
-    replicated one is divided locally too, skipping DTensor's dispatch.
-
-    Args:
-        numerator: a tensor.
-        divisor: a tensor.
-
-    Returns:
-        The quotient placed like `numerator`; `None` unless `numerator` is a
-        `DTensor` partial (sum or average) or replicated on each mesh axis and
-        `divisor` a constant plain tensor or replicated on the same mesh.
+    Linear in `numerator`: a partial one (a loss over a sharded batch) stays
+    partial, where DTensor's `where` would reduce it at once; a replicated one
+    skips DTensor's dispatch. `None` unless `numerator` is partial (sum or avg)
+    or replicated and `divisor` constant, plain or replicated on its mesh.
     """
     if not isinstance(numerator, DTensor) or divisor.requires_grad:
         return None

@@ -2,11 +2,9 @@
 
 `global_values` computes ops DTensor has no batch-sharded strategy for (a
 recurrent layer's fused cell, some pooling and resampling kernels) on
-gathered global values, so each process' cost grows with the global batch.
-A per-sample op needs only this process' rows. The first meeting of a
-signature (op, operand placements and shapes but for the row count, other
-arguments) computes it both ways, and the processes agree (one all-reduce
-per mesh dimension) whether it runs on the local rows from then on.
+gathered global values, at a cost growing with the global batch. The first
+meeting of a signature computes the op both ways, and the processes agree
+(one all-reduce per mesh dimension) whether it runs on the local rows.
 """
 
 import threading
@@ -21,10 +19,9 @@ from keras.src.backend.torch.distributed.core.runtime import Replicate
 from keras.src.backend.torch.distributed.core.runtime import Shard
 from keras.src.backend.torch.distributed.dtensor_gaps import global_values
 
-# `{signature: whether the op is per-sample there}`, for the process.
+# `{signature: whether the op is per-sample there}`.
 _per_sample = {}
 _lock = threading.Lock()
-# The reason a refused op computed on the local rows is counted under.
 ON_ROWS = "computed on each process' rows (per-sample)"
 # Results equal to float32 rounding: the same kernel on fewer rows.
 RTOL = 1e-5
@@ -38,18 +35,9 @@ def forget():
 
 
 def on_local_rows(func, args, kwargs, refusal):
-    """`func`'s results computed on each process' rows, if per-sample.
-
-    Args:
-        func: an op DTensor refused.
-        args: its positional arguments.
-        kwargs: its keyword arguments.
-        refusal: DTensor's error.
-
-    Returns:
-        Batch-sharded `DTensor`s, or `None` where the op does not split by
-        rows (the caller computes it on global values).
-    """
+    """The results of `func` (refused by DTensor with `refusal`) computed on
+    each process' rows as batch-sharded `DTensor`s, or `None` where the op
+    does not split by rows (the caller computes it on global values)."""
     split = _batch_split(args, kwargs)
     if split is None:
         return None

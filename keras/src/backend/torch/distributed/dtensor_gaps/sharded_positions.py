@@ -1,10 +1,9 @@
 """Argmax and argmin over a sharded dimension, from each shard's best.
 
 DTensor computes `argmax(x, dim)` over a sharded `dim` per shard (local
-positions) or refuses it, and gathering `x` costs every process all of it.
-Each process instead all-gathers its shard's extreme and global position over
-the splitting mesh dim and takes the first extreme (NaN counting as one), as
-torch does on the global value.
+positions) or refuses it, and gathering `x` costs every process all of it:
+shards all-gather their extreme and global position instead and take the first
+extreme (NaN counting as one), as torch does on the global value.
 """
 
 import torch
@@ -19,20 +18,10 @@ _ARGMAX = torch.ops.aten.argmax.default
 
 
 def positions(func, args, kwargs):
-    """`argmax` / `argmin` of a `DTensor` over a dimension one mesh dim splits.
-
-    Args:
-        func: `aten.argmax.default` or `aten.argmin.default`.
-        args: its positional arguments: `(x, dim, keepdim)`.
-        kwargs: its keyword arguments.
-
-    Returns:
-        The positions, laid out as `x` but replicated over the mesh dimension
-        that split `dim`; `None` where this does not apply (no `dim`, partial
-        or non-floating `x`, `dim` split several ways or into empty parts).
-        The choice uses only placements and global shape, so every process
-        of a collective takes the same path.
-    """
+    """`func` (`aten.argmax`/`argmin`) of `x` over a `dim` one mesh dim splits,
+    replicated over it; `None` without `dim`, for a partial or non-float `x`,
+    or `dim` split several ways or into empty parts. Placements and global
+    shape decide, so every process takes the same path."""
     x = args[0]
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
     keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)

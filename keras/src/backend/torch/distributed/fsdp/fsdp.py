@@ -1,22 +1,12 @@
 """Weights sharded over the batch axis, gathered one layer at a time (FSDP).
 
-Left to DTensor, a kernel sharded on its input features gives partial-sum
-outputs reduced to replicated values: every process computes the whole batch.
-Instead, as FSDP2's `fully_shard`, a layer call gathers its and its
-sublayers' trainable weights along the batch axis in one collective, frees
-the gathered copy's storage (never the weight's) when it returns, and gathers
-what autograd saved of it again at the first gradient reaching its outputs.
-Gradients are reduce-scattered to the weights' shards. Gathers follow the
-calls and the backward pass, so they are ordered alike on every process;
-`fsdp_schedule` prefetches them. Under mixed precision, weights are gathered
-in the compute dtype (FSDP2's `MixedPrecisionPolicy(param_dtype=...)`).
-
-`KERAS_DISTRIBUTION_GATHER_WEIGHTS` picks the mesh axes: `"batch"` (default),
-`"all"` (ZeRO-3 instead of tensor parallelism) or `"off"`; unless `"off"`,
-weights named by `AutoModelParallel.gathered_for_call` are gathered along the
-model axis too. `KERAS_DISTRIBUTION_RESHARD_AFTER_FORWARD=0` keeps gathered
-weights until the layer's backward (fewer gathers, more memory). Compiled
-steps run eagerly when weights are gathered (`compiled_step.eager_reason`).
+Left to DTensor, a kernel sharded on its input features makes every process
+compute the whole batch. As FSDP2's `fully_shard`, a layer call gathers its
+weights (in the compute dtype) in one collective, frees the copy on return
+and re-gathers it at the first gradient reaching its outputs, so gathers are
+ordered alike on every process. `KERAS_DISTRIBUTION_GATHER_WEIGHTS` picks the
+axes (`"batch"`, `"all"`: ZeRO-3, `"off"`);
+`KERAS_DISTRIBUTION_RESHARD_AFTER_FORWARD=0` keeps them until its backward.
 """
 
 import contextlib
@@ -36,15 +26,8 @@ RESHARD_ENV = "KERAS_DISTRIBUTION_RESHARD_AFTER_FORWARD"
 
 
 def gathered_mesh_dims(distribution):
-    """The mesh dimensions along which weights are gathered for a call.
-
-    Args:
-        distribution: the distribution in effect.
-
-    Returns:
-        A tuple of mesh dimension indices (empty: gather nothing), or
-        `None` for every dimension a weight is sharded on.
-    """
+    """The mesh dimensions weights are gathered along for a call: a tuple
+    (empty: none), or `None` for every dimension a weight is sharded on."""
     choice = os.environ.get(GATHER_WEIGHTS_ENV, "batch").lower()
     if choice not in _GATHER_CHOICES:
         raise ValueError(
@@ -63,16 +46,8 @@ def gathered_mesh_dims(distribution):
 
 
 def gathered_placements(value, mesh_dims):
-    """The placements of `value` gathered along `mesh_dims`.
-
-    Args:
-        value: a variable's value.
-        mesh_dims: see `gathered_mesh_dims`.
-
-    Returns:
-        The placements with `Replicate` on each of `mesh_dims` where `value`
-        is sharded over several processes; `None` if there is none.
-    """
+    """`value`'s placements with `Replicate` on each of `mesh_dims` where it
+    is sharded over several processes; `None` if there is none."""
     if not isinstance(value, DTensor):
         return None
     mesh = value.device_mesh
@@ -87,11 +62,8 @@ def gathered_placements(value, mesh_dims):
 
 
 def reshards_after_forward():
-    """Whether a layer's gathered weights are freed when its call returns.
-
-    Returns:
-        `KERAS_DISTRIBUTION_RESHARD_AFTER_FORWARD` (default `"1"`) as a bool.
-    """
+    """Whether a layer's gathered weights are freed when its call returns
+    (`KERAS_DISTRIBUTION_RESHARD_AFTER_FORWARD`, default `"1"`)."""
     choice = os.environ.get(RESHARD_ENV, "1")
     if choice not in ("0", "1"):
         raise ValueError(
@@ -104,12 +76,7 @@ def reshards_after_forward():
 
 
 def has_gathered_weights(model, distribution):
-    """Whether some trainable weight of `model` is gathered in its calls.
-
-    Args:
-        model: a model.
-        distribution: the distribution in effect.
-    """
+    """Whether some trainable weight of `model` is gathered in its calls."""
     mesh_dims = gathered_mesh_dims(distribution)
     if mesh_dims == ():
         return False
@@ -121,8 +88,7 @@ def has_gathered_weights(model, distribution):
 
 
 def _mesh_dims_of(variable, distribution, mesh_dims):
-    """`mesh_dims`, plus the model axis for a weight the distribution stores
-    sharded but uses whole (`gathered_for_call`)."""
+    """`mesh_dims`, plus the model axis for a `gathered_for_call` weight."""
     gathered_for_call = getattr(distribution, "gathered_for_call", None)
     if mesh_dims is None or not (
         gathered_for_call and gathered_for_call(variable)
@@ -135,29 +101,15 @@ def _mesh_dims_of(variable, distribution, mesh_dims):
 
 @contextlib.contextmanager
 def gathered_weights(layer, distribution, enabled=True):
-    """Gathers the sharded trainable weights of `layer`'s call.
-
-    A non-model layer also gathers its sublayers' weights of the same dtype
-    policy (a transformer block at once, as FSDP2's `fully_shard`), one
-    collective per mesh dimension and dtype. A model, or a sublayer of
-    another dtype policy, gathers its own weights.
-
-    Args:
-        layer: the layer being called.
-        distribution: the distribution in effect.
-        enabled: `False` gathers nothing (a call on symbolic inputs).
-
-    Yields:
-        A function to call with the outputs once the call returns: it frees
-        the gathered storage and arranges its re-gathering for backward.
-    """
+    """Gathers the sharded trainable weights of `layer`'s call (with its
+    same-policy sublayers' unless a model); yields a function to call on
+    the outputs, freeing the gathered storage and arranging re-gathering."""
     weights = _weights_to_gather(layer, distribution) if enabled else []
     enclosing = list(fsdp_call.calls_now())
     if not weights:
         if enclosing and enabled:
-            # Inside a gathering call, these outputs' gradient may reach its
-            # weights before its outputs' does (an activity regularizer's
-            # loss, an `add_loss` of a router's logits).
+            # These outputs' gradient may reach the enclosing call's weights
+            # before its outputs' does (an activity regularizer's loss).
             yield lambda outputs: _watch(enclosing, outputs)
         else:
             yield _no_outputs_to_watch
@@ -199,13 +151,9 @@ def _noting_saved_values():
 
 
 def _note_saved(tensor):
-    """Pack hook: marks the gathered weights whose storage `tensor` reads.
-
-    Decided from what autograd saves, not from which gathered values outlive
-    the call: reference cycles are collected at different times per process.
-    Returns `tensor` detached, lest a saved output holding its own `grad_fn`
-    keep the activations alive until collection.
-    """
+    """Pack hook marking the gathered weights `tensor` reads (not which
+    outlive the call: cycles are collected unevenly across processes).
+    Detached, lest a saved output's own `grad_fn` keep activations alive."""
     with torch.no_grad():
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
         if local.numel():
@@ -228,8 +176,7 @@ def _leaves(outputs):
 
 
 def _watch(calls, outputs):
-    """Makes the first gradient reaching `outputs` re-gather `calls`' freed
-    weights; returns `outputs`."""
+    """Re-gathers `calls`' weights at the first gradient reaching `outputs`."""
     if not (torch.is_grad_enabled() and reshards_after_forward()):
         return outputs
     for x in _leaves(outputs):
@@ -291,8 +238,7 @@ def _policy(layer):
 
 
 def _release_after_forward(call, enclosing, outputs, schedule, last):
-    """Frees `call`'s gathered storage (unless the step's `last` call) and
-    watches the `outputs`' gradients to gather it again."""
+    """Frees `call`'s gathered storage, unless `last`, to re-gather later."""
     leaves = _leaves(outputs)
     if call.release(leaves, reshards_after_forward() and not last):
         restore_ahead = None

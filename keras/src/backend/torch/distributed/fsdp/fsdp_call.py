@@ -1,8 +1,6 @@
-"""The weights of one layer call: gathered, freed after forward, regathered.
-
-A `CallGather` gathers a call's weights (chosen by `fsdp`) in one collective,
-frees their storage after the call (autograd's saved tensors keep metadata,
-not memory), refills it when backward reaches the call, and holds prefetches.
+"""A layer call's weights (`CallGather`): gathered in one collective, their
+storage freed after the call (autograd's saved tensors keep metadata, not
+memory) and refilled when backward reaches the call, with prefetches.
 """
 
 import threading
@@ -35,11 +33,7 @@ def gathered_variables():
 
 
 class CallGather:
-    """The weights one layer call gathers, gathered and freed together.
-
-    Args:
-        weights: `GatheredWeight`s.
-    """
+    """A layer call's `GatheredWeight`s, gathered and freed together."""
 
     def __init__(self, weights):
         self.weights = weights
@@ -113,15 +107,7 @@ class CallGather:
             weight.exit()
 
     def release(self, outputs, reshard):
-        """Writes back assignments and frees the gathered storage.
-
-        Args:
-            outputs: the call's output tensors.
-            reshard: whether to free the storage (reshard-after-forward).
-
-        Returns:
-            Whether some weight's storage was freed.
-        """
+        """Writes back assignments; if `reshard`, frees storage: whether any."""
         for weight in self.weights:
             weight.write_back()
         if not reshard:
@@ -173,12 +159,7 @@ class CallGather:
 
 
 class GatheredWeight:
-    """One trainable variable's gathered value, for one layer call.
-
-    Args:
-        variable: the variable.
-        placements: its value's placements once gathered.
-    """
+    """A trainable variable's value gathered to `placements`, for one call."""
 
     def __init__(self, variable, placements):
         self.variable = variable
@@ -217,10 +198,8 @@ class GatheredWeight:
         gathered_variables().discard(id(self.variable))
 
     def write_back(self):
-        """Copies what the call assigned (`SpectralNormalization`) to shards.
-
-        Not for a compute-dtype copy: Keras' assignment to it has no effect.
-        """
+        """Copies what the call assigned (`SpectralNormalization`) to shards;
+        not a compute-dtype copy's: Keras' assignment to it has no effect."""
         if self.value._version == self.version:
             return
         if self.dtype == self.sharded.dtype:
@@ -233,15 +212,9 @@ class GatheredWeight:
         self.version = self.value._version
 
     def release(self, outputs):
-        """Frees the gathered storage after the forward pass.
-
-        Args:
-            outputs: the call's output tensors.
-
-        Returns:
-            Whether freed: not without gradients (nothing outlives the call)
-            nor when an output or the shard shares the storage.
-        """
+        """Frees the gathered storage after forward; whether it did: not without
+        gradients (nothing outlives the call), nor when one of `outputs` or the
+        shard shares the storage."""
         value = self.value
         if not (value.requires_grad and torch.is_grad_enabled()):
             return False
@@ -284,9 +257,8 @@ class GatheredWeight:
         dtype, device, offset, shape, stride = self.geometry
         with torch.no_grad():
             self.storage.resize_(self.nbytes)
-            # A fresh tensor on the storage: writing through the local tensor
-            # would bump the version counter its views share, and autograd
-            # would refuse the views it saved.
+            # Not through the local tensor: that bumps the version counter its
+            # views share, and autograd would refuse the views it saved.
             target = torch.empty(0, dtype=dtype, device=device)
             target.set_(self.storage, offset, shape, stride)
             target.copy_(fresh)

@@ -1,8 +1,8 @@
-"""The order of a step's gathers, to gather each layer's weights ahead.
+"""The order of a step's weight gathers, to gather one layer ahead.
 
 `fsdp` gathers a layer's batch-sharded weights when it is called and in the
-backward pass. As FSDP2 prefetches, a `GatherSchedule` learns a step's order
-of gathers so the next step gathers one layer ahead, forward and backward.
+backward pass; as FSDP2 prefetches, a `GatherSchedule` learns one step's
+order so the next step gathers one layer ahead, forward and backward.
 """
 
 import contextlib
@@ -24,14 +24,8 @@ def running_schedule():
 
 
 def gathers_ahead(distribution):
-    """Whether a step's layer calls gather their weights ahead.
-
-    `KERAS_DISTRIBUTION_GATHER_AHEAD` (`"1"`/`"0"`) if set, else off on CPU
-    meshes, where gathering ahead costs memory without overlapping compute.
-
-    Args:
-        distribution: the distribution in effect.
-    """
+    """Whether layer calls gather ahead: `KERAS_DISTRIBUTION_GATHER_AHEAD`
+    if set, else not on CPU meshes, where it costs memory without overlap."""
     choice = os.environ.get(GATHER_AHEAD_ENV)
     if choice is None:
         device = str(np.asarray(distribution.device_mesh.devices).flat[0])
@@ -46,12 +40,7 @@ def gathers_ahead(distribution):
 
 @contextlib.contextmanager
 def following(schedule, distribution):
-    """Makes one step's layer calls follow `schedule`.
-
-    Args:
-        schedule: the step's `GatherSchedule`.
-        distribution: the distribution in effect.
-    """
+    """Makes one step's layer calls follow `schedule`."""
     schedule.ahead = gathers_ahead(distribution)
     previous = running_schedule()
     _running.schedule = schedule
@@ -63,12 +52,9 @@ def following(schedule, distribution):
 
 
 class GatherSchedule:
-    """The order in which a step function's layer calls gather weights.
-
-    The order is the same on every process, so async gathers are issued in
-    the same order everywhere. A weight gathered ahead is dropped unless the
-    call, placements, dtype, gradient mode and variable are unchanged.
-    """
+    """The order of a step's weight gathers, the same on every process so
+    async gathers pair up. A weight gathered ahead is dropped unless call,
+    placements, dtype, gradient mode and variable are unchanged."""
 
     def __init__(self, ahead=True):
         self.ahead = ahead
@@ -81,8 +67,8 @@ class GatherSchedule:
         self._released = []
 
     def take_ahead(self, layer, call):
-        """Gives `call` (of `layer`) what was gathered ahead for it, and
-        returns the call's position in the step's order."""
+        """Gives `call` (of `layer`) what was gathered ahead for it; returns
+        the call's position in the step's order."""
         self._calls.append(weakref.ref(layer))
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[0]() is not layer:
@@ -92,21 +78,15 @@ class GatherSchedule:
         return len(self._calls) - 1
 
     def is_last(self, position, layer):
-        """Whether the call of `layer` at `position` (from `take_ahead`) was
-        the previous step's last to gather: the backward pass starts with it,
-        so it keeps its weights."""
+        """Whether `layer`'s call at `position` was the previous step's last
+        gather, which keeps its weights: the backward pass starts with it."""
         return position == len(self._order) - 1 and (
             self._order[position]() is layer
         )
 
     def gather_ahead(self, layer, call_of):
-        """Starts gathering the weights of the call after `layer`'s.
-
-        Args:
-            layer: the layer being called.
-            call_of: a function of a layer: what a call of it gathers (an
-                object with `gather_ahead` and `drop_ahead`), or `None`.
-        """
+        """Starts gathering the weights of the call after `layer`'s; `call_of`
+        maps a layer to what its call gathers (`gather_ahead`, `drop_ahead`)."""
         if not self.ahead:
             return
         position = len(self._calls)
@@ -123,12 +103,8 @@ class GatherSchedule:
             self._ahead = (weakref.ref(following), call)
 
     def released(self, call):
-        """Records a call whose weights were freed after the forward pass.
-
-        Returns:
-            A function that, in the backward pass, starts gathering the
-            previously released call's weights, or `None` if not `ahead`.
-        """
+        """Records a call freed after the forward pass; returns a function
+        that, in backward, gathers the call released before it (or `None`)."""
         if not self.ahead:
             return None
         self._released.append(call)
@@ -136,8 +112,7 @@ class GatherSchedule:
         return lambda: self._restore_ahead(index)
 
     def kept(self):
-        """Records that the step's last call kept its gathered weights;
-        returns as `released`."""
+        """As `released`, for a last call that kept its gathered weights."""
         if not self.ahead:
             return None
         index = len(self._released)

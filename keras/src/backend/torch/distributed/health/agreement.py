@@ -1,8 +1,6 @@
-"""Checks that the processes of a job agree, before they can hang.
-
-Processes that build different models or iterate over different numbers of
-batches issue different collectives; one small collective catches that.
-"""
+"""Checks that the processes of a job agree, before they can hang: processes
+that build different models or iterate over different numbers of batches
+issue different collectives, which one small collective catches first."""
 
 import hashlib
 
@@ -13,13 +11,8 @@ from keras.src.backend.torch.distributed.core import runtime
 
 
 def check_same_variable(path, shape, dtype):
-    """Raises on every process if the processes create different variables.
-
-    Args:
-        path: the variable's path, e.g. `"sequential/dense/kernel"`.
-        shape: the variable's shape.
-        dtype: the variable's dtype.
-    """
+    """Raises on every process if the processes create different variables
+    (`path`, `shape`, `dtype`)."""
     description = f"'{path}' (shape {tuple(shape)}, dtype {dtype})"
     descriptions = _gather_if_different(description)
     if descriptions is None:
@@ -38,14 +31,8 @@ def check_same_variable(path, shape, dtype):
 
 
 def check_same_num_batches(num_batches):
-    """Raises on every process if they have different numbers of batches.
-
-    Only with `auto_shard_dataset=False`, where each process has its own data.
-
-    Args:
-        num_batches: this process' number of batches (or `steps_per_epoch`),
-            or `None` if unknown.
-    """
+    """Raises on every process if their `num_batches` (or `steps_per_epoch`,
+    `None` if unknown) differ; only with `auto_shard_dataset=False`."""
     distribution = runtime.current_distribution()
     if (
         runtime.world_size() == 1
@@ -67,10 +54,8 @@ def check_same_num_batches(num_batches):
 
 
 def _gather_if_different(text):
-    """Gathers `text` from every process, or returns `None` if all agree.
-
-    One all-gather of a digest; the texts are gathered only if they differ.
-    """
+    """`text` from every process, or `None` if all agree (one all-gather of a
+    digest; the texts are gathered only if they differ)."""
     if runtime.world_size() == 1:
         return None
     digest = hashlib.blake2b(text.encode(), digest_size=7).digest()

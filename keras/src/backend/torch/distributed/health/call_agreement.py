@@ -1,16 +1,10 @@
 """Collective calls agreed in the job's store before they communicate.
 
-Some user calls are collectives (`get_weights`, `numpy()`, printing a
-sharded variable, starting `fit`, saving a model to one file). Made on some
-processes only (`if process_id == 0:`), such a call hangs, or pairs with the
-others' next collective and returns its data. So each is first announced in
-the store (which cannot pair with a collective) under this process' next
-call number, and communicates once every process announced the same call.
-A process announces its call, a step it already runs, or its end; on a
-difference, each process involved raises a `ValueError` naming what each
-did. A watcher thread announces for this process a step the caller has not
-run, which rules the call out. Steps announce nothing.
-"""
+Some user calls are collectives (`get_weights`, `numpy()`, starting `fit`,
+saving a model to one file). Made on some processes only, such a call hangs,
+or pairs with the others' next collective and returns its data. So each is
+first announced in the store (which cannot pair with a collective), and
+communicates once every process announced the same; else each raises."""
 
 import atexit
 import contextlib
@@ -27,19 +21,14 @@ from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.health import agreement
 from keras.src.backend.torch.distributed.health import health
 
-# How often the watcher checks steps while another process' call waits, and
-# a caller's longest pause between reads of an announcement.
 _WATCH_SECONDS = 0.05
 _POLL_MAX_SECONDS = 0.02
-# The watcher waits for the next announcement this long at a time.
 _WAIT_FOR_ANNOUNCEMENT = datetime.timedelta(days=1)
 _KEY = "call/{}"
 
 _lock = threading.Lock()
 _state = {
-    # The number of this process' last announced call.
     "count": 0,
-    # Depth in announced calls (nested ones are made in the same order).
     "depth": 0,
     "store": None,
     "pid": None,
@@ -84,13 +73,8 @@ def start():
 
 
 def stop(reason="the end of its program"):
-    """Announces that this process makes no more calls; stops the watcher.
-
-    Called at exit and on an uncaught error: waiting processes learn at once.
-
-    Args:
-        reason: what this process does instead, for the others' errors.
-    """
+    """Announces that this process makes no more calls (`reason`; at exit or
+    on an uncaught error, so waiting processes learn at once)."""
     if _state["pid"] != os.getpid():
         return
     with _lock:
@@ -108,19 +92,9 @@ def stop(reason="the end of its program"):
 
 @contextlib.contextmanager
 def collective_call(description):
-    """Runs a collective call once every process has announced it.
-
-    Nested calls, and calls during a step or its tracing, are not announced:
-    every process makes them in the same order.
-
-    Args:
-        description: what the call does, for errors.
-
-    Raises:
-        CallMismatchError: another process made another call under this
-            number, ran a step instead, or ended.
-        health.JobFailedError: a process did not announce in time.
-    """
+    """Runs a collective call once every process announced `description`
+    (else `CallMismatchError`, or `health.JobFailedError` after the timeout).
+    Nested calls, and calls in a step or its tracing, are not announced."""
     start()
     if not _announces():
         yield

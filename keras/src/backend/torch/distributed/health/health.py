@@ -3,8 +3,8 @@
 Process groups are bounded by `start_timeout()` until the first step
 completes, then by `step_timeout()` (as torchtitan does). A process whose own
 code raises writes why to the job's store; one whose collective then fails
-raises `JobFailedError` naming the step, the collective and the processes that
-failed or did not arrive, instead of a bare transport error.
+raises `JobFailedError` naming the step, the collective and the processes
+that failed or did not arrive.
 """
 
 import contextlib
@@ -24,13 +24,11 @@ START_TIMEOUT_ENV = "KERAS_DISTRIBUTION_START_TIMEOUT"
 DEFAULT_STEP_TIMEOUT = {"gloo": 300, "nccl": 120}
 # The start waits longer: one process may load data or compile meanwhile.
 START_TIMEOUT_FACTOR = 5
-# How long a failed process waits for the others' reports, and the bound on
-# any store access.
+# A failed process' wait for the others' reports; the bound on store access.
 REPORT_GRACE_SECONDS = 5.0
 STORE_TIMEOUT_SECONDS = 5.0
 
 _STORE_PREFIX = "keras_distribution_health"
-# Files of communicating `torch.distributed` functions, seen in tracebacks.
 _COLLECTIVE_FILES = ("distributed_c10d.py", "_functional_collectives.py")
 
 _state = {
@@ -49,10 +47,8 @@ class JobFailedError(RuntimeError):
 
 
 def step_timeout():
-    """Seconds a collective may wait once the first step has completed.
-
-    `KERAS_DISTRIBUTION_TIMEOUT` if set, else 300 (gloo) or 120 (NCCL).
-    """
+    """Seconds a collective may wait once the first step has completed:
+    `KERAS_DISTRIBUTION_TIMEOUT` if set, else 300 (gloo) or 120 (NCCL)."""
     value = os.environ.get(STEP_TIMEOUT_ENV)
     if value is not None:
         return _positive_seconds(STEP_TIMEOUT_ENV, value)
@@ -61,10 +57,8 @@ def step_timeout():
 
 
 def start_timeout():
-    """Seconds a collective may wait before the first step has completed.
-
-    `KERAS_DISTRIBUTION_START_TIMEOUT` if set, else 5 x `step_timeout()`.
-    """
+    """Seconds a collective may wait before the first step has completed:
+    `KERAS_DISTRIBUTION_START_TIMEOUT` if set, else 5 x `step_timeout()`."""
     value = os.environ.get(START_TIMEOUT_ENV)
     if value is not None:
         return _positive_seconds(START_TIMEOUT_ENV, value)
@@ -90,25 +84,16 @@ def _positive_seconds(name, value):
 
 
 def bound_groups(groups):
-    """Bounds every collective of `groups` by `current_timeout()`.
-
-    Args:
-        groups: process groups, e.g. those of a new device mesh.
-    """
+    """Bounds every collective of process `groups` by `current_timeout()`."""
     timeout = datetime.timedelta(seconds=current_timeout())
     for group in groups:
         group.set_timeout(timeout)
 
 
 def install(coordinator=None):
-    """Reports this process' uncaught errors to the others, via excepthook.
-
-    Called once the job's process group exists.
-
-    Args:
-        coordinator: the `"host:port"` of the job's store, or `None` for
-            torchrun's `MASTER_ADDR` and `MASTER_PORT`.
-    """
+    """Reports this process' uncaught errors to the others (excepthook), once
+    the job's process group exists; `coordinator`: the store's `"host:port"`,
+    or `None` for torchrun's `MASTER_ADDR` and `MASTER_PORT`."""
     _state["coordinator"] = coordinator
     previous = sys.excepthook
     if getattr(previous, "_keras_health", False):
@@ -124,25 +109,15 @@ def install(coordinator=None):
 
 @contextlib.contextmanager
 def guarded_step(kind, all_groups):
-    """Runs a step; turns a failed collective into a `JobFailedError`.
-
-    After the first completed step, groups are bounded by `step_timeout()`.
-
-    Args:
-        kind: `"train"`, `"test"` or `"predict"`.
-        all_groups: a function returning the job's process groups.
-
-    Yields:
-        Nothing; the step runs in the `with` block.
-    """
+    """Runs a `kind` step, a failed collective raising `JobFailedError`; after
+    the first completed step, bounds `all_groups()` by `step_timeout()`."""
     steps = _state["steps"]
     steps[kind] = step = steps.get(kind, 0) + 1
     if "store" not in _state:
         # Once: a job without a reachable store still runs, unreported.
         _state["store"] = _connect_store()
     if _state["written"]:
-        # An earlier failure was caught and the process lived on: its stale
-        # report must not be blamed for a later failure.
+        # A caught earlier failure's stale report must not blame a later one.
         _clear_own_reports()
     _state["running"] = kind
     try:
@@ -178,13 +153,8 @@ def connect_store():
 
 
 def report_failure(error):
-    """Writes this process' error to the job's store, for the others.
-
-    Not for errors caused by another process: the first failure is named.
-
-    Args:
-        error: the exception.
-    """
+    """Writes this process' `error` to the job's store, for the others; not
+    one caused by another process, so that the first failure is named."""
     if isinstance(error, JobFailedError) or _world_size() == 1:
         return
     line = traceback.format_exception_only(type(error), error)[-1].strip()

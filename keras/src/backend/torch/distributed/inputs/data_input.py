@@ -1,7 +1,5 @@
-"""Data inputs under a distribution: global batches as batch-sharded DTensors.
-
-Each process keeps its rows of the global batch; the `DTensor` is assembled
-without communication when the global batch size is known.
+"""Data inputs under a distribution: global batches as batch-sharded DTensors,
+each process keeping its rows; no communication if the global size is known.
 """
 
 import weakref
@@ -12,25 +10,14 @@ from keras.src.backend.torch.distributed.core import layouts
 from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.core.runtime import DTensor
 
-# Each distribution's data layouts by global shape, built once.
 _DATA_LAYOUTS = weakref.WeakKeyDictionary()
-# A bound on the shapes kept per distribution (batches of varying lengths).
+# Bounds the cache for batches of varying lengths.
 _MAX_DATA_LAYOUTS = 64
 
 
 def distribute_global_batch(data, distribution):
-    """Turns a global batch into a DTensor batch sharded on the batch axis.
-
-    With `auto_shard_dataset=False`, `data` is this process' own part of
-    the global batch instead.
-
-    Args:
-        data: nested arrays or tensors, each with the batch leading.
-        distribution: the `keras.distribution.Distribution` in effect.
-
-    Returns:
-        The same structure, each array replaced by a `DTensor`.
-    """
+    """`data`'s arrays as DTensors sharded on the batch axis; with
+    `auto_shard_dataset=False`, `data` is this process' part of the batch."""
     leaves = [x for x in _flatten(data) if _is_batch_array(x)]
     if not leaves:
         return data
@@ -81,8 +68,7 @@ def _flatten(data):
 
 
 def _map_structure(function, data):
-    """`tree.map_structure(function, data)`, without its overhead for plain
-    lists and tuples of arrays such as a step's `[(x, y)]`."""
+    """`tree.map_structure(function, data)`, cheaper on plain containers."""
     if type(data) in (list, tuple):
         return type(data)(_map_structure(function, x) for x in data)
     if type(data) is dict or not _plain(data):

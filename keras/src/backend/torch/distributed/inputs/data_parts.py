@@ -1,6 +1,5 @@
 """What the data sources read in parts (`data_sources`) share. Each yields
-global batches as `DTensor`s, of which this process read only its rows.
-"""
+global batches as `DTensor`s, of which this process read only its rows."""
 
 import numpy as np
 

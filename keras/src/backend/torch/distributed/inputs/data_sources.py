@@ -1,13 +1,8 @@
-"""Data sources under a distribution: each process reads only its rows.
+"""Data sources read in parts, each process reading only its rows.
 
-Instead of every process reading the whole global batch and keeping its rows
-(`data_input.distribute_global_batch`), two sources are read in parts, yielding
-global `DTensor` batches (shared code: `data_parts`): a map-style `DataLoader`
-with a batch sampler (`loader_rows`: each process fetches its rows of the
-loader's index batches, with its workers and `collate_fn`) and a finite
-`PyDataset` (`pydataset_shares`: processes take turns reading whole batches and
-send each process its rows). Other sources and `auto_shard_dataset=False` keep
-the default path.
+Instead of every process reading the whole global batch, a batched map-style
+`DataLoader` (`loader_rows`) and a finite `PyDataset` (`pydataset_shares`) yield
+global `DTensor` batches; other sources keep the default path.
 """
 
 import torch
@@ -22,15 +17,10 @@ from keras.src.trainers.data_adapters.torch_data_loader_adapter import (
 
 
 def process_data_adapter(adapter):
-    """Returns an adapter that reads only this process' share of the data.
+    """`adapter`, or one reading only this process' share of its data.
 
-    Args:
-        adapter: the `DataAdapter` Keras made for the input.
-
-    Returns:
-        `adapter` itself without a multi-process distribution sharding the data
-        (`auto_shard_dataset=True`) or for a source not readable in parts; else
-        an adapter yielding global `DTensor` batches.
+    `adapter` itself unless a multi-process distribution shards the data
+    (`auto_shard_dataset`) and the source can be read in parts.
     """
     distribution = runtime.current_distribution()
     if (

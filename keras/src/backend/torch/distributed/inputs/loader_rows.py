@@ -1,8 +1,7 @@
 """A map-style `DataLoader` under a distribution: each process its rows.
 
-Every process draws the global batches of indices from the loader's batch
-sampler and fetches only its rows' samples, with the loader's own workers and
-`collate_fn`; processes sharing rows (along other mesh axes) fetch the same.
+Every process draws the global batches of indices from the batch sampler and
+fetches only its rows, with the loader's own workers and `collate_fn`.
 """
 
 import collections
@@ -31,14 +30,12 @@ class DataLoaderRows(data_parts.SharedAdapter):
     def _batches(self):
         # Created here, as `iter(loader)` would: it draws the workers' seed.
         batches = iter(self._loader)
-        # Without workers one thread reads ahead: each step waits for every
-        # process' rows, so reading in line would add to the step's time.
+        # No workers: read ahead on a thread, as each step waits for all rows.
         reader = _ReadAhead(batches, enabled=self._loader.num_workers == 0)
         return self._global_batches(reader, self._sampler.drawn)
 
     def _global_batches(self, reader, drawn):
-        """Checks on the step's thread that all processes drew one order:
-        two collectives per pass, on its first batch and at its end."""
+        """Checks on the step's thread that every process drew one order."""
         first, digest = True, 0
         try:
             for rows in reader:
@@ -60,11 +57,10 @@ class DataLoaderRows(data_parts.SharedAdapter):
 
 
 class _ProcessRowsSampler(torch.utils.data.Sampler):
-    """This process' indices of each batch of the loader's batch sampler.
+    """This process' indices of each batch the batch sampler draws.
 
-    Every process draws the whole batch, so samplers advance as in one
-    process; one with no rows of a batch fetches its first sample and drops
-    it, to know an empty part's structure. Draws are recorded in `drawn`.
+    All draw whole batches, so samplers advance as in one process; with no rows
+    in a batch, the first sample is fetched for an empty part's structure.
     """
 
     def __init__(self, batch_sampler, rows):
@@ -130,10 +126,9 @@ def _loader_with_sampler(loader, batch_sampler):
 
 
 class _ReadAhead:
-    """Reads an iterator's items ahead on one thread once `start()`ed.
+    """Reads an iterator ahead on a thread once `start()`ed, in line before.
 
-    Until then it reads in line, so Keras' peek at the first batch reads no
-    more. An error raised while reading is raised by the matching `next`.
+    So Keras' peek at the first batch reads no more; errors raise in `next`.
     """
 
     def __init__(self, iterator, enabled, depth=2):

@@ -1,9 +1,7 @@
-"""A finite `PyDataset` under a distribution, read in shares.
-
-A `PyDataset` returns whole batches, so processes take turns reading batches
-(with the dataset's workers) and scatter the rows to their holders, in the
-order one process takes them, in line or through Keras' `OrderedEnqueuer`
-(whose read-ahead batches carry over `on_epoch_end` into the next epoch).
+"""A finite `PyDataset` under a distribution, read in shares: it returns whole
+batches, so processes take turns reading them (with its workers), in line or
+through Keras' `OrderedEnqueuer`, and scatter the rows to their holders, in
+the order one process takes them.
 """
 
 import collections
@@ -23,26 +21,23 @@ from keras.src.trainers.data_adapters.py_dataset_adapter import PyDataset
 
 
 class PyDatasetShares(data_parts.SharedAdapter):
-    """A finite `PyDataset` read in shares: each batch on one process.
-
-    Batches, and the dataset state each is read in, match a single-process
-    `PyDatasetAdapter`, with or without Keras' enqueuer.
-    """
+    """A finite `PyDataset` read in shares, each batch on one process: batches,
+    and the dataset state each is read in, match one process'
+    `PyDatasetAdapter`, with or without Keras' enqueuer."""
 
     def __init__(self, adapter, distribution):
         super().__init__(adapter, distribution)
         self._dataset = adapter.py_dataset
         self._reader = None
-        # Ended epochs, Keras master's shuffle seed; counted here as this
-        # object takes the adapter's `on_epoch_end`.
+        # Ended epochs (the shuffle seed); this object takes `on_epoch_end`.
         self._epoch = getattr(adapter, "_epoch", None)
         self._queue = None
         if adapter.enqueuer is not None:
             self._queue = _QueuedBatches(adapter)
 
     def get_torch_dataloader(self):
-        # Wrapped as `PyDatasetAdapter` does, so that each pass draws torch's
-        # random state as in one process.
+        # Wrapped as `PyDatasetAdapter` does: passes draw torch's RNG as one
+        # process does.
         if self._queue is not None:
             batches = self._queued_batches()
         else:
@@ -58,8 +53,7 @@ class PyDatasetShares(data_parts.SharedAdapter):
         if self._queue is not None:
             self._queue.stop()
         elif self._reader is not None:
-            # An epoch ended mid-pass (`steps_per_epoch`): what was read
-            # ahead is reread after `on_epoch_end`, as one process would.
+            # Ended mid-pass: reread what was read ahead after `on_epoch_end`.
             self._reader.rewind()
         self._dataset.on_epoch_end()
         if self._epoch is not None:
@@ -115,11 +109,9 @@ class PyDatasetShares(data_parts.SharedAdapter):
 
 
 class _QueuedBatches:
-    """The batches Keras' `OrderedEnqueuer` gives, read in shares.
-
-    `stop()` keeps what the enqueuer would have read ahead (its queue plus the
-    batch its thread was putting) for `next()` to return first.
-    """
+    """Keras' `OrderedEnqueuer`'s batches, read in shares; `stop()` keeps what
+    the enqueuer would have read ahead (its queue plus the batch its thread
+    was putting) for `next()` to return first."""
 
     def __init__(self, adapter):
         self._adapter = adapter
@@ -182,10 +174,8 @@ class _Window:
         return src, batch
 
     def close(self, limit):
-        """Stops; returns what the enqueuer read ahead (`limit`, None: all).
-
-        Read now, before the dataset's `on_epoch_end`, as the enqueuer did.
-        """
+        """Stops; returns what the enqueuer read ahead (`limit`, None: all),
+        read now, before the dataset's `on_epoch_end`, as the enqueuer did."""
         left = len(self._order) - self._taken
         count = left if limit is None else min(left, limit)
         kept = [self.next() for _ in range(count)]
@@ -194,11 +184,9 @@ class _Window:
 
 
 def _pass_order(adapter, epoch):
-    """The order of a pass' batches, the same on every process.
-
-    As the base draws it: Keras 3.15 from the global `random` (process 0's),
-    Keras master from `random.Random(epoch)`, `epoch` being `None` on 3.15.
-    """
+    """A pass' batch order as Keras draws it, on every process: from
+    `random.Random(epoch)`, or on Keras 3.15 (`epoch` None) process 0's
+    global `random`."""
     order = list(range(adapter.py_dataset.num_batches))
     if not adapter.shuffle:
         return order
@@ -210,10 +198,8 @@ def _pass_order(adapter, epoch):
 
 
 class _ShareReader:
-    """Reads one process' batches of a pass (or window), in order.
-
-    Workers start on `read_ahead()`, so Keras' first-batch peek reads one.
-    """
+    """Reads one process' batches of a pass (or window), in order; workers
+    start on `read_ahead()`, so Keras' first-batch peek reads one."""
 
     def __init__(self, adapter, indices):
         self._adapter = adapter
@@ -250,8 +236,7 @@ class _ShareReader:
         rest = self._indices[self._read :]
         if self._enqueuer or not rest:
             return
-        # Read ahead even with one worker: each process waits for every
-        # other's batch, so reading in line would add reading to step time.
+        # Even for one worker: read in line, a batch would delay every process.
         self._enqueuer = OrderedEnqueuer(
             _Share(self._dataset, rest),
             workers=max(1, self._dataset.workers),
@@ -327,11 +312,7 @@ def _padded_bytes(data, length, device):
 
 
 def start_enqueuer(enqueuer):
-    """Starts a Keras `OrderedEnqueuer`, on either Keras base.
-
-    Keras master's `start` takes an epoch (a shuffle seed); shares are never
-    shuffled by the enqueuer, so any epoch does.
-    """
+    """Starts an `OrderedEnqueuer` (any epoch: it never shuffles shares)."""
     if "epoch" in inspect.signature(enqueuer.start).parameters:
         enqueuer.start(epoch=0)
     else:

@@ -1,12 +1,11 @@
 """`tf.data` input under a multi-process distribution.
 
-Upstream's `Distribution.distribute_dataset` refuses a dataset whose batch
-size it cannot compute (batches passed through `map` and `prefetch`). Here a
-dataset of one static batch size, split evenly by the batch-axis processes in
-mesh order, is sharded upstream's way; any other is read whole by every
-process, which keeps its rows, so it must yield the same batches everywhere
-(shuffle it with a seed). Imported lazily: it needs the data adapters, which
-need the backend.
+Upstream refuses a dataset whose batch size it cannot compute (after `map`,
+`prefetch`). One of a static batch size, split evenly by the batch-axis
+processes in mesh order, is sharded upstream's way; any other is read whole by
+every process, which keeps its rows, so it must yield the same batches
+everywhere (shuffle it with a seed). Imported lazily: it needs the data
+adapters, which need the backend.
 """
 
 from keras.src import tree
@@ -16,17 +15,8 @@ from keras.src.trainers.data_adapters.tf_dataset_adapter import TFDatasetAdapter
 
 
 def tf_dataset_adapter(dataset, class_weight=None, distribution=None):
-    """Makes the data adapter of a `tf.data.Dataset`.
-
-    Args:
-        dataset: a `tf.data.Dataset`.
-        class_weight: optional dict of class ids to weights.
-        distribution: the `Distribution` in effect, or `None`.
-
-    Returns:
-        A `TFDatasetAdapter`; sharded, it yields global `DTensor` batches
-        assembled from this process' parts.
-    """
+    """The `TFDatasetAdapter` of `dataset`; sharded, it yields global
+    `DTensor` batches assembled from this process' parts."""
     if not _shards_data(distribution):
         return TFDatasetAdapter(
             dataset, class_weight=class_weight, distribution=distribution
@@ -49,14 +39,9 @@ def _shards_data(distribution):
 
 
 def _shardable_batch_size(dataset, distribution):
-    """The global batch size if upstream's sharding can split `dataset`.
-
-    Upstream's part `data_shard_id` is this process' rows only when the
-    shards are the batch-axis processes in mesh order and batches split evenly.
-
-    Returns:
-        The batch size, or `None` if the dataset must be read whole.
-    """
+    """The global batch size, or `None` if `dataset` must be read whole:
+    upstream's part `data_shard_id` is this process' rows only when the shards
+    are the batch-axis processes in mesh order and batches split evenly."""
     from tensorflow.python.data.experimental.ops import (
         distribute as tf_data_distribute,
     )

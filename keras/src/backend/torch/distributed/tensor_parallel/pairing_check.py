@@ -1,15 +1,11 @@
 """The auto plan's column and row pairs, checked against what layers read.
 
-`AutoModelParallel` pairs kernels by width at creation (`auto_plan.py`), which
-cannot tell a kernel reading another's output from one reading the block's
-stream when a feed-forward layer is as wide as its block. So a paired kernel's
-input is checked at its layer's first symbolic call, before weights are loaded:
-a block is traced once on meta (else zero) stand-ins (`_Trace`, a
-`TorchFunctionMode`) that carry the column kernels feeding each tensor; a
-functional model's own kernel by walking its graph back to the kernels producing
-its input. A kernel that reads otherwise is laid out again (`check_pairing`,
-`_relayout`); one the trace cannot run or reach keeps its width pairing, which
-costs collectives, never correctness.
+Width pairing (`auto_plan.py`) cannot tell a kernel reading another's output
+from one reading the block's stream when both are as wide. So at a layer's first
+symbolic call, before weights load, a block is traced on meta (else zero)
+stand-ins (`_Trace`) and a functional model's graph walked back; a kernel that
+reads otherwise is laid out again. Untraceable ones keep their width pairing,
+which costs collectives, never correctness.
 """
 
 import functools
@@ -27,15 +23,12 @@ from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.core.runtime import DTensor
 from keras.src.backend.torch.distributed.core.runtime import Replicate
 
-# Size of unknown dimensions (batch, sequence) in a trace; small, since a block
-# the meta device cannot run is run on zeros.
+# Small: a block the meta device cannot run is run on zeros.
 UNKNOWN_DIMENSION = 8
-# The roles of `keras/src/distribution/plan_pairs.py` (not imported: the backend
-# is imported before `keras.src.distribution`).
+# `plan_pairs`' roles, not imported: the backend loads before `distribution`.
 COLUMN = "column"
 ROW = "row"
 
-# The trace running in this thread (layer calls go to `_Trace.call_layer`).
 _state = threading.local()
 
 
@@ -45,11 +38,7 @@ def active_trace():
 
 
 def check_layer(layer, distribution, args, kwargs):
-    """Checks the pairings of `layer`'s kernels after its first symbolic call.
-
-    Called with the call's `args` and `kwargs` (`KerasTensor`s, as a functional
-    model is built) under `distribution`.
-    """
+    """Checks the pairings of `layer`'s kernels at its first symbolic call."""
     if not hasattr(distribution, "check_pairing"):
         return
     if distribution.paired_role(layer) is not None:
@@ -68,15 +57,15 @@ def check_layer(layer, distribution, args, kwargs):
     try:
         trace.run(layer, args, kwargs)
     except Exception as error:  # noqa: BLE001 - a trace only informs.
-        # Ops neither meta nor zeros can run (a check of values): widths stand.
+        # Ops neither meta nor zeros can run (a check of values).
         runtime.log_debug(
             "pairings of %s not checked: its trace failed (%s)",
             layer.name,
             error,
         )
         trace.reads.clear()
-    # A kernel the trace did not reach (a branch not taken) keeps its width
-    # pairing; a model holding the layer does not trace it again.
+    # Unreached kernels keep their width pairing; a model holding the layer
+    # does not trace it again.
     for inner, role in paired:
         reads = trace.reads.get(inner, role == ROW)
         _check(inner, distribution, reads)
@@ -137,16 +126,13 @@ def _is_block(operation):
 class _Trace(TorchFunctionMode):
     """Runs a block on stand-ins, tracking the column kernels each tensor reads.
 
-    Attributes:
-        reads: `{layer: whether its input comes from a column-parallel kernel's
-            output}` for each layer whose kernel widths paired.
+    `reads`: for each width-paired layer, whether it reads a column output.
     """
 
     def __init__(self, distribution):
         super().__init__()
         self.distribution = distribution
         self.reads = weakref.WeakKeyDictionary()
-        # id(tensor) -> (weak reference to it, the column kernels it carries).
         self._carried = {}
 
     def run(self, layer, args, kwargs):

@@ -1,11 +1,7 @@
-"""Einsum, batched matmul and attention computed on each process' shards.
-
-On `DTensor`s torch computes these through views merging a head or batch
+"""Einsum, batched matmul and attention computed on each process' shards:
+on `DTensor`s torch computes these through views merging a head or batch
 dimension into a strided shard (which `fallback` gathers), or through
-attention's math decomposition, so every process would compute every head.
-The wrapped backend functions compute on local tensors where the operands
-split along such a dimension, and run as they are otherwise.
-"""
+attention's math decomposition: every process would compute every head."""
 
 import functools
 
@@ -24,13 +20,9 @@ _STACK_LABELS = "abcdefghlmnopq"
 
 
 def local_einsum(function):
-    """Wraps the backend's `einsum` (`function`) to run on local shards.
-
-    Each mesh axis may shard one label, evenly, in every operand that has
-    it; a kept label shards the output, a contracted one gives a partial
-    sum (a row-parallel projection). Other layouts go to `function`, after
-    `_einsum_operands`.
-    """
+    """Wraps the backend's `einsum` (`function`) to run on local shards where
+    each mesh axis shards one label evenly in every operand that has it (a
+    contracted one gives a partial sum); else on `_einsum_operands`."""
 
     @functools.wraps(function)
     def einsum(subscripts, *operands, **kwargs):
@@ -105,11 +97,9 @@ def _shard_local_matmul(x1, x2):
 
 
 def _shard_local_einsum(subscripts, operands):
-    """How `einsum` splits into one per shard: `(mesh, output placements,
-    local operands)`, or `None`."""
+    """`(mesh, placements, local operands)` of a per-shard einsum, or `None`."""
     if torch.compiler.is_compiling():
-        # Compiled steps trace DTensor's own einsum: dynamo fails on this
-        # path (`InternalTorchDynamoError` in a MultiHeadAttention step).
+        # Dynamo fails on this path (`InternalTorchDynamoError`).
         return None
     projection = any(isinstance(x, KerasVariable) for x in operands)
     operands = [
@@ -138,9 +128,8 @@ def _shard_local_einsum(subscripts, operands):
             return None
         split_labels.append(label)
     if projection and not any(split_labels):
-        # A replicated projection goes to DTensor, whose backward keeps a
-        # partial output gradient partial (reduced later, once); a product
-        # of two activations reduces it here instead.
+        # DTensor's backward keeps a partial output gradient partial (reduced
+        # once, later); this path would reduce it here.
         return None
     placements = [_output_placement(label, output) for label in split_labels]
     local_operands = [
@@ -203,16 +192,12 @@ def _local_part(x, labels, split_labels):
 
 
 def local_attention(function):
-    """Wraps the backend's `dot_product_attention` (`function`) likewise.
-
-    Operands sharded only on batch rows or heads are attended shard by
-    shard, with no collective (DTensor's math decomposition cannot shard
-    under `torch.compile`), with a mask or bias laid out like the scores.
-    Replicated key and value (fewer key/value heads than processes) give
-    each process the heads its query heads read. Upstream's flash attention
-    probe (`SDPAParams`) is skipped: dynamo cannot trace it, and torch's
-    kernel choice tries flash first where it can run.
-    """
+    """Wraps the backend's `dot_product_attention` (`function`) to attend
+    shard by shard where sharded on batch or heads only (DTensor's math
+    decomposition cannot shard under `torch.compile`). Replicated key and
+    value (fewer heads than processes) give each process the heads its query
+    heads read. The flash probe (`SDPAParams`) is skipped: dynamo cannot
+    trace it, and torch tries flash first anyway."""
 
     @functools.wraps(function)
     def attention(query, key, value, *args, **kwargs):
@@ -292,7 +277,6 @@ def _reads_whole_heads(query, key, mesh_dim):
     if heads % size or heads % key_heads:
         return False
     local_heads, group = heads // size, heads // key_heads
-    # Each process' query heads are whole groups, or within one group.
     return local_heads % group == 0 or group % local_heads == 0
 
 
@@ -330,7 +314,6 @@ def _scores_like(mask, query):
         return False
     if mask.device_mesh != query.device_mesh:
         return False
-    # The query's batch (0) and heads (2) are the scores' 0 and 1.
     scores_dim = {0: 0, 2: 1}
     for placement, own in zip(query.placements, mask.placements):
         if placement.is_replicate():

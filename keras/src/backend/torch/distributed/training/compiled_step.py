@@ -17,17 +17,9 @@ from keras.src.backend.torch.distributed.fsdp import fsdp
 
 
 def compile_step(step_function):
-    """`torch.compile` of a step that runs on `DTensor`s.
-
-    Shapes are static: dynamo cannot make a constant of a symbolic shape in
-    DTensor's Python code (the backward pass rebuilds `DTensor` gradients).
-
-    Args:
-        step_function: the eager step function.
-
-    Returns:
-        The compiled function.
-    """
+    """`torch.compile` of a step on `DTensor`s, with static shapes: dynamo
+    cannot make a constant of a symbolic shape in DTensor's Python code (the
+    backward pass rebuilds `DTensor` gradients)."""
     compiled_function = torch.compile(step_function, dynamic=False)
 
     @functools.wraps(step_function)
@@ -39,13 +31,11 @@ def compile_step(step_function):
 
 
 def _rank_cache_key():
-    """Returns a context that keys torch's compile caches by this rank.
-
-    Each rank's graph slices replicated tensors at its own shard's offset,
-    but AOTAutograd keys graphs by mesh and placements only, so a rank could
-    silently run another rank's cached graph (pytorch/pytorch#188390). A
-    torch without `cache_key_tag` keys by storage address, per process.
-    """
+    """A context keying torch's compile caches by rank: each rank's graph
+    slices replicated tensors at its shard's offset, but AOTAutograd keys by
+    mesh and placements only, so a rank could run another rank's cached graph
+    (pytorch/pytorch#188390). Torch without `cache_key_tag` keys by storage
+    address, per process."""
     config = getattr(torch.compiler, "config", None)
     tag = getattr(config, "cache_key_tag", None)
     if tag is None:
@@ -58,11 +48,8 @@ class CompileFailed(Exception):
 
 
 def run(compiled_step_function, model, data):
-    """Runs the compiled step and drops the gradients it leaves.
-
-    Otherwise `zero_grad()` sees gradients from the second step on, which
-    fails a guard and recompiles the step.
-    """
+    """Runs the compiled step and drops the gradients it leaves, which would
+    fail a guard of `zero_grad()` and recompile the step."""
     try:
         return compiled_step_function(data)
     finally:
@@ -70,11 +57,8 @@ def run(compiled_step_function, model, data):
 
 
 def run_first(compiled_step_function, model, data):
-    """Runs the compiled step; undoes what it changed if it fails.
-
-    Raises:
-        CompileFailed: torch could not compile or run it (warned once).
-    """
+    """Runs the compiled step; if it fails, undoes what it changed, warns
+    and raises `CompileFailed`."""
     state = _step_state(model)
     saved = [v.value.detach().clone() for v in state]
     try:

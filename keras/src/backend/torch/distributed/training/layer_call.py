@@ -1,11 +1,9 @@
-"""Layer calls under a distribution.
-
-Inside a layer call or a step, a plain tensor is a global value replicated on
-every process, as in JAX. Partial-sum outputs (a row-parallel kernel) are
-reduced as the layer returns, as in Megatron's `RowwiseParallel`, and so are
-the partial sums of a replicated output's gradient (Megatron's `f`), unless
-the layer's backward keeps them partial at no cost (`_partial_gradient_axes`).
-"""
+"""Layer calls under a distribution: inside a layer call or a step, a plain
+tensor is a global value replicated on every process, as in JAX. Partial-sum
+outputs (a row-parallel kernel) are reduced as the layer returns (Megatron's
+`RowwiseParallel`), as are the partial sums of a replicated output's gradient
+(Megatron's `f`) unless the layer's backward keeps them partial at no cost
+(`_partial_gradient_axes`)."""
 
 import contextlib
 import functools
@@ -55,18 +53,10 @@ def _call_depth():
 
 
 def call_layer(call_function, layer, *args, **kwargs):
-    """Calls a Keras layer under the distribution in effect.
+    """Calls `layer` (via `call_function`) under the distribution in effect.
 
     Plain tensor inputs enter as replicated DTensors (so autograd saves
     DTensors); `KERAS_DISTRIBUTION_CHECK_REPLICATION=1` checks them first.
-
-    Args:
-        call_function: `call_function(layer, *args, **kwargs)` calls it.
-        layer: the layer.
-        *args, **kwargs: the arguments of the call.
-
-    Returns:
-        The outputs of the layer.
     """
     distribution = runtime.current_distribution()
     # Under `torch.compile` the step entered the context (dynamo can't).
@@ -145,15 +135,10 @@ def _call_with_dtensors(call_function, layer, distribution, args, kwargs):
 
 def _partial_gradient_axes(layer, ndim, inputs):
     """Mesh dims over which `layer`'s backward can take a partial-sum output
-    gradient as it is, so it is reduced once, where its producer gets all.
-
-    A linear `Dense`/`EinsumDense` multiplies by its kernel: over axes its
-    weights are replicated on, it yields partial input and weight gradients
-    with no collective, which the producer's all-reduce and the step's
-    weight reduction make whole. A weightless layer with one differentiated
-    input (a rotary embedding) passes the partial sum on; with several (an
-    `Add`), each would get partial sums to reduce.
-    """
+    gradient as it is, to reduce it once where its producer gets all: those a
+    linear `Dense`/`EinsumDense`'s weights are replicated on (the producer's
+    all-reduce and the step's weight reduction make its partial gradients
+    whole), or all for a weightless layer with one differentiated input."""
     from keras.src import activations
     from keras.src import layers
 
@@ -231,12 +216,9 @@ def _layer_output(x, partial_axes=()):
 
 
 def _hooked_by_inner_layer(output):
-    """Whether `output` is (a view of) an inner layer's returned output.
-
-    The inner call's hook already prepares its gradient; a second hook would
-    make whole, at a collective, a partial sum the inner layer keeps. Views
-    count since module backward hooks (`CommDebugMode`) return views.
-    """
+    """Whether `output` is (a view of) an inner layer's output, whose hook
+    prepares its gradient: a second would make whole a partial sum the inner
+    layer keeps. Views count: module backward hooks return views."""
     while output is not None:
         if getattr(output, GRADIENT_HOOK_ATTRIBUTE, False):
             return True
@@ -245,13 +227,10 @@ def _hooked_by_inner_layer(output):
 
 
 def _whole_output_gradient(grad, placements, partial_axes=()):
-    """A replicated output's gradient, made whole where the output is.
-
-    It arrives partial after column-parallel consumers, or sharded after a
-    consumer's scatter or index (mixture-of-experts dispatch). Made whole
-    once all consumers are summed (Megatron's `f`), the layer's backward and
-    weight gradients are whole; left to DTensor, e.g. a LayerNorm would
-    reduce-scatter and all-gather, and leave partial weight gradients.
+    """A replicated output's gradient (partial after column-parallel
+    consumers, sharded after a scatter or index) made whole where the output
+    is (Megatron's `f`), so the layer's backward and weight gradients are
+    whole; left to DTensor, a LayerNorm would leave partial weight gradients.
     """
     if not isinstance(grad, DTensor):
         return grad
@@ -268,12 +247,9 @@ def _whole_output_gradient(grad, placements, partial_axes=()):
 
 @contextlib.contextmanager
 def replicated_plain_tensors():
-    """Treats plain tensors as replicated global values (JAX semantics).
-
-    Entered around layer calls and steps; only the outermost entry acts. On
-    CPU meshes it also selects the math SDPA kernel, as DTensor has no
-    sharding rule for the CPU flash kernel.
-    """
+    """Treats plain tensors as replicated global values (JAX semantics); only
+    the outermost entry acts. On CPU meshes it selects the math SDPA kernel:
+    DTensor has no sharding rule for the CPU flash kernel."""
     global _replication_depth
     _replication_depth += 1
     try:
@@ -292,14 +268,8 @@ def replicated_plain_tensors():
 
 
 def hold_replication(distribution):
-    """Treats plain tensors as replicated while `distribution` is set.
-
-    As in JAX, code outside layer calls and steps also mixes plain tensors
-    with layer outputs (e.g. a generation loop's caches).
-
-    Args:
-        distribution: the process' distribution, or `None`.
-    """
+    """Treats plain tensors as replicated while `distribution` is set: as in
+    JAX, code outside layer calls and steps mixes them with layer outputs."""
     global _replication_held
     if not runtime.DTENSOR_AVAILABLE:
         return
@@ -328,14 +298,8 @@ def _update_implicit_replication():
 
 
 def loop_function(function):
-    """A `while_loop` body or condition taking plain tensors as replicated.
-
-    Args:
-        function: the loop's `cond` or `body`.
-
-    Returns:
-        `function` itself without a distribution, else a wrapper.
-    """
+    """`function` (a `while_loop` body or condition), taking plain tensors as
+    replicated under a distribution."""
     if runtime.current_distribution() is None:
         return function
 
@@ -348,18 +312,9 @@ def loop_function(function):
 
 
 def loop_condition(cond):
-    """A `while_loop` condition, run under the distribution.
-
-    As `loop_function`, but a `DTensor` result is made its global value
-    before the loop reads it as a `bool`; read as each process' own part,
-    the processes would leave the loop at different steps.
-
-    Args:
-        cond: the loop's condition.
-
-    Returns:
-        `cond` itself without a distribution, else a wrapper.
-    """
+    """`loop_function(cond)`, with a `DTensor` result made global before the
+    loop reads it as a `bool`: read as each process' own part, the processes
+    would leave the loop at different steps."""
     function = loop_function(cond)
     if function is cond:
         return cond
@@ -375,15 +330,8 @@ def loop_condition(cond):
 
 
 def check_replicated(values, name):
-    """Raises if plain tensors in `values` differ between processes.
-
-    A collective: all processes must call it with the same structure.
-
-    Args:
-        values: a tensor or nested structure of them; `DTensor`s and
-            non-tensors are skipped.
-        name: what the values are, for the error message.
-    """
+    """Raises if plain tensors in `values` (`name` in the message) differ
+    between processes; a collective, called with the same structure on all."""
     leaves = [
         (path, x)
         for path, x in tree.flatten_with_path(values)

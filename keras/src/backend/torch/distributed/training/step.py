@@ -1,31 +1,12 @@
 """The training step as one object: a step function under the distribution.
 
-The torch trainer builds a `DistributedStep` once per step function
-(`make_train_function`, `make_test_function`, `make_predict_function`),
-from the model; it is the step function the trainer calls. Without a
-distribution it calls the step as it is. Under one, it distributes each
-global batch (see `data_input`), runs the step with plain tensors taken as
-replicated global values (see `layer_call`), and decides for its model:
-
-- the path: a model of Keras' own per-sample layers under data parallelism
-  is called on each process' rows as plain tensors (see `local_rows`),
-  others through DTensor, whose refusals are computed on global values
-  (see `fallback`); a model whose call drew random numbers or assigned a
-  trainable variable in this step function runs through DTensor from
-  then on (`runs_through_dtensor`);
-- the reductions: in Keras' own eager train step, gradient buckets are
-  all-reduced while the backward pass runs, the weights of a call on the
-  local rows entering as plain leaves, and the last bucket is reduced with
-  the loss (see `step_reduction`);
-- the loss: a built-in per-sample loss computed on each process' rows
-  (see `local_loss`), and the loss tracker updated on local values;
-- compiled (`jit_compile=True`): see `compiled_step`.
-
-While it runs, the step is set on its model (`local_rows.running_step`):
-the trainer's train step and the model's call reach it from the model they
-have, through the hooks below. A step keeps its state on itself; the
-gradient hooks that autograd runs (on threads of its own on CUDA devices)
-hold the step's reduction, not a lookup.
+The torch trainer builds a `DistributedStep` per step function. Under a
+distribution it distributes each global batch (`data_input`), runs the model on
+the local rows as plain tensors (`local_rows`) or through DTensor (`fallback`),
+overlaps gradient reductions with the backward pass (`step_reduction`),
+computes the loss locally (`local_loss`) and may compile (`compiled_step`).
+While it runs it is set on its model, where the hooks below find it; gradient
+hooks (on autograd's own threads on CUDA) hold its reduction, not a lookup.
 """
 
 import contextlib
@@ -54,73 +35,46 @@ from keras.src.backend.torch.distributed.training import step_reduction
 class DistributedStep:
     """A train, test or predict step function, run under the distribution.
 
-    Args:
-        model: the model the step belongs to.
-        kind: `"train"`, `"test"` or `"predict"`.
-        step_function: a function of `data`, a list holding one global
-            batch; possibly compiled with `torch.compile`.
-        eager_step_function: the same function, not compiled.
-
-    Called with `data`, it returns what `step_function` returns. Under a
-    distribution, a compiled step is compiled anew with static shapes (see
-    `compiled_step.compile_step`). Where a variable or a batch is sharded
-    unevenly, the step runs eagerly: compiled code assumes equal shards
-    (torch 2.13). If the compiled step fails on its first call, it warns
-    once, restores the state the attempt may have changed, and runs
-    eagerly from then on. All processes take the same path, as they decide
-    on global shapes.
-
-    Attributes:
-        runs_through_dtensor: whether a call of the model on the local rows
-            drew random numbers or assigned a trainable variable in this
-            step function; it then runs through DTensor, which draws one
-            process' numbers for the global batch and assigns global
-            values.
+    A compiled step is compiled anew with static shapes, but runs eagerly where
+    a variable or batch is sharded unevenly (compiled code assumes equal shards,
+    torch 2.13) or once its first call failed; processes decide alike, on global
+    shapes. `runs_through_dtensor` is set once a local-rows call drew random
+    numbers or assigned a trainable variable (DTensor does those globally).
     """
 
     def __init__(self, model, kind, step_function, eager_step_function):
         self.model = model
         self.kind = kind
-        # Reached the same way whatever the trainer does with the step
-        # (see `model_step`).
+        # Reached via the model whatever the trainer does with the step.
         local_rows.model_steps(model).by_kind[kind] = self
         self.step_function = step_function
         self.eager_step_function = eager_step_function
         functools.update_wrapper(self, eager_step_function)
-        # A compiled step is checked on its first call.
         self._unchecked = step_function is not eager_step_function
         self._distributed_function = eager_step_function
         if self._unchecked:
             self._distributed_function = compiled_step.compile_step(
                 eager_step_function
             )
-        # Keras' own train step takes one backward pass, then reduces its
-        # gradients in `reduce_gradients`: its buckets can be all-reduced
-        # while that pass runs.
+        # Keras' own train step reduces in `reduce_gradients` after one
+        # backward pass: its buckets can be all-reduced while that pass runs.
         self._overlaps_reduction = kind == "train" and _default_train_step(
             model
         )
         self.runs_through_dtensor = False
-        # What the probe found of the model's calls in this step function
-        # (`local_rows.call`): `{training: batch_coupling.Verdict}`.
+        # `{training: batch_coupling.Verdict}` of the probe (`local_rows.call`).
         self.verdicts = {}
-        # `(mesh, variables)`: what `local_rows.local_variables` said of the
-        # model once it was built (see `local_variables`).
+        # `(mesh, variables)`, kept by `local_variables` once it is final.
         self._local_variables = None
-        # The plain leaves standing for the weights, kept from one step to
-        # the next (see `step_reduction.OverlappedReduction.local_leaf`).
+        # The weights' plain leaves and reduction buckets, kept across steps.
         self._leaves = {}
-        # The buckets of the overlapped reduction, kept from one step to
-        # the next (see `step_reduction.overlapped_reduction`).
         self._buckets = {}
-        # Of the step running now: its overlapped reduction, and the
-        # `(output, local tensor)` of the model's calls on the local rows.
+        # Of the running step: its reduction, local-rows `(output, local)`s.
         self._reduction = None
         self._local_outputs = []
         # Turns the step's lazily entered fallback on (see `_eager_step`).
         self._fallback_on = None
-        # The order of the gathers of weights sharded over the batch axis,
-        # learned from one step for the next (see `fsdp_schedule`).
+        # FSDP gather order, learned from one step for the next.
         self._gathers = fsdp_schedule.GatherSchedule()
 
     def __call__(self, data):
@@ -171,11 +125,10 @@ class DistributedStep:
                 return self._eager_step(data)
 
     def _eager_step(self, data):
-        """Runs an eager step; Keras' own train step reduces during backward.
+        """Runs an eager step, DTensor's refusals computed on global values.
 
-        Ops that DTensor refuses, forward or backward, are computed on
-        global values (see `fallback`); a model that runs on the local rows
-        runs its plain tensors without that mode's cost.
+        The `fallback` mode is entered lazily where the model may run on the
+        local rows, whose plain tensors then skip its cost.
         """
         with (
             fallback.dtensor_fallback(
@@ -191,8 +144,7 @@ class DistributedStep:
                 self._fallback_on = None
 
     def _step_reducing(self, data):
-        """The step function, its gradients reduced as Keras' own train
-        step computes them (see `step_reduction`)."""
+        """The step function, its gradients reduced during backward."""
         if not self._overlaps_reduction:
             return self.eager_step_function(data)
         with step_reduction.overlapped_reduction(
@@ -205,27 +157,17 @@ class DistributedStep:
                 self._reduction = None
 
     def _may_run_locally(self):
-        """Whether the model may be called on the local rows (before the
-        call): a data-parallel (1-D) mesh, and see `local_variables`."""
+        """Whether the model may be called on the local rows (1-D mesh)."""
         if self.runs_through_dtensor:
             return False
         mesh = runtime.current_distribution().device_mesh.backend_mesh
         return mesh.ndim == 1 and self.local_variables(mesh) is not None
 
     def local_variables(self, mesh):
-        """`local_rows.local_variables` of the model, decided once.
+        """`local_rows.local_variables` of the model on the batch's `mesh`.
 
-        The model's layers are walked and its variables' layouts checked
-        on every call until the model is built (see
-        `local_rows.classification_final`); then the answer is kept for
-        this step function, as long as the batch comes on the same mesh.
-
-        Args:
-            mesh: the mesh the batch is sharded over.
-
-        Returns:
-            The model's variables, or `None` if the model cannot be called
-            on the local rows.
+        Checked on every call until the model is built, then kept for this step
+        function while the batch comes on the same mesh.
         """
         kept = self._local_variables
         if kept is not None and kept[0] is mesh:
@@ -236,26 +178,16 @@ class DistributedStep:
         return variables
 
     def local_leaf(self, variable):
-        """The plain leaf standing for a weight in a call on the local rows.
+        """The plain leaf for a weight in a call on the local rows, or `None`.
 
-        Args:
-            variable: a trainable variable, replicated on a 1-D mesh.
-
-        Returns:
-            A leaf tensor in Keras' own eager train step (see
-            `step_reduction.OverlappedReduction.local_leaf`), else `None`.
+        Only in Keras' own eager train step (`step_reduction`).
         """
         if self._reduction is None:
             return None
         return self._reduction.local_leaf(variable)
 
     def keep_local_output(self, output, local):
-        """Keeps, for this step, the local tensor a model output came from.
-
-        Args:
-            output: a batch-sharded output of a call on the local rows.
-            local: the plain tensor of this process' rows it was made of.
-        """
+        """Keeps, for this step, the plain `local` rows `output` was made of."""
         self._local_outputs.append((output, local))
 
     def local_output(self, x):
@@ -289,9 +221,8 @@ class DistributedStep:
         )
 
     def local_metric_state(self, metric):
-        """See `local_metric_state` (the hook): in Keras' own train step
-        the partial loss the tracker meets is reduced with the gradients'
-        last bucket (`OverlappedReduction.defer`)."""
+        """See `local_metric_state`; in Keras' own train step the tracker's
+        partial loss is reduced with the gradients' last bucket."""
         defer = None if self._reduction is None else self._reduction.defer
         return local_state.local_metric_state(metric, defer)
 
@@ -303,16 +234,9 @@ class DistributedStep:
 
 
 def call_verdict(model, kind=None, training=False):
-    """What the probe found of `model`'s calls (see `local_rows.call`).
+    """The probe's `batch_coupling.Verdict` of `model`'s calls, or `None`.
 
-    Args:
-        model: the model.
-        kind: the step function whose calls (`"train"`, `"test"`,
-            `"predict"`), or `None` for calls outside a step.
-        training: the calls' `training` argument.
-
-    Returns:
-        A `batch_coupling.Verdict`, or `None` before a probe.
+    Of step function `kind`'s calls (`None`: outside a step) with `training`.
     """
     if kind is None:
         return local_rows.verdict(model, training)
@@ -321,37 +245,19 @@ def call_verdict(model, kind=None, training=False):
 
 
 def model_step(model, kind):
-    """The `DistributedStep` of one of `model`'s step functions.
+    """The `DistributedStep` last built for `model`'s `kind`, or `None`.
 
-    On Keras 3.15.1 it is the step function itself
-    (`model.train_function`); Keras master's trainer loops over its
-    `steps_per_execution` batches itself and calls the step on each from
-    inside its own function (`distribution_lib.batch_step`).
-
-    Args:
-        model: the model.
-        kind: `"train"`, `"test"` or `"predict"`.
-
-    Returns:
-        The step the trainer built last for that step function, or `None`
-        before it built one.
+    Kept on the model: the trainer may call it from inside its own function
+    (`distribution_lib.batch_step`) rather than as `model.train_function`.
     """
     return local_rows.model_steps(model).by_kind.get(kind)
 
 
 def loss_predictions(model, y, y_pred):
-    """The model's outputs as a train or test step's loss and metrics read
-    them.
+    """`y_pred` as a step's loss and metrics read it.
 
-    Args:
-        model: the model being trained or evaluated.
-        y: the targets.
-        y_pred: the model's outputs.
-
-    Returns:
-        `y_pred` itself outside a step under a distribution, else with a
-        class axis sharded over the mesh gathered where the compiled loss
-        would gather it (see `local_loss.gathered_predictions`).
+    In a step under a distribution, a sharded class axis is gathered where the
+    compiled loss would (`local_loss.gathered_predictions`).
     """
     if local_rows.running_step(model) is None:
         return y_pred
@@ -359,19 +265,10 @@ def loss_predictions(model, y, y_pred):
 
 
 def local_loss(model, y, y_pred, sample_weight):
-    """The train step's compiled loss, computed on local tensors.
+    """The train step's compiled loss on local tensors, or `None`.
 
-    Args:
-        model: the model being trained.
-        y: the targets.
-        y_pred: the model's outputs.
-        sample_weight: the sample weights, or `None`.
-
-    Returns:
-        `None` outside a step under a distribution, or where the loss cannot
-        be computed on local tensors with DTensor's numbers (the caller then
-        computes it as Keras does); else the loss (see
-        `local_loss.local_compiled_loss`).
+    `None` outside a step under a distribution, or where local tensors can't
+    give DTensor's numbers (the caller then computes it as Keras does).
     """
     step = local_rows.running_step(model)
     if step is None:
@@ -382,19 +279,9 @@ def local_loss(model, y, y_pred, sample_weight):
 def metric_predictions(model, y_pred):
     """The predictions a train step gives its metrics, after the loss.
 
-    Compiled under a distribution they are detached: the forward part of
-    the step would otherwise return them as outputs that require gradients
-    but get none from `loss.backward()`, and AOTAutograd fails on the
-    missing `DTensor` gradient ("Expected a DTensor tangent but got a
-    plain Tensor"). Metrics take no gradients, so the values are the same.
-
-    Args:
-        model: the model being trained.
-        y_pred: the model's outputs (a nested structure of tensors).
-
-    Returns:
-        `y_pred` itself unless compiled under a distribution, else its
-        detached tensors.
+    Detached when compiled under a distribution: as outputs that require
+    gradients but get none from `loss.backward()`, AOTAutograd fails on them
+    ("Expected a DTensor tangent but got a plain Tensor").
     """
     step = local_rows.running_step(model)
     if step is None:
@@ -403,17 +290,8 @@ def metric_predictions(model, y_pred):
 
 
 def reduce_gradients(model, gradients):
-    """Reduces a train step's gradients once, in buckets.
-
-    Args:
-        model: the model being trained.
-        gradients: list of gradients, in the order of the model's trainable
-            weights.
-
-    Returns:
-        The gradients: as they are outside a step under a distribution,
-        else reduced (see `step_reduction.reduce_step_gradients`).
-    """
+    """A train step's `gradients` (trainable-weight order), reduced once in
+    buckets in a step under a distribution, else as they are."""
     step = local_rows.running_step(model)
     if step is None:
         return gradients
@@ -421,16 +299,8 @@ def reduce_gradients(model, gradients):
 
 
 def local_metric_state(model, metric):
-    """Runs a metric's update on the local values of its replicated state.
-
-    Args:
-        model: the model being trained.
-        metric: a `keras.metrics.Metric` (the loss tracker).
-
-    Returns:
-        A context manager: `local_state.local_metric_state` in a step under
-        a distribution, else one that does nothing.
-    """
+    """A context running `metric`'s update on its replicated state's local
+    values in a step under a distribution (else a no-op)."""
     step = local_rows.running_step(model)
     if step is None:
         return contextlib.nullcontext()
@@ -438,8 +308,7 @@ def local_metric_state(model, metric):
 
 
 def _default_train_step(model):
-    """Whether `model` trains with Keras' own step: one backward pass, then
-    `reduce_gradients`, which takes the overlapped buckets."""
+    """Whether `model` trains with Keras' own step (then overlappable)."""
     # The torch trainer's own step, whatever the base names its class.
     from keras.src.models.model import Model
 
