@@ -425,6 +425,27 @@ def test_gradients_partial_over_the_same_axes_share_one_all_reduce():
         assert over_both["placements"] == ["(Replicate(), Replicate())"] * 2
 
 
+def _equal_meshes_body(rank, world_size):
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor.device_mesh import init_device_mesh
+
+    # Two mesh objects of one value: DTensor's sharding propagation cache
+    # hands out an earlier, equal mesh's object with its results.
+    meshes = [init_device_mesh("cpu", (world_size,)) for _ in range(2)]
+    assert meshes[0] is not meshes[1] and meshes[0] == meshes[1]
+    values = [
+        _partial_values(mesh, [((3, 2), [Partial()])], lambda _: rank + 1)[0]
+        for mesh in meshes
+    ]
+    return _reduced_as_dtensor_reduces(meshes[0], values)
+
+
+def test_gradients_on_equal_meshes_share_one_all_reduce():
+    for result in run_on_ranks(_equal_meshes_body, world_size=2):
+        assert result["comms"] == {"c10d.allreduce_": 1}, result
+        assert result["equal"] == [True, True], result
+
+
 def _gradient_sharded_by_a_consumer_body(rank, world_size):
     import torch
     from torch.distributed.tensor import DTensor

@@ -1,8 +1,6 @@
-"""Layers that couple the samples of a batch, called alone through DTensor.
-
-In a model run on the local rows (`local_rows`), layers that couple the
-batch (a sum over it, an added loss) are called through DTensor on the global
-batch, weights as replicated `DTensor`s; their outputs return to the rows.
+"""Layers coupling a batch's samples (a sum over it, an added loss) in a model
+run on the local rows (`local_rows`): each is called alone through DTensor on
+the global batch, weights replicated, and its outputs return to the rows.
 """
 
 import contextlib
@@ -24,7 +22,7 @@ from keras.src.backend.torch.distributed.core.runtime import Partial
 from keras.src.backend.torch.distributed.core.runtime import Replicate
 from keras.src.backend.torch.distributed.core.runtime import Shard
 
-# The coupled layers of the running local call; per thread, as layer calls.
+# The running call's `Routing`, per thread as layer calls are.
 _state = threading.local()
 
 
@@ -54,7 +52,7 @@ def loss_adding_layers(model):
 
 @dataclasses.dataclass(frozen=True)
 class Batch:
-    """Where a process' rows sit in the global batch of a local call."""
+    """Where this process' rows sit in a local call's global batch."""
 
     mesh: object
     global_rows: int
@@ -64,11 +62,8 @@ class Batch:
 
 
 def batch_of(values):
-    """The `Batch` of `values`, or `None` if they are not split by rows.
-
-    All must be DTensors sharded on axis 0 over a 1-D mesh, at least one row
-    per process; on a one-process mesh, `Replicate` inputs count too.
-    """
+    """The `Batch` of `values`: all DTensors sharded on axis 0 over a 1-D
+    mesh (or replicated on one process), a row or more each; else `None`."""
     leaves = [x for x in tree.flatten(values) if hasattr(x, "shape")]
     if not leaves or not all(isinstance(x, DTensor) for x in leaves):
         return None
@@ -80,7 +75,7 @@ def batch_of(values):
     for x in leaves:
         if (
             x.ndim == 0
-            or x.device_mesh is not mesh
+            or x.device_mesh != mesh
             or tuple(x.placements) != placements
             or x.shape[0] != global_rows
         ):
@@ -106,21 +101,15 @@ def replicated_on(value, mesh):
     """Whether `value` is a DTensor replicated on `mesh`."""
     return (
         isinstance(value, DTensor)
-        and value.device_mesh is mesh
+        and value.device_mesh == mesh
         and all(p.is_replicate() for p in value.placements)
     )
 
 
 @dataclasses.dataclass
 class Routing:
-    """The coupled layers of a local-rows call, and what they add.
-
-    Attributes:
-        layer_ids: the ids of the layers to call through DTensor.
-        batch: the `Batch` of the call.
-        regularizers: `{layer id: activity regularizer}` of those layers.
-        losses: the losses they added in the call, in order.
-    """
+    """The ids of a local-rows call's coupled layers, their activity
+    regularizers by id, and the losses they added, in order."""
 
     layer_ids: frozenset
     batch: Batch
@@ -135,18 +124,11 @@ class Routing:
 
 @contextlib.contextmanager
 def routed(layers, batch):
-    """In the block, a call of one of `layers` runs through DTensor.
-
-    Args:
-        layers: the coupled layers of the local-rows call.
-        batch: the `Batch` of that call.
-
-    Yields:
-        The `Routing`.
-    """
+    """Yields a `Routing`; in the block, calls of `layers` run through
+    DTensor on `batch`."""
     previous = getattr(_state, "routing", None)
-    # `Layer.__call__` applies the activity regularizer after the routed
-    # call; `_regularize` applies it to the global outputs instead.
+    # `Layer.__call__` would regularize the local outputs; `_regularize`
+    # does it on the global ones instead.
     regularizers = {
         id(layer): layer.activity_regularizer
         for layer in layers
@@ -175,23 +157,9 @@ def routing(layer):
 
 
 def call(through_dtensor, plain_as_replicated, layer, batch, args, kwargs):
-    """Calls a coupled `layer` of a local-rows call through DTensor.
-
-    Args:
-        through_dtensor: `through_dtensor(args, kwargs)` calls the layer.
-        plain_as_replicated: a context where plain tensors mix with
-            `DTensor`s as replicated values (for the activity regularizer).
-        layer: the layer.
-        batch: the `Batch` of the local call.
-        args: positional arguments, plain tensors of the local rows.
-        kwargs: keyword arguments.
-
-    Returns:
-        The outputs, plain tensors of the local rows.
-
-    Raises:
-        NotRows: if an output is not a batch of the global rows.
-    """
+    """Calls coupled `layer` through DTensor on local-row inputs; returns
+    the outputs' local rows, or raises `NotRows`. `plain_as_replicated` is
+    a context mixing plain tensors with DTensors (for the regularizer)."""
     scope = get_stateless_scope()
     losses_before = len(scope.losses)
     local_values = [
@@ -235,14 +203,8 @@ def _regularize(layer, outputs):
 
 
 def keep_losses(model, losses):
-    """Keeps coupled layers' losses where Keras keeps a layer's loss.
-
-    The enclosing stateless scope if it collects losses, else the layers'.
-
-    Args:
-        model: the model called.
-        losses: the losses the call collected, all from coupled layers.
-    """
+    """Keeps coupled layers' `losses` from a call of `model` where Keras
+    would: the enclosing stateless scope if any, else the layers'."""
     if not losses:
         return
     outer = get_stateless_scope()
@@ -259,10 +221,8 @@ def keep_losses(model, losses):
 
 
 class _ReplicatedWeight(torch.autograd.Function):
-    """A local weight as a replicated `DTensor`, its gradient a partial sum.
-
-    A replicated gradient is kept by the mesh's first process only, so the
-    step's sum over processes counts it once."""
+    """A local weight as a replicated `DTensor`, its gradient a partial sum:
+    a replicated gradient is kept on the first process only, counted once."""
 
     @staticmethod
     def forward(ctx, local, mesh):
@@ -341,9 +301,9 @@ def _local_rows(x, batch):
 
 
 def _rows_of(x, batch):
-    """This process' rows of `x`, whose axis 0 holds `k >= 1` items per row
-    (`k > 1`: tokens flattened to `(batch * sequence, ...)`)."""
-    if x.device_mesh is not batch.mesh or x.ndim == 0:
+    """This process' rows of `x`, axis 0 holding `k >= 1` items per row
+    (e.g. tokens flattened to `(batch * sequence, ...)`)."""
+    if x.device_mesh != batch.mesh or x.ndim == 0:
         raise NotRows(f"an output of shape {tuple(x.shape)}")
     per_row, rest = divmod(x.shape[0], batch.global_rows)
     if rest or not per_row:
@@ -355,8 +315,8 @@ def _rows_of(x, batch):
         if local.shape[0] != stop - start:
             raise NotRows(f"an output of shape {tuple(x.shape)}")
         return local
-    # Whole on every process: each takes its rows; their gradients, zero
-    # elsewhere, are partial sums of the whole gradient.
+    # Each takes its rows of the whole; their gradients, zero elsewhere, are
+    # partial sums of the whole gradient.
     whole = x.redistribute(batch.mesh, [Replicate()] * batch.mesh.ndim)
     local = whole.to_local(grad_placements=[Partial()] * batch.mesh.ndim)
     return local[start:stop]

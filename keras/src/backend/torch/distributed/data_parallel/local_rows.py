@@ -1,10 +1,9 @@
 """Data-parallel model calls on each process' own rows, as plain tensors.
 
-With replicated weights and a sharded batch, a per-sample call (as probed by
-`batch_coupling`) computes on a process' rows what DTensor would, without
-its per-op dispatch. Coupling inside the model goes through
-`batch_statistics`, `random_draws` or `coupled_layers`; any other coupling
-makes the step function run through DTensor from then on.
+With replicated weights and a sharded batch, a per-sample call (probed by
+`batch_coupling`) computes on the local rows what DTensor would, without its
+per-op dispatch. Coupling goes through `batch_statistics`, `random_draws` or
+`coupled_layers`; any other makes the step run through DTensor from then on.
 """
 
 import contextlib
@@ -30,21 +29,17 @@ from keras.src.backend.torch.distributed.data_parallel import coupled_layers
 from keras.src.backend.torch.distributed.dtensor_gaps import fallback
 
 _STEPS_ATTRIBUTE = "_distributed_steps"
-# This thread's local call, `(process group, global rows)`, for
-# `batch_moments`, reached via the backend's `moments` with no model at hand.
+# This thread's `(process group, global rows)`, for `batch_moments`, reached
+# via the backend's `moments` with no model at hand.
 _local_call = threading.local()
 _MIXES = "its outputs on the local rows differ"
-# Verdicts on calls outside a step: `{layer: {training: Verdict}}`.
+# `{layer: {training: Verdict}}` for calls outside a step.
 _verdicts = weakref.WeakKeyDictionary()
 
 
 class ModelSteps:
-    """The `step.DistributedStep`s of a model, kept on it.
-
-    Attributes:
-        by_kind: the step of each step function ("train", "test", ...).
-        running: the step running now, or `None`.
-    """
+    """A model's `step.DistributedStep`s by kind ("train", ...), and the
+    one `running` now."""
 
     def __init__(self):
         self.by_kind = {}
@@ -67,26 +62,14 @@ def running_step(model):
 
 
 def call(call_function, layer, args, kwargs, through_dtensor):
-    """Calls `layer` on the local rows if that gives DTensor's numbers.
-
-    Args:
-        call_function: `call_function(layer, *args, **kwargs)` calls it.
-        layer: the outermost layer called (usually the model).
-        args: the positional arguments, batch-sharded `DTensor`s.
-        kwargs: the keyword arguments.
-        through_dtensor: `through_dtensor(args, kwargs)` calls it on
-            `DTensor`s (the probe's call).
-
-    Returns:
-        The outputs as batch-sharded `DTensor`s, or `None` if the call is not
-        per-sample (the caller then calls it through DTensor).
-    """
+    """Calls outermost `layer` on the local rows if that gives DTensor's
+    numbers: batch-sharded outputs, or `None` for the caller to call it
+    through DTensor. `through_dtensor(args, kwargs)` is the probe's call."""
     step = running_step(layer)
     batch = coupled_layers.batch_of((args, kwargs))
     if batch is None or (step is not None and step.runs_through_dtensor):
         return None
     mesh = batch.mesh
-    # A step decides once, for its step function (`step.local_variables`).
     if step is not None:
         variables = step.local_variables(mesh)
     else:
@@ -119,32 +102,21 @@ def call(call_function, layer, args, kwargs, through_dtensor):
 
 
 def verdict(layer, training=False):
-    """What the probe found of `layer`'s calls outside a step, or `None`.
-
-    Args:
-        layer: the outermost layer of a call (usually a model).
-        training: the call's `training` argument.
-
-    Returns:
-        A `batch_coupling.Verdict`, or `None` before a probe.
-    """
+    """The probe's `Verdict` on `layer`'s calls outside a step, or `None`."""
     return _verdicts.get(layer, {}).get(bool(training))
 
 
 def _probe(call_function, layer, args, kwargs, through_dtensor, variables):
-    """Calls `layer` through DTensor, then checks its call on local rows.
-
-    The check replays the same draws (`random_draws`) on this process' rows.
-    Returns `(DTensor outputs, Verdict)`; the verdict is `None` if the call
-    built a layer (the next call probes again).
-    """
+    """Calls `layer` through DTensor, then on the local rows replaying its
+    draws; returns `(DTensor outputs, Verdict)`, the verdict `None` if the
+    call built a layer (the next call probes again)."""
     batch = coupled_layers.batch_of((args, kwargs))
     mesh = batch.mesh
     before = [(v, v.value.to_local().clone()) for v in variables]
     rng_states = generator_states.take()
     watch = batch_coupling.PartialWatch()
-    # The fallback's modes first: within a step they stay on to its end
-    # (its backward pass), past the watch.
+    # The fallback's modes first: in a step they stay on through its
+    # backward pass, past the watch.
     with batch_coupling.recording() as dtensor_calls:
         with fallback.dtensor_fallback(), watch:
             outputs = through_dtensor(args, kwargs)
@@ -176,8 +148,8 @@ def _probe(call_function, layer, args, kwargs, through_dtensor, variables):
                 losses,
             )
         if reason is None:
-            # Global generators (Python's, torch's own ops) must advance as
-            # in the DTensor call, else the processes' sequences diverge.
+            # Global generators must advance as in the DTensor call, else the
+            # processes' sequences diverge.
             if generator_states.differ(after, generator_states.take()):
                 reason = "draws from a global generator otherwise on its rows"
             plan.python_draws = generator_states.python_advanced(
@@ -188,7 +160,6 @@ def _probe(call_function, layer, args, kwargs, through_dtensor, variables):
         )
         differing = -1
         if verdict.reason == batch_coupling.DIFFERS:
-            # Route the layer that mixes samples through DTensor; recheck.
             differing = batch_coupling.first_differing_layer(
                 layer, dtensor_calls, local_calls, own_rows, layers
             )
@@ -207,7 +178,7 @@ def _own_rows(x, batch):
     """This process' rows of a probe's output (cut if whole), or `None`."""
     if not (
         isinstance(x, DTensor)
-        and x.device_mesh is batch.mesh
+        and x.device_mesh == batch.mesh
         and x.ndim > 0
         and x.shape[0] == batch.global_rows
     ):
@@ -223,12 +194,9 @@ def _own_rows(x, batch):
 def _checking_call(
     call_function, layer, args, kwargs, mapping, batch, coupled, losses
 ):
-    """The probe's call on the local rows: no gradient, nothing kept.
-
-    `mapping` holds the `(variable, local value)` pairs the DTensor call began
-    with; `coupled` the layers to route, `losses` theirs from that call.
-    Returns `(output leaves, None, DrawPlan)` or `(None, reason, None)`.
-    """
+    """The probe's call on the local rows, from `mapping`'s starting values,
+    keeping nothing: `(output leaves, None, DrawPlan)` or `(None, reason,
+    None)`. `losses` are the `coupled` layers' from the DTensor call."""
     local_args, local_kwargs = tree.map_structure(_to_local, (args, kwargs))
     plan = random_draws.DrawPlan()
     try:
@@ -255,7 +223,6 @@ def _checking_call(
         return None, "its outputs on the local rows are not plain rows", None
     if not _same_losses(losses, routing.losses):
         return None, "its losses on the local rows differ from DTensor's", None
-    # Updated state (moving statistics, seed generators) must match DTensor's.
     if not all(
         batch_coupling.same(scope.get_current_value(v), v.value.to_local())
         for v in variables
@@ -278,8 +245,8 @@ def _same_losses(losses, local_losses):
 def _call_locally(
     call_function, layer, inputs, batch, variables, verdict, step
 ):
-    """Calls `layer` on the local rows of `inputs` (`(args, kwargs)`); `None`,
-    keeping nothing, if it must run through DTensor after all."""
+    """Calls `layer` on the local rows of `(args, kwargs)`; `None`, keeping
+    nothing, if it must run through DTensor after all."""
     mesh, global_rows, local_rows = (
         batch.mesh,
         batch.global_rows,
@@ -314,12 +281,10 @@ def _call_locally(
         )
     varies = plan.draws or plan.python_draws or verdict.coupled
     if varies and global_rows % mesh.size():
-        # Whether draws fit the plan or coupled outputs split by rows depends
-        # on row counts, which differ here: every process must decide alike.
+        # Uneven row counts: processes may see different outcomes, so they
+        # must agree on one.
         unseen = batch_coupling.agreed_unseen(unseen, mesh)
     if unseen:
-        # Unseen by the probe (a draw of another shape, an occasional loss):
-        # rerun through DTensor, now and from then on, keeping nothing.
         runtime.log_debug(
             "%s: through DTensor from now on: %s", layer.name, unseen
         )
@@ -329,7 +294,6 @@ def _call_locally(
         return None
     with torch.no_grad():
         for variable, value in updated:
-            # Moving statistics (global moments) and seed generator states.
             variable.value.to_local().copy_(value)
     coupled_layers.keep_losses(layer, scope.losses)
 
@@ -365,15 +329,8 @@ def local_call_group():
 
 
 def local_variables(model, mesh):
-    """The variables of `model` if it may be called on the local rows.
-
-    Args:
-        model: the outermost layer of a call.
-        mesh: the (1-D) mesh its batch is sharded over.
-
-    Returns:
-        The model's variables if all are replicated on `mesh`, else `None`.
-    """
+    """`model`'s variables if all are replicated on the 1-D `mesh`, else
+    `None`."""
     variables = list(model.variables)
     if not all(coupled_layers.replicated_on(v.value, mesh) for v in variables):
         return None
@@ -381,10 +338,8 @@ def local_variables(model, mesh):
 
 
 def classification_final(model):
-    """Whether what `local_variables` says of `model` holds from now on.
-
-    True once every layer is built: layers, variables and layouts then stay
-    fixed, so a step function may keep the answer."""
+    """Whether `local_variables`' answer for `model` is final: once every
+    layer is built, layers, variables and layouts stay fixed."""
     return all(
         sublayer.built
         for sublayer in model._flatten_layers(include_self=True, recursive=True)
@@ -392,10 +347,8 @@ def classification_final(model):
 
 
 def local_weight(variable, step):
-    """A replicated weight's local value, its gradient a partial sum.
-
-    A plain leaf in Keras' own train step (`OverlappedReduction.local_leaf`).
-    """
+    """A replicated weight's local value, its gradient a partial sum (a
+    plain leaf in Keras' own train step)."""
     value = variable.value
     if not value.requires_grad:
         return value.to_local()

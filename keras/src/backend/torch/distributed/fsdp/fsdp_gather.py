@@ -1,17 +1,12 @@
 """One collective for all the weights a layer call gathers, as FSDP2 does.
 
-`fsdp` gathers a layer call's weights along the batch axis; through
-`redistribute` each would cost 2-3 collectives per step. Like FSDP2's
-`fully_shard`, `gather` pads each local shard to the largest (DTensor shards
-as `torch.chunk` does: the last can be smaller, or empty), concatenates them
-flat and issues one all-gather over the mesh dimension's group, copying each
-weight out into its own storage (which `fsdp` frees); backward, the
-partial-sum gradients are split per process, padded and concatenated the
-same way for one reduce-scatter.
-
-A weight one flat buffer cannot gather (gathered along several mesh
-dimensions, or with nested shards) goes through `redistribute`, as does a
-gradient not reduced by a sum. Each dtype gets its own buffer.
+`fsdp` gathers a layer call's weights along the batch axis; `redistribute`
+would cost 2-3 collectives each. As FSDP2's `fully_shard`, `gather` pads each
+shard to the largest (DTensor shards as `torch.chunk`: the last can be smaller
+or empty) and all-gathers them flat, one buffer per dtype, copying each weight
+out to its own storage (which `fsdp` frees); backward, partial-sum gradients
+take one reduce-scatter the same way. Weights gathered along several mesh dims
+or with nested shards, and gradients not reduced by a sum, use `redistribute`.
 """
 
 import math
@@ -27,16 +22,8 @@ from keras.src.backend.torch.distributed.core.runtime import Shard
 
 
 def gather(shards, placements, async_op=False):
-    """Starts gathering `shards` to `placements`.
-
-    Args:
-        shards: the weights' `DTensor` values, in the dtype to gather in.
-        placements: for each of `shards`, its placements once gathered.
-        async_op: whether to return before the collectives complete.
-
-    Returns:
-        A `PendingGather`: its `values()` are the gathered `DTensor`s.
-    """
+    """A `PendingGather` of `shards` (in the dtype to gather in) to their
+    `placements`, asynchronous if `async_op`."""
     return PendingGather(shards, placements, async_op)
 
 
@@ -46,7 +33,6 @@ class PendingGather:
     def __init__(self, shards, placements, async_op):
         self.shards = list(shards)
         self.placements = list(placements)
-        # `_alone`: index -> `redistribute`d value of a weight gathered alone.
         self._groups = []
         self._alone = {}
         grouped = {}
@@ -54,16 +40,15 @@ class PendingGather:
             mesh_dim = _flat_mesh_dim(shard, target)
             if mesh_dim is None:
                 if async_op and shard.requires_grad and torch.is_grad_enabled():
-                    # Backward, an asynchronous `redistribute` reduce-scatters
-                    # asynchronously too, holding its whole input until waited
-                    # for: the optimizer would see each layer's whole gradient.
+                    # Backward, an async reduce-scatter holds its whole input
+                    # until waited for: the optimizer would see whole gradients.
                     shard = shard.view_as(shard)
                     shard.register_hook(_completed_gradient)
                 self._alone[index] = shard.redistribute(
                     shard.device_mesh, target, async_op=async_op
                 )
                 continue
-            key = (id(shard.device_mesh), mesh_dim, shard.dtype)
+            key = (shard.device_mesh, mesh_dim, shard.dtype)
             grouped.setdefault(key, []).append(index)
         for (_, mesh_dim, _), indices in grouped.items():
             self._groups.append(
@@ -201,14 +186,8 @@ class _FlatGather:
         return locals_
 
     def reduce_scatter(self, grads):
-        """The gradients of the shards, from those of the gathered values.
-
-        Args:
-            grads: each shard's gathered value's gradient (`DTensor`) or `None`.
-
-        Returns:
-            A list of `DTensor`s in the shards' layouts, or `None`s.
-        """
+        """The shards' gradients (`DTensor`s in their layouts, or `None`s)
+        from those of the gathered values."""
         results = [None] * len(grads)
         summed = []
         grads = self._summed_over_other_dims(grads)
@@ -226,8 +205,8 @@ class _FlatGather:
                 results[index] = grad.redistribute(self.mesh, shard.placements)
                 continue
             if placement == shard.placements[self.mesh_dim]:
-                # Already sharded as the weight (the input was sharded on its
-                # stored features): each process holds its own part already.
+                # Sharded as the weight (input sharded on its stored
+                # features): each process holds its own part already.
                 results[index] = grad.redistribute(
                     self.mesh, shard.placements
                 ).to_local()
@@ -279,9 +258,9 @@ class _FlatGather:
         ]
 
     def _summed_over_other_dims(self, grads):
-        """`grads` with their partial sums along other mesh dims (the weight
-        replicated there) summed in one all-reduce per dims and dtype, not one
-        `redistribute` each (a norm scale feeding model-sharded heads)."""
+        """`grads` with partial sums along other mesh dims (weight replicated
+        there) summed in one all-reduce per dims and dtype, not one
+        `redistribute` each."""
         grads = list(grads)
         groups = {}
         for index, (grad, target) in enumerate(zip(grads, self.placements)):

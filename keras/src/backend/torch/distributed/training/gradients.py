@@ -1,9 +1,9 @@
 """Gradients reduced once per step, in buckets, before the optimizer.
 
-Gradients of replicated weights computed on a sharded batch are `Partial`
-DTensors, which every optimizer op reading them would all-reduce again. Here
-each is all-reduced once, in DDP-like buckets of about `BUCKET_BYTES`; in
-Keras' own train step, while the backward pass runs (`step_reduction`).
+Replicated weights' gradients on a sharded batch are `Partial` DTensors, which
+every optimizer op reading them would all-reduce again. Here each is reduced
+once, in DDP-like buckets; in Keras' train step, during backward
+(`step_reduction`).
 """
 
 import weakref
@@ -26,20 +26,9 @@ _GRADIENT_BUFFERS = weakref.WeakKeyDictionary()
 
 
 def apply_gradients(apply_function, optimizer, grads, trainable_variables):
-    """Runs `optimizer.apply` on distributed gradients.
-
-    Partial gradients are reduced once first. When all is replicated, the
-    update runs on the local tensors, skipping DTensor's dispatch.
-
-    Args:
-        apply_function: the optimizer's own `apply(grads, variables)`.
-        optimizer: the optimizer.
-        grads: list of gradients.
-        trainable_variables: the variables, or `None` for the optimizer's.
-
-    Returns:
-        What `apply_function` returns.
-    """
+    """The optimizer's own `apply_function(grads, variables)` on gradients
+    reduced once; on local tensors when all is replicated, skipping DTensor's
+    dispatch. `trainable_variables` `None`: the optimizer's."""
     if runtime.current_distribution() is None:
         return apply_function(grads, trainable_variables)
     grads = reduce_gradients(grads, buffers=optimizer_buffers(optimizer))
@@ -59,11 +48,8 @@ def apply_gradients(apply_function, optimizer, grads, trainable_variables):
 
 
 def laid_out_as(gradients, variables):
-    """Each gradient redistributed once to its variable's layout.
-
-    Autograd's layout can differ from it, and every optimizer op reading the
-    gradient would redistribute it again.
-    """
+    """Each gradient redistributed once to its variable's layout (autograd's
+    can differ), not by every optimizer op reading it."""
     laid_out = []
     for g, v in zip(gradients, variables):
         value = getattr(v, "value", v)
@@ -96,27 +82,19 @@ def optimizer_buffers(optimizer):
 
 
 def reduce_gradients(gradients, buffers=None, as_local=False):
-    """Turns partial-sum gradients into the replicated or sharded ones.
-
-    Partial values of one mesh and dtype, partial over the same axes, share
-    buckets whatever their layout on other axes; averages are summed, then
-    divided.
-
-    Args:
-        gradients: list of gradients (`DTensor`, tensor or `None`).
-        buffers: optional dict keeping the flat buffers across calls; the
-            returned gradients are views of them, overwritten by the next.
-        as_local: if `True`, a value replicated once reduced comes back as
-            its local tensor instead of a `DTensor`.
-
-    Returns:
-        The list with every `Partial` placement reduced.
-    """
+    """`gradients` with every `Partial` placement reduced, in buckets shared by
+    values of one mesh and dtype partial over the same axes, whatever their
+    layout elsewhere (averages summed, then divided). Results are views of the
+    flat buffers kept in `buffers` if given, overwritten by the next call;
+    replicated ones are local tensors if `as_local`."""
     gradients = list(gradients)
     groups = {}
     for i, g in enumerate(gradients):
         if isinstance(g, DTensor) and any(p.is_partial() for p in g.placements):
-            key = (id(g.device_mesh), _reduced_axes(g), g.dtype, g.device)
+            # By the mesh's value, not its identity: DTensor's sharding
+            # propagation cache hands out the mesh object of an earlier,
+            # equal mesh.
+            key = (g.device_mesh, _reduced_axes(g), g.dtype, g.device)
             groups.setdefault(key, []).append(i)
     for key, indices in groups.items():
         if not _needs_reduction(gradients[indices[0]]):
@@ -205,11 +183,9 @@ def _all_reduce_bucket(gradients, flat, as_local):
 
 
 def _all_reduces(value):
-    """`(process group, op)` of each all-reduce that sums `value`'s parts.
-
-    One per partial mesh axis, or one over every process when it is partial
-    by one op on every non-trivial axis of a whole-world mesh.
-    """
+    """`(process group, op)` of each all-reduce summing `value`'s parts: one
+    per partial mesh axis, or one over every process when it is partial by
+    one op on every non-trivial axis of a whole-world mesh."""
     mesh = value.device_mesh
     partial = [
         (dim, p)

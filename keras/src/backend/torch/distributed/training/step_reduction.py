@@ -1,12 +1,10 @@
-"""The gradient reduction of Keras' own train step, overlapped with backward.
-
-As DDP's reducer does, buckets of variables in reverse order (the first small)
-are all-reduced asynchronously as backward completes them; the last bucket is
-reduced in `reduce_step_gradients`, with the loss tracker's partial sum
-(`defer`). Per-sample models (`local_rows`) take their weights as plain leaves
-sharing the local storage (`local_leaf`), avoiding DTensor's per-weight
-dispatch. Hooks hold the reduction itself: autograd may run them on its own
-(CUDA) threads, where no thread-local lookup would find it.
+"""Keras' own train step's gradient reduction, overlapped with backward as DDP's
+reducer does: reverse-order buckets (the first small) are all-reduced
+asynchronously as backward completes them; the last one is reduced, with the
+loss tracker's partial sum (`defer`), in `reduce_step_gradients`. Per-sample
+models take weights as plain leaves (`local_leaf`), avoiding DTensor's
+per-weight dispatch. Hooks hold the reduction itself: autograd may run them on
+its own (CUDA) threads, where no thread-local lookup would find it.
 """
 
 import contextlib
@@ -26,19 +24,9 @@ from keras.src.backend.torch.distributed.training import (
 
 
 def reduce_step_gradients(reduction, optimizer, gradients):
-    """Reduces a train step's gradients once, in buckets.
-
-    Gradients that reduce to replicated values come back as local tensors,
-    which the optimizer computes on.
-
-    Args:
-        reduction: the step's `OverlappedReduction`, or `None`.
-        optimizer: the optimizer (its flat buffers are reused).
-        gradients: gradients (`DTensor`, tensor or `None`) of the weights.
-
-    Returns:
-        The gradients, reduced.
-    """
+    """A train step's `gradients`, reduced once in buckets after `reduction`;
+    those reducing to replicated values come back as local tensors, which the
+    optimizer computes on (its flat buffers are reused)."""
     as_local = gradients_lib.reduces_to_replicated(gradients)
     deferred = []
     if reduction is not None:
@@ -58,20 +46,10 @@ def reduce_step_gradients(reduction, optimizer, gradients):
 
 @contextlib.contextmanager
 def overlapped_reduction(model, leaves, plans=None):
-    """All-reduces gradient buckets as the backward pass produces them.
-
-    Entered around Keras' eager train step. Only variables on a 1-D mesh take
-    part; a bucket that cannot be reduced together (not all partial sums of
-    one mesh axis and dtype) is left to `reduce_step_gradients`.
-
-    Args:
-        model: the model whose train step runs in the block.
-        leaves: a dict, kept across steps, of the weights' plain leaves.
-        plans: optionally, a dict, kept across steps, of `_BucketPlan`s.
-
-    Yields:
-        The `OverlappedReduction`, or `None` if there is nothing to reduce.
-    """
+    """Around Keras' eager train step, yields the `OverlappedReduction` (or
+    `None`) all-reducing 1-D mesh variables' gradient buckets as backward
+    completes them, but those not all partial sums of one mesh axis and dtype.
+    `leaves` and `plans`: dicts kept across steps."""
     trainable = list(getattr(model, "trainable_weights", ()))
     key = tuple(id(v) for v in trainable)
     plan = None if plans is None else plans.get(key)
@@ -113,10 +91,8 @@ def _reverse_buckets(variables):
 
 
 class _BucketPlan:
-    """The buckets of a model's trainable weights on a 1-D mesh, per step.
-
-    A model-parallel mesh's backward pass runs collectives these would race.
-    """
+    """The buckets of a model's trainable weights on a 1-D mesh, per step (a
+    model-parallel mesh's backward runs collectives these would race)."""
 
     def __init__(self, trainable):
         self.trainable = trainable
@@ -136,16 +112,9 @@ class _BucketPlan:
 
 
 class OverlappedReduction:
-    """The buckets of one train step, launched as their gradients arrive.
-
-    A gradient arrives as a `DTensor` or, for a leaf (`local_leaf`), as a
-    plain partial sum over the variable's 1-D mesh.
-
-    Args:
-        optimizer: the optimizer (its flat buffers are reused).
-        plan: the `_BucketPlan` of the model's trainable weights.
-        leaves: the plain leaves made so far, by `id(variable)`.
-    """
+    """The buckets of one train step, launched as their gradients arrive: as
+    `DTensor`s or, for a leaf (`local_leaf`), plain partial sums over the
+    variable's 1-D mesh."""
 
     def __init__(self, optimizer, plan, leaves):
         self.buffers = gradients_lib.optimizer_buffers(optimizer)
@@ -163,15 +132,8 @@ class OverlappedReduction:
         self.deferred = []
 
     def local_leaf(self, variable):
-        """The plain leaf standing for a replicated weight in this step.
-
-        Args:
-            variable: a trainable variable, replicated on a 1-D mesh.
-
-        Returns:
-            A tensor sharing the storage of the variable's local tensor, or
-            `None` for a variable this reduction does not reduce.
-        """
+        """The plain leaf sharing replicated `variable`'s local storage in this
+        step; `None` for a variable this reduction does not reduce."""
         if id(variable) not in self.positions:
             return None
         leaf = self.leaf_of.get(id(variable))
@@ -192,18 +154,9 @@ class OverlappedReduction:
         return leaf
 
     def defer(self, local, value):
-        """Defers a partial sum assigned to replicated state to the last bucket.
-
-        The loss tracker gets the loss as a partial sum before backward and
-        nothing reads it before the optimizer, so it saves a collective.
-
-        Args:
-            local: the state's local tensor.
-            value: its new value.
-
-        Returns:
-            Whether `value` was taken: a sum partial over the data mesh.
-        """
+        """Defers partial sum `value` for replicated `local` to the last bucket
+        (the loss tracker's: nothing reads it before the optimizer); whether
+        taken: `value` must be a sum partial over the data mesh."""
         mesh = self.trainable[0].value.device_mesh
         placements = getattr(value, "placements", None)
         if not (
@@ -244,11 +197,9 @@ class OverlappedReduction:
         self.launched.append((bucket_index, gradients, flat, work))
 
     def _supersede(self, bucket_index):
-        """Waits for and forgets an earlier launch of a relaunched bucket.
-
-        A shared weight accumulates again after its bucket completed, and the
-        new launch reuses the buffer the earlier one may still be reducing.
-        """
+        """Waits for and forgets an earlier launch of a relaunched bucket: a
+        shared weight accumulates again after its bucket completed, and the new
+        launch reuses the buffer the earlier one may still be reducing."""
         earlier = [e for e in self.launched if e[0] == bucket_index]
         if not earlier:
             return
@@ -290,17 +241,9 @@ class OverlappedReduction:
         return reduced
 
     def finish(self, gradients, as_local):
-        """The step's gradients, with what this reduction reduced.
-
-        Waits for the launched buckets, then reduces the unlaunched leaves.
-
-        Args:
-            gradients: the train step's gradients (a leaf's is `None`).
-            as_local: see `gradients.reduce_gradients`.
-
-        Returns:
-            The gradients.
-        """
+        """The step's `gradients` (a leaf's `None`) with what this reduced:
+        waits for the launched buckets, then reduces the unlaunched leaves
+        (`as_local` as in `gradients.reduce_gradients`)."""
         if len(gradients) != len(self.trainable):
             raise RuntimeError(
                 "The train step's gradients do not match the model's "
@@ -398,7 +341,7 @@ def _single_reduction_dim(gradients):
     for g in gradients:
         if not (
             isinstance(g, DTensor)
-            and g.device_mesh is first.device_mesh
+            and g.device_mesh == first.device_mesh
             and g.placements == first.placements
             and g.dtype == first.dtype
         ):
