@@ -271,8 +271,6 @@ def hold_replication(distribution):
     """Treats plain tensors as replicated while `distribution` is set: as in
     JAX, code outside layer calls and steps mixes them with layer outputs."""
     global _replication_held
-    if not runtime.DTENSOR_AVAILABLE:
-        return
     if distribution is not None and not _replication_held:
         # DTensor warns each time it takes a one-element plain tensor as
         # replicated: here that is the rule, not an accident.
