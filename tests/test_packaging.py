@@ -10,6 +10,7 @@ import ast
 import difflib
 import importlib.metadata
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -548,6 +549,11 @@ def test_exported_tests_run_on_the_torch_backend_only():
         + series.TORCH_ONLY
         + "\n\ndef test_x():\n    pass\n"
     )
+    # After an import added as the last one.
+    assert series.torch_only("import pytest\n\nimport keras\n", "x") == (
+        "import pytest\n\nimport keras\nfrom keras.src import backend\n"
+        + series.TORCH_ONLY
+    )
     # Imports the module has already are not repeated.
     marked = series.torch_only(
         "import pytest\n\nfrom keras.src import backend\n", "x"
@@ -569,6 +575,12 @@ def test_exported_tests_run_on_the_torch_backend_only():
             and getattr(node.targets[0], "id", None) == "pytestmark"
         ]
         assert len(marks) == 1, path
+        imports = [
+            node
+            for node in tree.body
+            if isinstance(node, (ast.Import, ast.ImportFrom))
+        ]
+        assert marks[0].lineno > max(n.lineno for n in imports), path
         exec(
             "import pytest\nfrom keras.src import backend\n"
             + ast.unparse(marks[0]),
@@ -616,11 +628,29 @@ def test_series_applies_step_by_step(pristine_nightly, tmp_path):
         assert (tmp_path / "stepwise" / rel).read_bytes() == (
             tmp_path / "whole" / rel
         ).read_bytes(), rel
-    # The union of the steps' sections is the single export, each once.
+    # Each file is one section of the single export, in one step; a file
+    # that fix steps edit first has theirs too (applied in turn above).
     steps = series.series_steps(REPO, pristine_nightly, NIGHTLY.variant)
-    sections = [s for _, chosen in steps for s in chosen.items()]
-    assert len(sections) == len(dict(sections))
-    assert "".join(s for _, s in sorted(sections)) == patch_file.read_text()
+    by_path = {}
+    for _, chosen in steps:
+        for path, section in chosen.items():
+            by_path.setdefault(path, []).append(section)
+    exported = series.export_sections(REPO, pristine_nightly, NIGHTLY.variant)
+    assert "".join(exported.values()) == patch_file.read_text()
+    assert sorted(by_path) == sorted(exported)
+    edited = {
+        path
+        for step in plan["step"]
+        for edit in step.get("edit", [])
+        for path in (
+            [edit["file"]] if isinstance(edit["file"], str) else edit["file"]
+        )
+    }
+    for path, sections in by_path.items():
+        if path in edited:
+            assert len(sections) >= 2, path
+        else:
+            assert sections == [exported[path]], path
     assert (
         series.import_order_errors(REPO, pristine_nightly, NIGHTLY.variant)
         == []
@@ -653,4 +683,45 @@ def test_a_step_naming_no_file_of_ours_is_refused(tmp_path):
         '[[step]]\ntitle = "a"\nfiles = ["keras/src/a.py", "keras/src/b.py"]\n',
     )
     with pytest.raises(overlaylib.OverlayError, match="b.py is no file"):
+        series.series_steps(source, upstream, None)
+
+
+def _fix_plan(source, old, new):
+    """A plan whose first step fixes keras/src/foo.py (`old` -> `new`)."""
+    edit = f"old = {json.dumps(old)}\nnew = {json.dumps(new)}\n"
+    overlaylib.write_text(source / "keras/src/foo.py.diff", _two_hunk_diff())
+    overlaylib.write_text(
+        source / series.PLAN,
+        '[[step]]\ntitle = "fix"\n[[step.edit]]\nfile = "keras/src/foo.py"\n'
+        + edit
+        + '[[step]]\ntitle = "rest"\nfiles = ["keras/src/foo.py"]\n',
+    )
+
+
+def test_a_fix_step_carries_its_edit_and_the_file_step_the_rest(tmp_path):
+    upstream, source = tmp_path / "upstream", tmp_path / "source"
+    _fake_upstream(upstream)
+    _fix_plan(source, "line_3 = 3\n", "line_3 = 'three'\n")
+    (fix, first), (rest, second) = series.series_steps(source, upstream, None)
+    assert (fix["title"], rest["title"]) == ("fix", "rest")
+    assert "+line_3 = 'three'" in first["keras/src/foo.py"]
+    assert "extra" not in first["keras/src/foo.py"]
+    assert "+extra = 1" in second["keras/src/foo.py"]
+    assert "line_3" not in second["keras/src/foo.py"].split("@@")[-1]
+
+
+@pytest.mark.parametrize(
+    "old, new, error",
+    [
+        ("nowhere\n", "x = 1\n", "0 times, not once"),
+        ("line_3 = 3\n", "line_3 = 4\n", "lacks"),
+    ],
+)
+def test_a_fix_that_is_not_part_of_the_change_is_refused(
+    tmp_path, old, new, error
+):
+    upstream, source = tmp_path / "upstream", tmp_path / "source"
+    _fake_upstream(upstream)
+    _fix_plan(source, old, new)
+    with pytest.raises(overlaylib.OverlayError, match=error):
         series.series_steps(source, upstream, None)

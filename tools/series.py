@@ -20,10 +20,14 @@ data file ``tools/export_plan.toml``:
 
 Choices (also in tools/README.md, "Exporting the change"):
 
-* An upstream file changed for several reasons (the trainer's hooks, say)
-  goes whole to one step, the first that needs it: its diff is small (at
-  most a few dozen lines but for the trainer), and a hunk split would tie
-  the series to the diffs' hunk layout, which changes with every edit.
+* Fixes of upstream logic that stand on their own come first, each a step
+  with its test; one in a file that also carries hooks is an edit of the
+  base's text (``[[step.edit]]``, ``fixed_texts``).
+* Otherwise an upstream file changed for several reasons (the trainer's
+  hooks, say) goes whole to one step, the first that needs it: its diff is
+  small (at most a few dozen lines but for the trainer), and a hunk split
+  would tie the series to the diffs' hunk layout, which changes with every
+  edit.
 * Steps follow the import graph: a file of step k imports (at module level
   or inside a function) only upstream modules or files of steps <= k;
   master's torch ``distribution_lib.py``, which ours replaces, counts as
@@ -207,7 +211,7 @@ def _docstring_lines(text):
 
 TORCH_ONLY = """
 # Upstream runs its suite on every backend: these tests are the torch
-# backend's distribution.
+# backend's.
 pytestmark = pytest.mark.skipif(
     backend.backend() != "torch", reason="Tests the torch backend."
 )
@@ -266,6 +270,7 @@ def torch_only(text, name):
             "backend",
         ),
     ]
+    end = max(node.end_lineno for node in imports)
     for line, key, binding in wanted:
         if binding not in bound:
             at, line = _import_position(imports, key, line)
@@ -275,7 +280,8 @@ def torch_only(text, name):
                 if node.lineno - 1 >= at:
                     node.lineno += 1
                     node.end_lineno += 1
-    end = max(node.end_lineno for node in imports)
+            if at <= end:
+                end += 1
     lines.insert(end, TORCH_ONLY)
     return "".join(lines)
 
@@ -342,20 +348,27 @@ def _exported_path(plan, rel):
 def series_steps(root, upstream_root, variant):
     """Splits the export into the plan's steps.
 
+    A step's ``[[step.edit]]`` entries carry a fix of an upstream file as a
+    patch of its own (``fixed_texts``); the step that lists the file later
+    carries the rest of its change.
+
     Returns:
         A list of ``(step, {path: section})``, in the plan's order; every
-        exported file is in exactly one step.
+        exported file is in exactly one step's ``files``.
 
     Raises:
         OverlayError: a file in no step or in several, a step's entry that
-            is not in the export of any base, a step with no file.
+            is not in the export of any base, a step with no file, an edit
+            that does not apply or is not part of the change.
     """
     plan = load_plan(root)
     sections = export_sections(root, upstream_root, variant)
+    _, patched = overlaylib.patched_texts(root, upstream_root, variant)
+    fixes, fixed = fixed_texts(plan, upstream_root, patched)
     owner, errors, out = {}, [], []
     for number, step in enumerate(plan["step"], 1):
         entries = list(step.get("files", [])) + list(step.get("tests", []))
-        chosen = {}
+        chosen = dict(fixes.get(number, {}))
         for rel in entries:
             path = _exported_path(plan, rel)
             if path in owner:
@@ -364,7 +377,10 @@ def series_steps(root, upstream_root, variant):
                 )
                 continue
             owner[path] = number
-            if path in sections:
+            if path in fixed:
+                if fixed[path] != patched[path]:
+                    chosen[path] = _section(path, fixed[path], patched[path])
+            elif path in sections:
                 chosen[path] = sections[path]
             elif not _ours(root, plan, rel):
                 errors.append(f"step {number}: {rel} is no file of ours")
@@ -377,6 +393,70 @@ def series_steps(root, upstream_root, variant):
     if errors:
         raise overlaylib.OverlayError("\n".join(errors))
     return out
+
+
+def fixed_texts(plan, upstream_root, patched):
+    """The fix steps' sections, and each fixed file's text after them.
+
+    An edit (``file``, ``old``, ``new``) replaces the one ``old`` of the
+    base's text (after earlier fixes) with ``new``; ``file`` may be a list
+    of each base's path (the first this base patches is taken). Every line
+    of ``new`` must be in the change's text of the file, so that a fix is
+    part of the change and later steps do not undo it.
+
+    Returns:
+        ``({step number: {path: section}}, {path: text after the fixes})``.
+
+    Raises:
+        OverlayError: an edit whose file the base does not patch, whose
+            ``old`` is not found exactly once, or whose lines the change
+            does not have.
+    """
+    texts, fixes, errors = {}, {}, []
+    for number, step in enumerate(plan["step"], 1):
+        before = {}
+        for edit in step.get("edit", []):
+            paths = edit["file"]
+            paths = [paths] if isinstance(paths, str) else paths
+            path = next((p for p in paths if p in patched), None)
+            if path is None:
+                errors.append(f"step {number}: no base's file of {paths}")
+                continue
+            text = texts.get(path)
+            if text is None:
+                text = overlaylib.read_text(Path(upstream_root) / path)
+            before.setdefault(path, text)
+            found = text.count(edit["old"])
+            if found != 1:
+                errors.append(
+                    f"step {number}: {path} has the edit's `old` text "
+                    f"{found} times, not once"
+                )
+                continue
+            missing = set(edit["new"].splitlines()) - set(
+                patched[path].splitlines()
+            )
+            if missing:
+                errors.append(
+                    f"step {number}: {path}: the change lacks the edit's "
+                    f"lines {sorted(missing)}"
+                )
+                continue
+            texts[path] = text.replace(edit["old"], edit["new"])
+        fixes[number] = {
+            path: _section(path, text, texts.get(path, text))
+            for path, text in before.items()
+        }
+    if errors:
+        raise overlaylib.OverlayError("\n".join(errors))
+    return fixes, texts
+
+
+def _section(path, old_text, new_text):
+    """A file's diff section between two texts, as ``export_sections``."""
+    return f"diff --git a/{path} b/{path}\n" + overlaylib.unified_diff(
+        path, old_text, new_text
+    )
 
 
 def _ours(root, plan, rel):

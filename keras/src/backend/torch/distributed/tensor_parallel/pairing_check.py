@@ -8,7 +8,7 @@ reads otherwise is laid out again. Untraceable ones keep their width pairing,
 which costs collectives, never correctness.
 """
 
-import functools
+import contextlib
 import threading
 import weakref
 
@@ -56,7 +56,7 @@ def check_layer(layer, distribution, args, kwargs):
     trace = _Trace(distribution)
     try:
         trace.run(layer, args, kwargs)
-    except Exception as error:  # noqa: BLE001 - a trace only informs.
+    except _CallFailed as error:
         # Ops neither meta nor zeros can run (a check of values).
         runtime.log_debug(
             "pairings of %s not checked: its trace failed (%s)",
@@ -123,6 +123,10 @@ def _is_block(operation):
     )
 
 
+class _CallFailed(Exception):
+    """A block's call failed on stand-ins (it reads their values)."""
+
+
 class _Trace(TorchFunctionMode):
     """Runs a block on stand-ins, tracking the column kernels each tensor reads.
 
@@ -136,28 +140,25 @@ class _Trace(TorchFunctionMode):
         self._carried = {}
 
     def run(self, layer, args, kwargs):
-        """Calls `layer` on stand-ins on the meta device, else on zeros."""
+        """Calls `layer` on stand-ins on the meta device, else on zeros;
+        `_CallFailed` if the layer's call fails on both."""
         try:
             self._run(layer, args, kwargs, "meta")
-        except Exception:  # noqa: BLE001 - retried on real tensors.
+        except _CallFailed:
             self.reads.clear()
             self._carried.clear()
             self._run(layer, args, kwargs, None)
 
     def _run(self, layer, args, kwargs, device):
-        from keras.src.backend.torch.core import device_scope
-        from keras.src.backend.torch.core import get_device
-        from keras.src.backend.torch.core import to_torch_dtype
+        from keras.src import backend
 
         # Keras converts a mapped weight to the current device.
-        with device_scope(device or get_device()) as device:
-            args, kwargs = tree.map_structure(
-                functools.partial(_stand_in, device=device), (args, kwargs)
-            )
-            weights = [
-                (v, _zeros(v.shape, to_torch_dtype(v.dtype), device))
-                for v in layer.variables
-            ]
+        scope = contextlib.nullcontext()
+        if device is not None:
+            scope = backend.device_scope(device)
+        with scope:
+            args, kwargs = tree.map_structure(_stand_in, (args, kwargs))
+            weights = [(v, _zeros(v.shape, v.dtype)) for v in layer.variables]
             _state.trace = self
             try:
                 with (
@@ -166,6 +167,10 @@ class _Trace(TorchFunctionMode):
                     self,
                 ):
                     layer.call(*args, **kwargs)
+            except torch.cuda.OutOfMemoryError:
+                raise
+            except Exception as error:  # noqa: BLE001 - the layer's own code.
+                raise _CallFailed(str(error)) from error
             finally:
                 _state.trace = None
 
@@ -220,15 +225,15 @@ def _tensors(values):
             yield from _tensors(x)
 
 
-def _stand_in(x, device):
+def _stand_in(x):
     if not isinstance(x, KerasTensor):
         return x
-    from keras.src.backend.torch.core import TORCH_DTYPES
-
     shape = tuple(UNKNOWN_DIMENSION if d is None else d for d in x.shape)
-    return _zeros(shape, TORCH_DTYPES[x.dtype], device)
+    return _zeros(shape, x.dtype)
 
 
-def _zeros(shape, dtype, device):
+def _zeros(shape, dtype):
+    from keras.src import ops
+
     # Zeros, not uninitialized memory: an integer weight may be an index.
-    return torch.zeros(tuple(shape), dtype=dtype, device=device)
+    return ops.zeros(tuple(shape), dtype=dtype)
