@@ -640,3 +640,18 @@ def test_only_dtensors_own_assertions_are_refusals():
     assert not fallback.is_refusal(
         raised("import torch; torch.empty(2**50)", "x.py")
     )
+
+
+def test_an_error_chain_that_is_a_cycle_is_read_once():
+    # An error object raised twice (a layer re-raising a stored error) makes
+    # its chain a cycle, which the out-of-memory check must not follow
+    # forever.
+    from keras.src.backend.torch.distributed.dtensor_gaps import fallback
+
+    first, second = ValueError("first"), RuntimeError("second")
+    first.__context__, second.__cause__ = second, first
+    assert not fallback.is_out_of_memory(first)
+    assert fallback.is_refusal(first)
+    oom = RuntimeError("DefaultCPUAllocator: can't allocate memory")
+    first.__context__, oom.__cause__ = oom, first
+    assert fallback.is_out_of_memory(first)

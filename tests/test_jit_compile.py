@@ -141,3 +141,31 @@ def test_uneven_variable_shards_run_eagerly():
         assert len(result["jit_warnings"]) == 1, result["jit_warnings"]
         assert "sharded unevenly" in result["jit_warnings"][0]
         assert result["graphs"] == 0
+
+
+def test_a_first_compiled_step_out_of_memory_is_raised_not_run_eagerly():
+    """An out-of-memory error is no reason to compile less: the eager step
+    needs no less memory, so it is raised, not retried eagerly; another
+    error of the compiled call is."""
+    import torch
+
+    import keras
+    from keras.src.backend.torch.distributed.training import compiled_step
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+
+    def failing(error):
+        def step(data):
+            raise error
+
+        return step
+
+    oom = torch.cuda.OutOfMemoryError("CUDA out of memory.")
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        compiled_step.run_first(failing(oom), model, None)
+    cpu_oom = RuntimeError("DefaultCPUAllocator: can't allocate memory: 1 GB")
+    with pytest.raises(RuntimeError, match="DefaultCPUAllocator"):
+        compiled_step.run_first(failing(cpu_oom), model, None)
+    with pytest.warns(UserWarning, match="Running the step eagerly"):
+        with pytest.raises(compiled_step.CompileFailed):
+            compiled_step.run_first(failing(TypeError("x")), model, None)

@@ -204,3 +204,30 @@ def test_a_block_the_check_cannot_trace_keeps_its_width_pairing():
         assert checked["placements"]["block/down/kernel"] == COLUMN
         assert checked["comms"] == unchecked["comms"]
         _assert_same_numbers(checked, result["single"])
+
+
+def test_a_trace_takes_a_failed_call_but_not_an_out_of_memory_error():
+    """A block whose call fails on stand-ins keeps its width pairing; an
+    out-of-memory error of the trace is raised, as any error of ours."""
+    import pytest
+    import torch
+
+    import keras
+    from keras.src.backend.torch.distributed.tensor_parallel import (
+        pairing_check,
+    )
+
+    class Failing(keras.layers.Layer):
+        def __init__(self, error):
+            super().__init__()
+            self.error = error
+
+        def call(self, x):
+            raise self.error
+
+    inputs = keras.KerasTensor((None, DIM))
+    trace = pairing_check._Trace(distribution=None)
+    with pytest.raises(pairing_check._CallFailed, match="reads a value"):
+        trace.run(Failing(ValueError("reads a value")), (inputs,), {})
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        trace.run(Failing(torch.cuda.OutOfMemoryError("oom")), (inputs,), {})

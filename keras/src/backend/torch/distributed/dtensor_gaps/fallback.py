@@ -193,18 +193,28 @@ def is_refusal(error):
     """Whether `error` is DTensor refusing an op on these placements: not an
     out-of-memory error (global values need more memory), nor an assertion
     failing outside DTensor's code (a bug, which a retry would hide)."""
-    cause = error
-    while cause is not None:
-        # DTensor's dispatch may re-raise a kernel's error as its cause.
-        if isinstance(cause, torch.cuda.OutOfMemoryError) or (
-            _CPU_OUT_OF_MEMORY in str(cause)
-        ):
-            return False
-        cause = cause.__cause__ or cause.__context__
+    if is_out_of_memory(error):
+        return False
     if isinstance(error, AssertionError):
         frames = traceback.extract_tb(error.__traceback__)
         return bool(frames) and _DTENSOR_PACKAGE in frames[-1].filename
     return True
+
+
+def is_out_of_memory(error):
+    """Whether `error`, or an error it was raised from, is an allocator's
+    out-of-memory error (CUDA's, or the CPU allocator's `RuntimeError`)."""
+    cause, seen = error, set()
+    # DTensor's dispatch may re-raise a kernel's error as its cause; an
+    # error raised twice makes the chain a cycle.
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, torch.cuda.OutOfMemoryError) or (
+            _CPU_OUT_OF_MEMORY in str(cause)
+        ):
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 class _InPlaceViewRefused(RuntimeError):

@@ -22,6 +22,7 @@ from keras.src.backend.torch.distributed.core import layouts
 from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.core.runtime import DTensor
 from keras.src.backend.torch.distributed.core.runtime import Replicate
+from keras.src.backend.torch.distributed.dtensor_gaps import fallback
 
 # Small: a block the meta device cannot run is run on zeros.
 UNKNOWN_DIMENSION = 8
@@ -167,9 +168,9 @@ class _Trace(TorchFunctionMode):
                     self,
                 ):
                     layer.call(*args, **kwargs)
-            except torch.cuda.OutOfMemoryError:
-                raise
             except Exception as error:  # noqa: BLE001 - the layer's own code.
+                if fallback.is_out_of_memory(error):
+                    raise
                 raise _CallFailed(str(error)) from error
             finally:
                 _state.trace = None

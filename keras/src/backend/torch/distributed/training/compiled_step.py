@@ -13,6 +13,7 @@ import torch
 from keras.src import tree
 from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.core.runtime import DTensor
+from keras.src.backend.torch.distributed.dtensor_gaps import fallback
 from keras.src.backend.torch.distributed.fsdp import fsdp
 
 
@@ -64,6 +65,8 @@ def run_first(compiled_step_function, model, data):
     try:
         return run(compiled_step_function, model, data)
     except Exception as e:  # torch.compile raises errors of many types.
+        if fallback.is_out_of_memory(e):
+            raise  # Not a refusal: the eager step needs no less memory.
         reason = " ".join(str(e).split())[:240]
         warn_eager(f"{type(e).__name__}: {reason}")
         with torch.no_grad():
