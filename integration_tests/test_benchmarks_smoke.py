@@ -302,3 +302,19 @@ def test_bench_random_draws_prints_each_draw_against_torch():
         )
         assert match is not None, out
         assert float(match.group(1)) > 0 and float(match.group(2)) > 0
+
+
+def test_bench_job_failures_names_the_failed_process():
+    out = _run_script(
+        "bench_job_failures.py",
+        ["--scenarios", "raise", "--launches", "one_node", "--timeout", "30"],
+        timeout=300,
+    )
+    rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[4:7]]
+        for line in out.splitlines()
+        if line.startswith("| torch_") or line.startswith("| keras_")
+    }
+    assert sorted(rows) == ["keras_data_parallel", "torch_ddp_record"], out
+    seconds, names, shows = rows["keras_data_parallel"]
+    assert float(seconds) > 0 and (names, shows) == ("1/1", "1/1"), out

@@ -180,7 +180,20 @@ def _job_error(error, where):
     """The `JobFailedError` for a collective that failed during `where`."""
     rank, size = dist.get_rank(), dist.get_world_size()
     _store_set(f"waiting/{rank}", where)
-    failed, silent = _peer_reports(rank, size)
+    failed, silent = _peer_reports(rank, size, wait=False)
+    if not failed and silent:
+        # A launcher may end this process during the wait below (torchrun's
+        # agent, once another node failed): its log names the suspects now.
+        plural = "es" if len(silent) > 1 else ""
+        print(
+            f"keras.distribution: a collective failed during {where} on "
+            f"process {rank}; no report yet from process{plural} "
+            f"{', '.join(map(str, silent))} of {size}, which may have failed "
+            f"or left (waiting up to {REPORT_GRACE_SECONDS:g} s).",
+            file=sys.stderr,
+            flush=True,
+        )
+        failed, silent = _peer_reports(rank, size)
     collective = _collective_in(error.__traceback__)
     detail = " ".join(str(error).split())[:300]
     if failed:
@@ -205,8 +218,9 @@ def _job_error(error, where):
     return JobFailedError(f"{message} (Transport error: {detail})")
 
 
-def _peer_reports(rank, size):
-    """`(failed, silent)` after a short wait: `(rank, error)`s, silent ranks."""
+def _peer_reports(rank, size, wait=True):
+    """`(failed, silent)`, after a short wait if `wait`: `(rank, error)`s,
+    silent ranks."""
     failed, silent = [], []
     deadline = time.monotonic() + min(REPORT_GRACE_SECONDS, step_timeout())
     others = [r for r in range(size) if r != rank]
@@ -218,7 +232,7 @@ def _peer_reports(rank, size):
                 failed.append((other, reason))
             elif _store_get(f"waiting/{other}") is None:
                 silent.append(other)
-        if failed or not silent or time.monotonic() > deadline:
+        if not wait or failed or not silent or time.monotonic() > deadline:
             return failed, silent
         time.sleep(0.2)
 
