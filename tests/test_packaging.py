@@ -554,6 +554,11 @@ def test_exported_tests_run_on_the_torch_backend_only():
         "import pytest\n\nimport keras\nfrom keras.src import backend\n"
         + series.TORCH_ONLY
     )
+    # An import inside a function binds nothing at module level.
+    marked = series.torch_only(
+        "import os\n\n\ndef f():\n    import pytest\n", "x"
+    )
+    assert "\nimport pytest\n" in marked.split("def f")[0], marked
     # Imports the module has already are not repeated.
     marked = series.torch_only(
         "import pytest\n\nfrom keras.src import backend\n", "x"
@@ -581,6 +586,9 @@ def test_exported_tests_run_on_the_torch_backend_only():
             if isinstance(node, (ast.Import, ast.ImportFrom))
         ]
         assert marks[0].lineno > max(n.lineno for n in imports), path
+        # What the marker reads is bound by the module's own imports.
+        bound = {a.asname or a.name for n in imports for a in n.names}
+        assert {"pytest", "backend"} <= bound, path
         exec(
             "import pytest\nfrom keras.src import backend\n"
             + ast.unparse(marks[0]),

@@ -11,6 +11,7 @@ with the check turned off and against one process with no distribution.
 """
 
 import numpy as np
+import pytest
 
 from tests.harness import run_on_ranks
 
@@ -209,7 +210,6 @@ def test_a_block_the_check_cannot_trace_keeps_its_width_pairing():
 def test_a_trace_takes_a_failed_call_but_not_an_out_of_memory_error():
     """A block whose call fails on stand-ins keeps its width pairing; an
     out-of-memory error of the trace is raised, as any error of ours."""
-    import pytest
     import torch
 
     import keras

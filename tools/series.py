@@ -244,10 +244,10 @@ def torch_only(text, name):
             break
     if not imports:
         raise ValueError(f"{name}: no module-level imports to follow.")
+    # A function's own import binds nothing at module level.
     bound = {
         alias.asname or alias.name.split(".")[0]
-        for node in ast.walk(tree)
-        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for node in imports
         for alias in node.names
     }
     assigned = {
