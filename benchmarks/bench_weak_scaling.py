@@ -13,6 +13,14 @@ Keras model on the same global batch (`--rows` rows per process):
   process' rows with Keras' loss and optimizer (what a user of Keras on
   DDP writes; Keras master's torch trainer does the same).
 
+With ``--floor``, two more jobs per point, each process alone on its own
+rows with no communication and no distribution: ``keras_alone`` (Keras'
+`train_on_batch`) and ``loop_alone`` (``keras_ddp``'s loop without DDP).
+Their difference is what Keras' own `train_on_batch` costs over that
+loop; added to ``keras_ddp``'s step it is the step of a `DataParallel`
+whose distribution would cost exactly DDP's communication: the floor of
+the `keras_dp / keras_ddp` ratio, printed as `floor`.
+
 Each job measures, per process, the peak resident memory added by its
 steps (VmHWM, reset after the first steps) and the median step time, and
 prints a JSON line; this driver prints, per model, a table over the
@@ -76,6 +84,7 @@ MODELS = (
 # The keras-hub causal LMs: tokens per row, vocabulary.
 LM_SEQUENCE, LM_VOCAB = 128, 1000
 IMPLS = ("keras_dp", "keras_ddp")
+FLOOR_IMPLS = ("keras_alone", "loop_alone")
 SEQUENCE, FEATURES = 32, 256
 MLP_HIDDEN, MLP_CLASSES = 512, 10
 MIB = 1024 * 1024
@@ -92,6 +101,16 @@ def parse_args():
         type=int,
         default=1,
         help="jobs per side, alternated; the median of their medians",
+    )
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="also each process alone: Keras' train_on_batch and the loop",
+    )
+    p.add_argument(
+        "--phases",
+        action="store_true",
+        help="with --floor: time the train step's parts (DP, Keras alone)",
     )
     p.add_argument("--worker", nargs=2, metavar=("IMPL", "MODEL"))
     return p.parse_args()
@@ -287,6 +306,8 @@ def worker(impl, kind, args):
     torch.set_num_threads(1)
     kd.initialize()
     rank, size = dist.get_rank(), dist.get_world_size()
+    timed = args.phases and impl in ("keras_dp", "keras_alone")
+    phase_totals = _timed_phases() if timed else {}
     if impl == "keras_dp" and kind.endswith("_mp"):
         kd.set_distribution(_model_parallel(size))
     elif impl == "keras_dp":
@@ -295,16 +316,25 @@ def worker(impl, kind, args):
         _whole_model_couples()
     model = _model(kind)
     x, y = _data(kind, args.rows * size)
+    part = slice(rank * args.rows, (rank + 1) * args.rows)
     if impl == "keras_dp":
 
         def step():
             model.train_on_batch(x, y)
 
+    elif impl == "keras_alone":
+        own_x = keras.tree.map_structure(lambda a: a[part], x)
+        own_y = y[part]
+
+        def step():
+            model.train_on_batch(own_x, own_y)
+
     else:
         # A functional model's variables become torch parameters here.
         model._track_variables()
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
-        part = slice(rank * args.rows, (rank + 1) * args.rows)
+        ddp = model
+        if impl == "keras_ddp":
+            ddp = torch.nn.parallel.DistributedDataParallel(model)
         local_x = keras.tree.map_structure(
             lambda a: torch.from_numpy(np.asarray(a[part])), x
         )
@@ -331,12 +361,15 @@ def worker(impl, kind, args):
         step()
     _reset_peak()
     before = _peak_kib()
-    times = []
+    times, phases = [], {}
     for _ in range(args.steps):
         dist.barrier()
+        phase_totals.clear()
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
+        for label, seconds in phase_totals.items():
+            phases.setdefault(label, []).append(seconds)
     peak = (_peak_kib() - before) * 1024
     per_step = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(per_step, op=dist.ReduceOp.MAX)
@@ -361,9 +394,104 @@ def worker(impl, kind, args):
                     "step_ms": statistics.median(per_step.tolist()) * 1e3,
                     "peak_mib": max(peaks) / MIB,
                     "path": path,
+                    "phases_ms": {
+                        label: statistics.median(values) * 1e3
+                        for label, values in phases.items()
+                    },
                 }
             ),
             flush=True,
+        )
+
+
+# The parts of Keras' train step timed by `--phases`: (label, module,
+# attribute path of the function).
+PHASES = (
+    (
+        "the batch distributed",
+        "keras.src.backend.torch.distributed.inputs.data_input",
+        "distribute_global_batch",
+    ),
+    ("model calls", "keras.src.layers.layer", "Layer.__call__"),
+    ("loss (Keras)", "keras.src.trainers.trainer", "Trainer._compute_loss"),
+    (
+        "loss (local rows)",
+        "keras.src.backend.torch.distributed.training.step",
+        "DistributedStep.local_compiled_loss",
+    ),
+    (
+        "loss tracker update",
+        "keras.src.metrics.reduction_metrics",
+        "Mean.update_state",
+    ),
+    ("backward", "torch", "Tensor.backward"),
+    (
+        "bucket launches (in backward)",
+        "keras.src.backend.torch.distributed.training.step_reduction",
+        "OverlappedReduction._launch",
+    ),
+    (
+        "gradients reduced",
+        "keras.src.backend.torch.distributed.training.step",
+        "DistributedStep.reduce_gradients",
+    ),
+    (
+        "optimizer",
+        "keras.src.backend.torch.optimizers.torch_optimizer",
+        "TorchOptimizer.apply",
+    ),
+    ("metrics", "keras.src.trainers.trainer", "Trainer.compute_metrics"),
+    (
+        "train_step",
+        "keras.src.backend.torch.trainer",
+        "TorchTrainer.train_step",
+    ),
+)
+
+
+def _timed_phases():
+    """Wraps each of `PHASES`' functions to add its time to the returned
+    dict of this step's seconds by label."""
+    import importlib
+
+    totals = {}
+
+    def timed(function, label):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - start
+                totals[label] = totals.get(label, 0.0) + elapsed
+
+        return wrapper
+
+    for label, module, path in PHASES:
+        owner = importlib.import_module(module)
+        *owners, name = path.split(".")
+        for part in owners:
+            owner = getattr(owner, part)
+        setattr(owner, name, timed(getattr(owner, name), label))
+    return totals
+
+
+def _print_phases(results):
+    """The train step's parts, Keras alone and DataParallel, side by side."""
+    alone = results["keras_alone"].get("phases_ms", {})
+    dp = results["keras_dp"].get("phases_ms", {})
+    print(f"      {'part of the step':<30} {'alone ms':>9} {'DP ms':>9}")
+    for label, _, _ in PHASES:
+        if label in alone or label in dp:
+            print(
+                f"      {label:<30} {alone.get(label, 0.0):>9.2f} "
+                f"{dp.get(label, 0.0):>9.2f}"
+            )
+    for impl, phases in (("keras_alone", alone), ("keras_dp", dp)):
+        step = results[impl]["step_ms"]
+        print(
+            f"      {impl}: step {step:.2f} ms, train_step "
+            f"{phases.get('train_step', 0.0):.2f} ms"
         )
 
 
@@ -382,7 +510,7 @@ def _job(impl, kind, nproc, args):
         str(args.rows),
         "--steps",
         str(args.steps),
-    ]
+    ] + (["--phases"] if args.phases else [])
     env = dict(os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1")
     out = subprocess.run(
         command, capture_output=True, text=True, env=env, timeout=1200
@@ -399,15 +527,23 @@ def _job(impl, kind, nproc, args):
 def _jobs(kind, nproc, args):
     """Both sides' results on `nproc` processes: with `--repeats`, their
     jobs alternate, and each number is the median of the jobs'."""
-    runs = {impl: [] for impl in IMPLS}
+    impls = IMPLS + (FLOOR_IMPLS if args.floor else ())
+    runs = {impl: [] for impl in impls}
     for _ in range(args.repeats):
-        for impl in IMPLS:
+        for impl in impls:
             runs[impl].append(_job(impl, kind, nproc, args))
     results = {}
     for impl, jobs in runs.items():
         result = dict(jobs[0])
         for key in ("step_ms", "peak_mib"):
             result[key] = statistics.median(job[key] for job in jobs)
+        labels = {label for job in jobs for label in job["phases_ms"]}
+        result["phases_ms"] = {
+            label: statistics.median(
+                job["phases_ms"].get(label, 0.0) for job in jobs
+            )
+            for label in labels
+        }
         if len(jobs) > 1:
             result["step_ms_runs"] = [job["step_ms"] for job in jobs]
         results[impl] = result
@@ -445,6 +581,10 @@ def main():
                 f"{dp['peak_mib']:>12.1f} {ddp['peak_mib']:>13.1f} "
                 f"{dp['peak_mib'] / max(ddp['peak_mib'], 1e-3):>6.2f}"
             )
+            if args.floor:
+                _print_floor(results[n])
+            if args.floor and args.phases:
+                _print_phases(results[n])
             if args.repeats > 1:
                 ratios = [
                     a / b
@@ -454,6 +594,20 @@ def main():
                     "      step ratio of each repeat: "
                     + ", ".join(f"{r:.2f}" for r in ratios)
                 )
+
+
+def _print_floor(results):
+    """The ratio's floor: Keras' own step cost over the loop's, on DDP."""
+    ddp = results["keras_ddp"]["step_ms"]
+    keras_alone = results["keras_alone"]["step_ms"]
+    loop_alone = results["loop_alone"]["step_ms"]
+    floor = (ddp + keras_alone - loop_alone) / ddp
+    print(
+        f"      alone, no communication: Keras {keras_alone:.1f} ms, "
+        f"loop {loop_alone:.1f} ms; floor {floor:.2f}; "
+        f"DataParallel over Keras alone "
+        f"+{results['keras_dp']['step_ms'] - keras_alone:.1f} ms"
+    )
 
 
 if __name__ == "__main__":

@@ -251,6 +251,8 @@ def test_bench_weak_scaling_prints_both_sides_and_the_path():
             "2",
             "--repeats",
             "2",
+            "--floor",
+            "--phases",
         ],
         timeout=600,
     )
@@ -267,6 +269,24 @@ def test_bench_weak_scaling_prints_both_sides_and_the_path():
     # The ratio of the unrounded times; each time printed to 0.05 ms.
     slack = ratio * (0.05 / dp + 0.05 / ddp) + 0.005
     assert dp > 0 and ddp > 0 and abs(ratio - dp / ddp) <= slack
+    # The floor: Keras' own step over the loop's, added to DDP's step.
+    floor = re.search(
+        r"Keras ([\d.]+) ms, loop ([\d.]+) ms; floor ([\d.]+)", out
+    )
+    assert floor is not None, out
+    keras_alone, loop_alone, printed = map(float, floor.groups())
+    expected = (ddp + keras_alone - loop_alone) / ddp
+    assert abs(printed - expected) <= 0.15 / ddp + 0.005, out
+    # The train step's parts, timed on both sides; the DP side reduces.
+    parts = dict(
+        (label.strip(), (float(a), float(b)))
+        for label, a, b in re.findall(
+            r"^\s{6}([a-z][a-z ()_-]+?)\s+([\d.]+)\s+([\d.]+)$", out, re.M
+        )
+    )
+    assert parts["train_step"][0] > 0 and parts["train_step"][1] > 0, out
+    assert parts["gradients reduced"][1] > 0, out
+    assert parts["the batch distributed"][0] == 0, out
 
 
 def test_bench_call_agreement_prints_the_step_and_read_costs():
