@@ -196,5 +196,5 @@ def rebind_module_parameter(module, name, parameter):
     """
     owner_name, _, leaf = name.rpartition(".")
     owner = module.get_submodule(owner_name)
-    if owner._parameters.get(leaf) is not parameter:
+    if dict(owner.named_parameters(recurse=False)).get(leaf) is not parameter:
         owner.register_parameter(leaf, parameter)
