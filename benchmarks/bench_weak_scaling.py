@@ -63,30 +63,13 @@ import subprocess
 import sys
 import time
 
-MODELS = (
-    "dense",
-    "dense_dropout",
-    "lstm_dropout",
-    "conv_dropout",
-    "own_layer",
-    "activity_reg",
-    "activity_reg_whole",
-    "mlp",
-    "mlp_dropout",
-    "mlp_own",
-    "mlp_reg",
-    "attention",
-    "llama",
-    "llama_dropout",
-    "llama_mp",
-    "llama_dropout_mp",
-)
-# The keras-hub causal LMs: tokens per row, vocabulary.
-LM_SEQUENCE, LM_VOCAB = 128, 1000
+import weak_scaling_models
+from weak_scaling_models import FEATURES
+from weak_scaling_models import MODELS
+from weak_scaling_models import SEQUENCE
+
 IMPLS = ("keras_dp", "keras_ddp")
 FLOOR_IMPLS = ("keras_alone", "loop_alone")
-SEQUENCE, FEATURES = 32, 256
-MLP_HIDDEN, MLP_CLASSES = 512, 10
 MIB = 1024 * 1024
 
 
@@ -114,170 +97,6 @@ def parse_args():
     )
     p.add_argument("--worker", nargs=2, metavar=("IMPL", "MODEL"))
     return p.parse_args()
-
-
-def _model(kind):
-    import keras
-    from keras import layers
-    from keras import ops
-
-    class OwnDense(layers.Layer):
-        """A user's per-sample layer: `relu(x @ w + b)`."""
-
-        def __init__(self, units, **kwargs):
-            super().__init__(**kwargs)
-            self.units = units
-
-        def build(self, shape):
-            self.w = self.add_weight((shape[-1], self.units))
-            self.b = self.add_weight((self.units,), initializer="zeros")
-
-        def call(self, x):
-            return ops.relu(ops.matmul(x, self.w) + self.b)
-
-    keras.utils.set_random_seed(0)
-    if kind.startswith("llama"):
-        return _llama(dropout=0.1 if "dropout" in kind else 0.0)
-    if kind.startswith("mlp"):
-        return _mlp(kind, OwnDense)
-    if kind == "attention":
-        return _attention()
-    stack = []
-    if kind in ("dense", "dense_dropout"):
-        for _ in range(4):
-            stack.append(layers.Dense(FEATURES, activation="relu"))
-            if kind == "dense_dropout":
-                stack.append(layers.Dropout(0.1))
-    elif kind == "lstm_dropout":
-        stack += [
-            layers.LSTM(64, return_sequences=True),
-            layers.Dropout(0.1),
-            layers.LSTM(64, return_sequences=True),
-            layers.Dropout(0.1),
-        ]
-    elif kind == "conv_dropout":
-        for _ in range(4):
-            stack.append(layers.Conv1D(128, 3, padding="same"))
-            stack.append(layers.SpatialDropout1D(0.1))
-    elif kind == "own_layer":
-        stack += [OwnDense(FEATURES) for _ in range(3)]
-    elif kind.startswith("activity_reg"):
-        for i in range(4):
-            regularizer = "l2" if i == 1 else None
-            stack.append(
-                layers.Dense(
-                    FEATURES,
-                    activation="relu",
-                    activity_regularizer=regularizer,
-                )
-            )
-    else:
-        raise ValueError(f"Unknown model {kind!r}; choose from {MODELS}.")
-    stack.append(layers.Dense(8))
-    model = keras.Sequential([keras.Input((SEQUENCE, FEATURES))] + stack)
-    model.compile(optimizer="adam", loss="mse")
-    return model
-
-
-def _mlp(kind, own_dense):
-    import keras
-    from keras import layers
-
-    stack = []
-    for _ in range(2):
-        if kind == "mlp_own":
-            stack.append(own_dense(MLP_HIDDEN))
-        else:
-            regularizer = "l2" if kind == "mlp_reg" else None
-            stack.append(
-                layers.Dense(
-                    MLP_HIDDEN,
-                    activation="relu",
-                    kernel_regularizer=regularizer,
-                )
-            )
-        if kind == "mlp_dropout":
-            stack.append(layers.Dropout(0.1))
-    stack.append(layers.Dense(MLP_CLASSES))
-    model = keras.Sequential([keras.Input((FEATURES,))] + stack)
-    model.compile(optimizer="adam", loss="mse")
-    return model
-
-
-def _attention():
-    import keras
-    from keras import layers
-
-    inputs = keras.Input((SEQUENCE, FEATURES))
-    attended = layers.MultiHeadAttention(4, FEATURES // 4)(inputs, inputs)
-    x = layers.LayerNormalization()(inputs + attended)
-    hidden = layers.Dense(2 * FEATURES, activation="relu")(x)
-    x = layers.LayerNormalization()(x + layers.Dense(FEATURES)(hidden))
-    outputs = layers.Dense(8)(x)
-    model = keras.Model(inputs, outputs)
-    model.compile(optimizer="adam", loss="mse")
-    return model
-
-
-def _llama(dropout):
-    import keras_hub
-
-    backbone = keras_hub.models.LlamaBackbone(
-        vocabulary_size=LM_VOCAB,
-        num_layers=2,
-        num_query_heads=8,
-        num_key_value_heads=4,
-        hidden_dim=256,
-        intermediate_dim=512,
-        dropout=dropout,
-    )
-    model = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
-    model.compile(optimizer="adam")
-    return model
-
-
-def _model_parallel(size):
-    """`ModelParallel` on a (size / 2, 2) mesh, the Llama backbone's map."""
-    import keras_hub
-
-    from keras import distribution as kd
-
-    if size < 2 or size % 2:
-        raise ValueError(
-            f"The _mp models need an even number of processes; got {size}."
-        )
-    mesh = kd.DeviceMesh((size // 2, 2), ["batch", "model"], kd.list_devices())
-    layout_map = keras_hub.models.LlamaBackbone.get_layout_map(mesh)
-    return kd.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
-
-
-def _data(kind, rows):
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    if kind.startswith("llama"):
-        tokens = rng.integers(1, LM_VOCAB, size=(rows, LM_SEQUENCE + 1))
-        x = {
-            "token_ids": tokens[:, :-1].astype("int32"),
-            "padding_mask": np.ones((rows, LM_SEQUENCE), "bool"),
-        }
-        return x, tokens[:, 1:].astype("int32")
-    if kind.startswith("mlp"):
-        x = rng.normal(size=(rows, FEATURES)).astype("float32")
-        y = rng.normal(size=(rows, MLP_CLASSES)).astype("float32")
-        return x, y
-    x = rng.normal(size=(rows, SEQUENCE, FEATURES)).astype("float32")
-    y = rng.normal(size=(rows, SEQUENCE, 8)).astype("float32")
-    return x, y
-
-
-def _whole_model_couples():
-    """Makes the probe find every model coupling samples as a whole (the
-    path of a model that couples samples outside its layers): for the
-    `_whole` models' side by side comparison."""
-    from keras.src.backend.torch.distributed.data_parallel import batch_coupling
-
-    batch_coupling.coupling_layers = lambda model, watch: None
 
 
 def _peak_kib():
@@ -309,13 +128,13 @@ def worker(impl, kind, args):
     timed = args.phases and impl in ("keras_dp", "keras_alone")
     phase_totals = _timed_phases() if timed else {}
     if impl == "keras_dp" and kind.endswith("_mp"):
-        kd.set_distribution(_model_parallel(size))
+        kd.set_distribution(weak_scaling_models.model_parallel(size))
     elif impl == "keras_dp":
         kd.set_distribution(kd.DataParallel())
     if impl == "keras_dp" and kind.endswith("_whole"):
-        _whole_model_couples()
-    model = _model(kind)
-    x, y = _data(kind, args.rows * size)
+        weak_scaling_models.whole_model_couples()
+    model = weak_scaling_models.build_model(kind)
+    x, y = weak_scaling_models.make_data(kind, args.rows * size)
     part = slice(rank * args.rows, (rank + 1) * args.rows)
     if impl == "keras_dp":
 
