@@ -14,11 +14,10 @@ class DistributedCheckpoint(MonitorCallback):
     """Saves sharded checkpoints: every process writes its own shards.
 
     The counterpart of `OrbaxCheckpoint` for backends that write distributed
-    checkpoints (torch), with or without a distribution. Each save is
-    `directory/<step>/` (the epoch, or the batches seen), which appears only
-    once complete. `model.load_weights(directory)` and `load_model(directory)`
-    load the latest step into the model's current layouts, on any mesh or
-    number of processes; `load_model` also restores the optimizer's state.
+    checkpoints (torch). Each save is `directory/<step>/` (the epoch, or the
+    batches seen), which appears only once complete.
+    `model.load_weights(directory)` and `load_model(directory)` (with the
+    optimizer's state) load the latest step on any mesh or process count.
 
     Example:
 

@@ -1,8 +1,5 @@
-"""`AutoModelParallel`: model parallelism with no `LayoutMap` to write.
-
-Variables no `LayoutMap` rule matches are laid out as they are created by a
-plan derived from the model's structure (`auto_plan.py`), on any backend.
-"""
+"""`AutoModelParallel`: model parallelism with no `LayoutMap` to write; the
+variables no rule matches are laid out at creation by `auto_plan`."""
 
 import re
 
@@ -30,12 +27,9 @@ class AutoModelParallel(ModelParallel):
     over it), with no `LayoutMap` to write. Set it before creating the model:
 
     ```python
-    keras.distribution.set_distribution(
-        keras.distribution.AutoModelParallel()
-    )
+    keras.distribution.set_distribution(keras.distribution.AutoModelParallel())
     model = keras_hub.models.CausalLM.from_preset(...)
     keras.distribution.sharding_summary(model, print_fn=print)
-    model.fit(...)
     ```
 
     Args:
@@ -104,12 +98,8 @@ class AutoModelParallel(ModelParallel):
         return TensorLayout(axes, self.device_mesh)
 
     def gathered_for_call(self, variable):
-        """Whether `variable` is stored sharded over the model axis but used
-        whole, so gathered (as FSDP does) for each call of its block.
-
-        Args:
-            variable: a Keras variable this distribution laid out.
-        """
+        """Whether `variable` (laid out here) is stored sharded over the model
+        axis but gathered whole, as FSDP does, for each call of its block."""
         return self._plan.gathered_for_call(variable)
 
     def kernel_role(self, layer):
@@ -144,25 +134,16 @@ class AutoModelParallel(ModelParallel):
             if getattr(v, "_layout", None) is not None
             and not self._reasons.get(v.path, "").startswith(RULE_PREFIX)
         ]
-        relaid = []
-        for variable, axes, reason in self._plan.check_pairing(
-            layer, role, weights
-        ):
+        relaid = self._plan.check_pairing(layer, role, weights)
+        for variable, _, reason in relaid:
             self._reasons[variable.path] = AUTO_PREFIX + reason
-            layout = TensorLayout(axes, self.device_mesh)
-            relaid.append((variable, layout))
-        return relaid
+        return [
+            (v, TensorLayout(axes, self.device_mesh)) for v, axes, _ in relaid
+        ]
 
     def layout_reason(self, path):
-        """What laid out the variable at `path`: a rule, or the plan.
-
-        Args:
-            path: a variable path.
-
-        Returns:
-            `"rule: <key>"` for a `LayoutMap` rule, `"auto: <reason>"` for
-            the plan, `None` if this distribution did not lay it out.
-        """
+        """What laid out the variable at `path`: `"rule: <key>"` for a
+        `LayoutMap` rule, `"auto: <reason>"` for the plan, else `None`."""
         return self._reasons.get(path)
 
 

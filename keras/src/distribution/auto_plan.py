@@ -1,14 +1,11 @@
-"""A tensor-parallel plan for any model, decided as each variable is created.
-
-`AutoModelParallel` asks it for each variable no `LayoutMap` rule lays out:
-Megatron-style tensor parallelism over the model axis, plus FSDP-like sharding
-over a batch axis longer than one; at creation, since `from_preset` loads
-weights in the constructor. Layers are built in data-flow order, so a kernel
-reading the block's stream is column parallel and a later one reading its output
-row parallel (`plan_pairs`). Heads the model axis does not divide are never
-sharded unevenly: replicated, gathered per call or split on input features. The
-plan decides where data lives, never what is computed: a wrong guess costs
-collectives, not correctness.
+"""`AutoModelParallel`'s plan: Megatron-style tensor parallelism over the model
+axis, FSDP-like sharding over a batch axis longer than one, decided as each
+variable is created (`from_preset` loads weights in the constructor). Layers are
+built in data-flow order: a kernel reading the block's stream is column
+parallel, a later one reading its output row parallel (`plan_pairs`). Heads the
+model axis does not divide are replicated, gathered per call or split on input
+features, never sharded unevenly. A wrong guess costs collectives, never
+correctness: the plan decides where data lives, not what is computed.
 """
 
 import math
@@ -38,11 +35,8 @@ class Plan:
     def __init__(self, mesh_shape, model_dim_name, batch_dim_name):
         self.model_size = mesh_shape[model_dim_name]
         # On a 1-D mesh only tensor parallelism shards kernels over the axis.
-        self.batch_size = (
-            mesh_shape.get(batch_dim_name, 1)
-            if batch_dim_name != model_dim_name
-            else 1
-        )
+        same = batch_dim_name == model_dim_name
+        self.batch_size = 1 if same else mesh_shape.get(batch_dim_name, 1)
         self.model_dim_name = model_dim_name
         self.batch_dim_name = batch_dim_name
         self._pairs = plan_pairs.Pairs()
@@ -66,14 +60,13 @@ class Plan:
         axes, reason = self._layout_axes(variable)
         if _is_float(variable.dtype):
             shape = tuple(variable.shape)
-            # Used whole, as it would have been replicated: gathered with its
-            # layer's call where that is the call's one gather.
+            # Used whole, as if replicated: gathered with its layer's call
+            # where that is the call's one gather.
             axes, reason, bound = self._share.bounded(
                 shape, axes, reason, SHARE_BOUND, self.batch_size == 1
             )
-            self._gathering = self._gathering or (
-                bound and self.batch_size == 1
-            )
+            if bound and self.batch_size == 1:
+                self._gathering = True
             self._share.record(shape, axes)
         if self._gathering and self.model_dim_name in axes:
             self._call_gathered[id(variable)] = weakref.ref(variable)
@@ -168,9 +161,8 @@ class Plan:
         if role is not None and role[0] == STACK and len(shape) > 1:
             return self._stack_axes(layer, shape)
         if role is None or role[0] != COLUMN:
-            return replicated, "replicated: " + (
-                "vector" if len(shape) == 1 else "bias"
-            )
+            what = "vector" if len(shape) == 1 else "bias"
+            return replicated, f"replicated: {what}"
         if len(role) > 2:
             axes = layer_reading.einsum_bias_axes(
                 layer, shape, role[2], self.model_dim_name
@@ -178,9 +170,8 @@ class Plan:
             if axes is not None:
                 return axes, "column-parallel bias (heads)"
         elif shape[-1] == role[1]:
-            return replicated[:-1] + (self.model_dim_name,), (
-                "column-parallel bias"
-            )
+            axes = replicated[:-1] + (self.model_dim_name,)
+            return axes, "column-parallel bias"
         return replicated, "replicated: bias"
 
     def _gathered_with_block(self, layer, parent):
@@ -215,7 +206,7 @@ class Plan:
             return self._gathered_for_call(layer, shape, contracted + out_only)
         if heads_out:
             self._pairs.open_width(parent, math.prod(size[c] for c in out_only))
-            indivisible = self._indivisible(heads_out, size)
+            indivisible = all(size[c] % self.model_size for c in heads_out)
             if (
                 indivisible
                 and self._pairs.key(parent) in self._head_parallel
@@ -293,9 +284,6 @@ class Plan:
         """Whether `parent` is a block whose kernels no other axis gathers."""
         return self.batch_size == 1 and _is_block(parent)
 
-    def _indivisible(self, heads, size):
-        return all(size[c] % self.model_size for c in heads)
-
     def _within_budget(self, shape):
         """Whether replicating `shape` over the model axis fits the budget."""
         axes = self._mesh.shard(shape, [], lambda d: "", model=False)[0]
@@ -309,7 +297,8 @@ class Plan:
         # kernels with an output the model axis does not divide, stays whole.
         if (
             reads != ROW
-            and _is_narrow(in_width, out_width)
+            and out_width < in_width
+            and out_width <= NARROW_WIDTH
             and (reads is None or out_width % self.model_size)
         ):
             return (
@@ -320,13 +309,8 @@ class Plan:
         ambiguous = self._pairs.ambiguous(in_width, scope, parent)
         role = self._pairs.role(scope, in_width, out_width, fallback=parent)
         order = [out_dim, in_dim] if role == COLUMN else [in_dim, out_dim]
-        axes, reason = self._mesh.shard(
-            shape,
-            order,
-            lambda d: (
-                f"{role}-parallel {kind} ({shape[in_dim]}->{shape[out_dim]})"
-            ),
-        )
+        what = f"{role}-parallel {kind} ({in_width}->{out_width})"
+        axes, reason = self._mesh.shard(shape, order, lambda d: what)
         if axes[order[0]] == self.model_dim_name and layer is not None:
             self._roles[layer] = (role, shape[order[0]])
             if kind in ("dense", "conv") and ambiguous:
@@ -354,10 +338,6 @@ def _is_block(layer):
     from keras.src.models.model import Model
 
     return layer is not None and not isinstance(layer, Model)
-
-
-def _is_narrow(in_width, out_width):
-    return out_width < in_width and out_width <= NARROW_WIDTH
 
 
 def _is_float(dtype):

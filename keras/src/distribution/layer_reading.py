@@ -1,7 +1,5 @@
-"""The facts about layers that the auto plan (`auto_plan`) decides from.
-
-Which layer creates a variable, what a layer computes, `EinsumDense` letters.
-"""
+"""The facts about layers `auto_plan` decides from: which layer creates a
+variable, what a layer computes, `EinsumDense` letters."""
 
 import re
 
@@ -11,11 +9,8 @@ _EQUATION = re.compile(r"^([a-zA-Z.]+),([a-zA-Z]+)->([a-zA-Z.]+)$")
 
 
 def creating_layers():
-    """`(layer, parent)`: the layer creating a variable now and its parent.
-
-    Read from the `caller`s of the name scopes Keras opens around `add_weight`;
-    either is `None` where there is none.
-    """
+    """`(layer, parent)`: the layer creating a variable now and its parent
+    (or `None`), from the `caller`s of the name scopes around `add_weight`."""
     from keras.src.layers.layer import Layer
 
     stack = global_state.get_global_attribute("name_scope_stack") or []
@@ -56,11 +51,9 @@ def parse_equation(equation):
 
 
 def einsum_bias_axes(layer, shape, letter, axis_name):
-    """Mesh axes of an `EinsumDense` bias with `letter` over `axis_name`.
-
-    `None` if the bias lacks the letter. Keras shapes the bias like the output
-    from its first bias axis on.
-    """
+    """Mesh axes of an `EinsumDense` bias with `letter` over `axis_name`, or
+    `None` if it lacks the letter; it is shaped like the output from its first
+    bias axis on."""
     parsed = parse_equation(getattr(layer, "equation", ""))
     bias_axes = getattr(layer, "bias_axes", None)
     if parsed is None or not bias_axes:

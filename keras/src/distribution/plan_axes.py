@@ -1,12 +1,10 @@
-"""Mesh axes for a variable's dimensions, as `AutoModelParallel` plans them
-(`auto_plan`): the model axis on the first dimension of a preferred order it
-divides, the batch axis (if longer than one) on the largest free one."""
+"""Mesh axes for a variable's dimensions, as `auto_plan` places them."""
 
 
 class MeshAxes:
-    """Places the model axis (`model_dim_name`, of `model_size`) and the
-    batch axis (of `batch_size`, 1 where kernels are not sharded over it) on
-    a variable's dimensions."""
+    """Places the model axis on the first dimension of a preferred order it
+    divides, the batch axis (of `batch_size`, 1 where kernels are not sharded
+    over it) on the largest free one."""
 
     def __init__(self, model_dim_name, model_size, batch_dim_name, batch_size):
         self.model_dim_name = model_dim_name

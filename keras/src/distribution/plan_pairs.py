@@ -1,11 +1,9 @@
-"""Column/row kernel pairs for `AutoModelParallel`, from widths alone.
+"""Column/row kernel pairs for `auto_plan`, from widths alone.
 
-`auto_plan` lays out each kernel at creation, in data-flow order: within an
-enclosing layer, one reading the block's stream is column parallel and leaves
-its output width "open"; a later one reading an open width is row parallel.
-Ambiguous widths (feed-forward as wide as the block) keep a `Pairing` until a
-backend that follows data to the first call (torch) checks it
-(`AutoModelParallel.check_pairing`).
+Within an enclosing layer, a kernel reading the block's stream is column
+parallel and leaves its output width "open"; a later one reading an open width
+is row parallel. Ambiguous widths (feed-forward as wide as the block) keep a
+`Pairing` until the first call checks it (`AutoModelParallel.check_pairing`).
 """
 
 import weakref

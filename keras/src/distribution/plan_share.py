@@ -1,10 +1,9 @@
-"""What each process stores of a model, as `AutoModelParallel` plans it.
+"""What each process stores of a model, as `auto_plan` plans it.
 
-`auto_plan` lays out each variable at creation, before the model's size is
-known, so `PlanShare` keeps a running account of the float elements planned
-and each process' excess over an even share. Bounding it for every prefix
-bounds the whole model, except what cannot be sharded (no dimension divisible
-by the model axis, or before the first sharded variable).
+Variables are laid out before the model's size is known, so `PlanShare` bounds
+each process' excess over an even share for every prefix of the model, which
+bounds the whole model except what cannot be sharded (no dimension divisible by
+the model axis, or before the first sharded variable).
 """
 
 import math
@@ -19,7 +18,7 @@ class PlanShare:
         self.mesh = mesh
         self.elements = 0
         self.excess = 0.0
-        # Whether any variable is sharded over the model axis yet.
+        # Whether any variable is model-sharded yet.
         self.sharded = False
 
     def record(self, shape, axes):
@@ -70,9 +69,8 @@ class PlanShare:
             split *= self.mesh.model_size
         if self.mesh.batch_dim_name in axes and self.mesh.batch_size > 1:
             split *= self.mesh.batch_size
-        return size / split - size / (
-            self.mesh.model_size * self.mesh.batch_size
-        )
+        even = size / (self.mesh.model_size * self.mesh.batch_size)
+        return size / split - even
 
     def over_model(self, shape, axes):
         """`axes` + model axis on the largest free dim it divides, or `None`."""

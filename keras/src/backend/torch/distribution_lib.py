@@ -1,10 +1,9 @@
 """Utilities for distribution strategy with the PyTorch backend.
 
 A Keras `DeviceMesh` maps onto a torch `DeviceMesh` with one device per
-process (torchrun's model) and a `TensorLayout` onto DTensor placements, so
-values are sharded as the JAX backend shards them; a plain tensor stands for
-a global value, as a plain array does in JAX. This is the interface generic
-Keras code calls; the work is done in `keras.src.backend.torch.distributed`.
+process and a `TensorLayout` onto DTensor placements; a plain tensor stands
+for a global value, as a plain array does in JAX. Generic Keras code calls
+this interface; `keras.src.backend.torch.distributed` does the work.
 """
 
 import functools
@@ -37,8 +36,17 @@ save_from_one_process = process_io.save_from_one_process
 mesh_info = summary.mesh_info
 sharding_summary = summary.sharding_summary
 check_same_num_batches = call_agreement.check_same_num_batches
-# The distribution in effect, also on threads that never set it.
+# The job: the distribution in effect (also on threads that never set it),
+# the processes, and one seed for all (process 0's if none was set).
 current_distribution = runtime.current_distribution
+num_processes = runtime.world_size
+process_id = runtime.rank
+initialize_rng = runtime.agree_on_seed
+# Values laid out on a mesh, and Keras devices and meshes as torch's.
+distribute_variable = variables.distribute_variable
+distribute_global_batch = data_input.distribute_global_batch
+_to_backend_device = layouts.to_torch_device
+_to_backend_mesh = layouts.to_torch_mesh
 # Collectives over a named mesh axis, as `jax.lax.psum` / `all_gather`.
 all_reduce = collectives.all_reduce
 all_gather = collectives.all_gather
@@ -59,9 +67,6 @@ def batch_step(model, kind, step_function, eager_step_function):
         kind: `"train"`, `"test"` or `"predict"`.
         step_function: a function of one batch, possibly compiled.
         eager_step_function: the same function, not compiled.
-
-    Returns:
-        A function of one batch.
     """
 
     def on_first(function):
@@ -70,23 +75,15 @@ def batch_step(model, kind, step_function, eager_step_function):
     eager = on_first(eager_step_function)
     # `==`: a bound method is a new object at each access, equal to others.
     if step_function == eager_step_function:
-        distributed = step.DistributedStep(model, kind, eager, eager)
+        compiled = eager
     else:
-        distributed = step.DistributedStep(
-            model, kind, on_first(step_function), eager
-        )
+        compiled = on_first(step_function)
+    distributed = step.DistributedStep(model, kind, compiled, eager)
     return lambda batch: distributed([batch])
 
 
 def process_data_adapter(adapter):
-    """An adapter that reads only this process' share of the data.
-
-    Args:
-        adapter: the `DataAdapter` Keras made for the input.
-
-    Returns:
-        See `data_sources.process_data_adapter`.
-    """
+    """An adapter of `adapter` reading only this process' share of the data."""
     # Lazy: data sources import the data adapters, which import this module.
     from keras.src.backend.torch.distributed.inputs import data_sources
 
@@ -102,9 +99,6 @@ def list_devices(device_type=None):
     Args:
         device_type: `"cpu"` or `"gpu"`. Defaults to `"gpu"` if CUDA is
             available, otherwise `"cpu"`.
-
-    Returns:
-        List of device names that are available for distributed computation.
     """
     device_type = _standardize_device_type(device_type)
     if device_type == "gpu" and not torch.cuda.is_available():
@@ -117,14 +111,7 @@ def list_devices(device_type=None):
 
 
 def get_device_count(device_type=None):
-    """Returns the number of devices `list_devices(device_type)` returns.
-
-    Args:
-        device_type: `"cpu"` or `"gpu"`; see `list_devices`.
-
-    Returns:
-        int: the number of devices of that type in the job.
-    """
+    """Returns the number of devices `list_devices(device_type)` returns."""
     return len(list_devices(device_type))
 
 
@@ -145,36 +132,13 @@ def initialize(job_addresses=None, num_processes=None, process_id=None):
     call_agreement.start()
 
 
-def num_processes():
-    """Return the number of processes for the current distribution setting."""
-    return runtime.world_size()
-
-
-def process_id():
-    """Return the current process ID for the distribution setting."""
-    return runtime.rank()
-
-
-def initialize_rng():
-    """Makes every process use the same global random seed.
-
-    Without `keras.utils.set_random_seed()`, process 0's seed is broadcast,
-    so unseeded random ops (initializers, dropout) agree across processes.
-    """
-    runtime.agree_on_seed()
-
-
 def set_global_distribution(distribution):
     """Records the distribution passed to `set_distribution`.
 
-    The torch mesh is built and checked where first needed (reached alike by
-    every process), so an unused distribution may be current in a job its
-    mesh does not match. Every process must call this the first time a
-    distribution is set: it joins the process group if needed and takes
-    process 0's generator state; setting it again is no collective.
-
-    Args:
-        distribution: a `keras.distribution.Distribution`, or `None`.
+    The torch mesh is built where first needed, so an unused distribution may
+    be current in a job its mesh does not match. Every process must call this
+    the first time a distribution is set: it joins the process group if
+    needed and takes process 0's generator state (a collective, once).
     """
     if hasattr(distribution, "device_mesh"):
         runtime.check_torch_version()
@@ -186,19 +150,6 @@ def set_global_distribution(distribution):
                 _rng_agreed.add(distribution)
     runtime.set_process_distribution(distribution)
     layer_call.hold_replication(distribution)
-
-
-def distribute_variable(value, layout):
-    """Creates a variable's sharded value from process 0's full value.
-
-    Args:
-        value: the full (global) value, a `torch.Tensor`.
-        layout: `TensorLayout` of the variable.
-
-    Returns:
-        A `DTensor` holding this process' shard.
-    """
-    return variables.distribute_variable(value, layout)
 
 
 def distribute_tensor(tensor, layout):
@@ -214,9 +165,6 @@ def distribute_tensor(tensor, layout):
             structure of them.
         layout: `TensorLayout` to apply to each tensor, or `None` to return
             `tensor` as is.
-
-    Returns:
-        The same structure with every tensor laid out as `layout` says.
     """
     if layout is None:
         return tensor
@@ -250,7 +198,7 @@ def _distribute_leaf(x, layout):
 def distribute_data_input(
     per_process_batch, layout, batch_dim_name, global_batch_size=None
 ):
-    """Assembles the global batch from each process' part of it.
+    """Assembles the global batch (`DTensor`s) from each process' part.
 
     The processes along the batch axis hold consecutive parts, sized as
     `torch.chunk` splits the batch; those along other axes hold the same.
@@ -261,43 +209,17 @@ def distribute_data_input(
         batch_dim_name: name of the mesh axis the batch is sharded on.
         global_batch_size: the global batch size, or `None` to exchange
             the part sizes.
-
-    Returns:
-        A `DTensor` (or structure of them) holding the global batch.
     """
     return data_input.distribute_data_input(
         per_process_batch, layout, batch_dim_name, global_batch_size
     )
 
 
-def distribute_global_batch(data, distribution):
-    """Distributes each global batch the trainer's steps receive.
-
-    Each process keeps its rows of the global batch every source yields.
-
-    Args:
-        data: nested structure of arrays; the global batch.
-        distribution: the `keras.distribution.Distribution` in effect.
-
-    Returns:
-        The same structure, each array replaced by a `DTensor`.
-    """
-    return data_input.distribute_global_batch(data, distribution)
-
-
 def tf_dataset_adapter(dataset, class_weight=None, distribution=None):
-    """Makes the data adapter of a `tf.data.Dataset` under `distribution`.
+    """The `TFDatasetAdapter` of a `tf.data.Dataset` under `distribution`.
 
     A dataset whose batch size upstream cannot compute is read as global
-    batches instead of refused (see `distributed.inputs.tf_data`).
-
-    Args:
-        dataset: a `tf.data.Dataset`.
-        class_weight: optional dict of class ids to weights.
-        distribution: the `Distribution` in effect, or `None`.
-
-    Returns:
-        A `TFDatasetAdapter`.
+    batches instead of refused.
     """
     from keras.src.backend.torch.distributed.inputs import tf_data
 
@@ -305,100 +227,58 @@ def tf_dataset_adapter(dataset, class_weight=None, distribution=None):
 
 
 def all_gather_variable(variable):
-    """Returns the full value of a (possibly sharded) variable; a collective.
-
-    Args:
-        variable: a Keras `Variable` or a tensor.
-
-    Returns:
-        A plain `torch.Tensor` with the global value.
-    """
+    """The global value of a variable or tensor (a collective if sharded)."""
     return variables.to_global_value(getattr(variable, "value", variable))
 
 
 def distributed_checkpointer(directory, max_to_keep=None):
-    """Returns the writer of `keras.callbacks.DistributedCheckpoint`.
+    """The `Checkpointer` of `keras.callbacks.DistributedCheckpoint`.
 
-    Each process writes its own shards with `torch.distributed.checkpoint`.
-
-    Args:
-        directory: the directory of the checkpoint steps.
-        max_to_keep: how many of the latest steps to keep; `None`: all.
-
-    Returns:
-        A `Checkpointer` (`distributed.checkpoints.checkpoint`).
+    Each process writes its own shards with `torch.distributed.checkpoint`,
+    in steps under `directory`, keeping the latest `max_to_keep` (or all).
     """
-    from keras.src.backend.torch.distributed.checkpoints import checkpoint
-
-    return checkpoint.Checkpointer(directory, max_to_keep)
+    return _checkpoint().Checkpointer(directory, max_to_keep)
 
 
 def is_distributed_checkpoint(path):
     """Whether `path` is a `DistributedCheckpoint` checkpoint (or steps)."""
-    from keras.src.backend.torch.distributed.checkpoints import checkpoint
-
-    return checkpoint.is_checkpoint(path)
+    return _checkpoint().is_checkpoint(path)
 
 
 def load_checkpoint_weights(model, path):
-    """Loads a `DistributedCheckpoint` into `model`, in its layouts.
-
-    Args:
-        model: the Keras model, built.
-        path: a checkpoint, or a directory of steps (the latest loads).
-    """
-    from keras.src.backend.torch.distributed.checkpoints import checkpoint
-
-    checkpoint.load_weights(model, path)
+    """Loads a `DistributedCheckpoint` (or the latest of a directory of
+    steps at `path`) into the built `model`, in its layouts."""
+    _checkpoint().load_weights(model, path)
 
 
 def load_checkpoint_model(path, custom_objects=None, compile=True, **kwargs):
-    """Rebuilds and loads the model a `DistributedCheckpoint` saved.
+    """Rebuilds the model a `DistributedCheckpoint` saved, state restored.
 
-    Args:
-        path: a checkpoint, or a directory of steps (the latest loads).
-        custom_objects: as in `keras.saving.load_model`.
-        compile: whether to compile the model as it was saved.
-        **kwargs: `safe_mode`, as in `keras.saving.load_model`.
-
-    Returns:
-        The model, its variables and optimizer state restored.
+    `path` is a checkpoint or a directory of steps (the latest loads); the
+    other arguments are as in `keras.saving.load_model`.
     """
-    from keras.src.backend.torch.distributed.checkpoints import checkpoint
-
-    return checkpoint.load_model(path, custom_objects, compile, **kwargs)
+    return _checkpoint().load_model(path, custom_objects, compile, **kwargs)
 
 
 def save_sharded_backup(model, weights_path):
     """Backs up `model` for `BackupAndRestore` as a sharded checkpoint.
 
-    Args:
-        model: the Keras model.
-        weights_path: the `.weights.h5` path of the backup.
-
-    Returns:
-        `False` without a distribution (the caller saves `weights_path`).
+    Returns `False` without a distribution: the caller then saves the
+    `.weights.h5` file `weights_path` itself.
     """
-    from keras.src.backend.torch.distributed.checkpoints import checkpoint
-
-    return checkpoint.save_backup(model, weights_path)
+    return _checkpoint().save_backup(model, weights_path)
 
 
 def find_sharded_backup(weights_path):
     """The sharded backup of `save_sharded_backup`, or `None` if none."""
+    return _checkpoint().find_backup(weights_path)
+
+
+def _checkpoint():
+    """The checkpoint module, imported when first needed."""
     from keras.src.backend.torch.distributed.checkpoints import checkpoint
 
-    return checkpoint.find_backup(weights_path)
-
-
-def _to_backend_device(device_name):
-    """Returns `(device_type, rank)` of a Keras `"gpu:i"`/`"cpu:i"` name."""
-    return layouts.to_torch_device(device_name)
-
-
-def _to_backend_mesh(device_mesh):
-    """Convert the Keras `DeviceMesh` to a torch `DeviceMesh`."""
-    return layouts.to_torch_mesh(device_mesh)
+    return checkpoint
 
 
 def _to_backend_layout(tensor_layout):

@@ -1,3 +1,2 @@
-"""Saving and loading under a distribution: `checkpoint` (sharded checkpoints
-with torch's DCP, complete or ignored), `process_io` (one process prints/saves).
-"""
+"""Saving and loading under a distribution: sharded checkpoints (`checkpoint`)
+and single-file saves from one process (`process_io`)."""

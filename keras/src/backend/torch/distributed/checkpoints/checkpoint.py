@@ -52,24 +52,18 @@ class Checkpointer:
         self._pending = None
 
     def save(self, model, step, weights_only=False, background=False):
-        """Saves `model` as step `step`; every process must call it.
-
-        `background` writes on a thread once the values are in host memory.
-        """
+        """Saves `model` as step `step`; every process must call it."""
         self.wait()
-        final = os.path.join(self.directory, str(int(step)))
-        group = background_group() if background else None
+        # A future if `background`, else `None`.
         self._pending = save_checkpoint(
             model,
-            final,
+            os.path.join(self.directory, str(int(step))),
             include_optimizer=not weights_only,
             include_config=not weights_only,
             background=background,
-            process_group=group,
+            process_group=background_group() if background else None,
             on_complete=self._prune,
         )
-        if not background:
-            self._pending = None
 
     def wait(self):
         """Waits for the background save in progress, if any, to finish."""
@@ -104,8 +98,7 @@ def save_checkpoint(
     """Writes `model` to `path` atomically (replacing it); all processes call.
 
     `background` returns once the values are staged: a future done (or raising)
-    once the checkpoint is in place on process 0, where `on_complete` runs.
-    """
+    once the checkpoint is in place on process 0, where `on_complete` runs."""
     path = os.path.abspath(os.fspath(path))
     partial = _sibling(path, PARTIAL_PREFIX)
     variables = _saved_variables(model, include_optimizer)
@@ -139,17 +132,17 @@ def save_checkpoint(
 
 
 def background_group():
-    """The process group of background saves' collectives, or `None`.
-
-    Not the default group, where they would interleave with the step's;
-    created collectively on first call.
-    """
+    """The process group of background saves' collectives (not the default
+    group: they would interleave with the step's), or `None`; created
+    collectively on first call."""
     global _background_group
     if not _distributed():
         return None
     world, group = _background_group
     if world is not dist.group.WORLD:
-        group = dist.new_group(backend="gloo", timeout=_timeout())
+        # Background saves may run long: the longer (start) bound.
+        timeout = datetime.timedelta(seconds=health.start_timeout())
+        group = dist.new_group(backend="gloo", timeout=timeout)
         _background_group = (dist.group.WORLD, group)
     return group
 
@@ -201,10 +194,8 @@ def resolve(path):
 
 
 def load_weights(model, path):
-    """Loads checkpoint (or latest step) `path` into built `model`'s variables.
-
-    In their current layout, the optimizer's too; every process calls it.
-    """
+    """Loads checkpoint (or latest step) `path` into built `model`'s variables
+    (the optimizer's too) in their current layouts; every process calls it."""
     path = resolve(path)
     info = read_info(path)
     groups = {"model": _model_variables(model)}
@@ -254,11 +245,8 @@ def read_info(path):
 
 
 def save_backup(model, weights_path):
-    """Backs up `model` for `BackupAndRestore` as a sharded checkpoint.
-
-    Named after the backup's `.weights.h5` path; `False` (not saved) without
-    a distribution.
-    """
+    """Backs up `model` for `BackupAndRestore` as a sharded checkpoint named
+    after `weights_path`; `False` (not saved) without a distribution."""
     if runtime.current_distribution() is None:
         return False
     save_checkpoint(model, _backup_path(weights_path), include_config=False)
@@ -290,25 +278,18 @@ def _saved_variables(model, include_optimizer):
 
 
 def _tensor(variable):
-    # Own storage: DCP saves and loads shards in place, so no process ever
-    # holds a whole sharded variable.
+    # DCP saves and loads shards in place: no process holds a whole variable.
     return variable.value.detach()
-
-
-def _describe(variable):
-    return {
-        "path": variable.path,
-        "shape": list(variable.shape),
-        "dtype": str(variable.dtype),
-    }
 
 
 def _write_info(directory, model, variables, include_config):
     from keras.src.saving import saving_lib
 
     groups = {"model": [], "optimizer": []}
-    for key, variable in variables.items():
-        groups[key.split("/")[0]].append(_describe(variable))
+    for key, v in variables.items():
+        groups[key.split("/")[0]].append(
+            {"path": v.path, "shape": list(v.shape), "dtype": str(v.dtype)}
+        )
     info = {
         "format": FORMAT,
         "model": groups["model"],
@@ -340,9 +321,8 @@ def _check_variables(group, saved, variables, path):
 
 
 def _is_complete(path):
-    return os.path.isfile(os.path.join(path, METADATA_FILE)) and (
-        os.path.isfile(os.path.join(path, INFO_FILE))
-    )
+    names = (METADATA_FILE, INFO_FILE)
+    return all(os.path.isfile(os.path.join(path, n)) for n in names)
 
 
 def _sibling(path, prefix):
@@ -368,10 +348,9 @@ def _then(upload, finish):
         try:
             future.result()
             finish()
+            done.set_result(None)
         except BaseException as e:  # Re-raised by `done.result()`.
             done.set_exception(e)
-        else:
-            done.set_result(None)
 
     upload.add_done_callback(callback)
     return done
@@ -394,8 +373,3 @@ def _single_process_quietly():
 def _barrier():
     if _distributed() and dist.get_world_size() > 1:
         dist.barrier()
-
-
-def _timeout():
-    # Background saves may run long: the longer (start) bound.
-    return datetime.timedelta(seconds=health.start_timeout())

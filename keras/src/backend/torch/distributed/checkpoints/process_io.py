@@ -22,54 +22,36 @@ def is_logging_process():
 
 def async_callbacks_supported():
     """Whether callbacks may run on another thread than the steps: not under
-    a distribution, where converting sharded logs to numpy is a collective
-    that all processes must issue in the same order."""
+    a distribution (converting sharded logs to numpy is a collective)."""
     return runtime.current_distribution() is None
 
 
 def save_from_one_process(save_function, model, filepath, *args, **kwargs):
-    """Saves `model` to one file, written by process 0.
-
-    Every process runs `save_function` (gathering sharded variables is a
-    collective); process 0's temporary file is renamed over `filepath`, so
-    readers never see a partial file. Returns once it is in place.
-
-    Args:
-        save_function: `save_function(model, filepath, *args, **kwargs)`.
-        model, filepath, *args, **kwargs: its arguments.
-    """
+    """Runs `save_function(model, filepath, *args, **kwargs)` on every process
+    (gathering sharded variables is a collective); process 0's temporary file
+    is renamed over `filepath` (never seen partial). Returns once in place."""
     if runtime.world_size() == 1 or not _is_local_file(filepath):
         return save_function(model, filepath, *args, **kwargs)
     filepath = os.fspath(filepath)
-    with call_agreement.collective_call("saving a model to one file"):
-        _save_on_process_0(save_function, model, filepath, *args, **kwargs)
-
-
-def _save_on_process_0(save_function, model, filepath, *args, **kwargs):
     directory, name = os.path.split(os.path.abspath(filepath))
-    if runtime.rank() == 0:
-        scratch = tempfile.mkdtemp(prefix=f".{name}.", dir=directory)
-    else:
-        scratch = tempfile.mkdtemp(prefix="keras-save-")
-    try:
-        temporary = os.path.join(scratch, name)
-        save_function(model, temporary, *args, **kwargs)
+    with call_agreement.collective_call("saving a model to one file"):
         if runtime.rank() == 0:
-            os.replace(temporary, filepath)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    dist.barrier()
+            scratch = tempfile.mkdtemp(prefix=f".{name}.", dir=directory)
+        else:
+            scratch = tempfile.mkdtemp(prefix="keras-save-")
+        try:
+            temporary = os.path.join(scratch, name)
+            save_function(model, temporary, *args, **kwargs)
+            if runtime.rank() == 0:
+                os.replace(temporary, filepath)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        dist.barrier()
 
 
 def run_on_one_process(function):
-    """Runs `function()` on process 0 only, then waits for it everywhere.
-
-    Args:
-        function: a function of no arguments.
-
-    Returns:
-        What `function` returned on process 0, `None` on the others.
-    """
+    """Runs `function()` on process 0 only, then waits for it everywhere;
+    returns its result on process 0, `None` on the others."""
     if runtime.world_size() == 1:
         return function()
     result = function() if runtime.rank() == 0 else None

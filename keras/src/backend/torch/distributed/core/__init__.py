@@ -1,8 +1,3 @@
-"""The job and its values: what every distribution stands on.
-
-`runtime` (process group, torch version, distribution), `layouts` (Keras
-layouts as torch meshes and placements), `variables`, `layout_rules` (which
-`LayoutMap` rule lays out a variable), `collectives` (over a named mesh axis),
-`local_state` (replicated state updated locally), `random_draws` (the same on
-any layout), `generator_states`, `summary` (what this process stores).
-"""
+"""What every distribution stands on: the job and its process group, layouts
+as torch meshes and placements, variables, collectives over a mesh axis, and
+random draws that are the same on any layout."""

@@ -7,7 +7,12 @@ import torch.distributed as dist
 from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.core.runtime import DTensor
 
-_REDUCE_OPS = ("sum", "mean", "max", "min")
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "mean": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
 
 
 def all_reduce(x, op="sum", axis_name="model"):
@@ -22,15 +27,9 @@ def all_reduce(x, op="sum", axis_name="model"):
         raise ValueError(
             f"`op` must be one of {sorted(_REDUCE_OPS)}. Received: op={op}"
         )
-    reduce_op = {
-        "sum": dist.ReduceOp.SUM,
-        "mean": dist.ReduceOp.SUM,
-        "max": dist.ReduceOp.MAX,
-        "min": dist.ReduceOp.MIN,
-    }[op]
     group = _axis_group(axis_name)
     result = as_local_tensor(x).clone()
-    dist.all_reduce(result, op=reduce_op, group=group)
+    dist.all_reduce(result, op=_REDUCE_OPS[op], group=group)
     if op == "mean":
         result = result / dist.get_world_size(group)
     return result

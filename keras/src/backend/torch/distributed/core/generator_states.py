@@ -1,8 +1,6 @@
-"""The states of torch's, Python's and NumPy's global generators.
-
-A dropped layer call on a process' own rows (`local_rows`) must leave them as
-it found them; a kept one must draw what a call on the global batch draws.
-"""
+"""The states of torch's, Python's and NumPy's global generators: a dropped
+layer call on local rows must leave them as it found them; a kept one must
+draw what a call on the global batch draws."""
 
 import random
 

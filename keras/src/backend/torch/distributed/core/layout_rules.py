@@ -1,8 +1,6 @@
-"""Which `LayoutMap` rule lays out each variable, and rules that lay out none.
-
-A rule matching no variable path (a typo) silently leaves its variables
-replicated, so a model's first call under `ModelParallel` warns of such rules.
-"""
+"""Which `LayoutMap` rule lays out each variable, and rules that lay out none:
+a rule matching no variable path (a typo) silently leaves its variables
+replicated, so a model's first call under `ModelParallel` warns of it."""
 
 import re
 import warnings

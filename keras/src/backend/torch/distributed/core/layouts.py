@@ -1,7 +1,5 @@
 """Keras meshes and layouts as torch device meshes (one device per process) and
-DTensor placements, and the shared sharding rules: `torch.chunk` cuts, DTensors
-from local pieces.
-"""
+DTensor placements, and the shared sharding rules (`torch.chunk` cuts)."""
 
 import collections
 
@@ -18,14 +16,9 @@ from keras.src.backend.torch.distributed.health import health
 TorchLayout = collections.namedtuple(
     "TorchLayout", ["device_mesh", "placements", "ndim"]
 )
-TorchLayout.__doc__ = """The torch counterpart of a Keras `TensorLayout`.
-
-Attributes:
-    device_mesh: the `torch.distributed.device_mesh.DeviceMesh`.
-    placements: one DTensor placement per mesh dimension.
-    ndim: the number of entries of the layout: it applies to tensors of
-        at least this rank, and replicates their dimensions past it.
-"""
+TorchLayout.__doc__ = """The torch counterpart of a Keras `TensorLayout`: a
+torch `device_mesh`, one DTensor placement per mesh dimension, and `ndim`, the
+number of layout entries (a tensor's dimensions past them are replicated)."""
 
 # Cached: a 2-D mesh creates process groups, not to be recreated per Keras mesh.
 _torch_meshes = {}
@@ -51,19 +44,15 @@ def to_torch_mesh(device_mesh):
     if not dist.is_initialized():
         runtime.initialize_job()
     torch_device_type = "cuda" if device_type == "gpu" else "cpu"
-    key = (
-        torch_device_type,
-        tuple(ranks),
-        tuple(device_mesh.shape),
-        tuple(device_mesh.axis_names),
-    )
+    shape, names = tuple(device_mesh.shape), tuple(device_mesh.axis_names)
+    key = (torch_device_type, tuple(ranks), shape, names)
     world, torch_mesh = _torch_meshes.get(key, (None, None))
     # A mesh belongs to the process group it was made in.
     if world is not dist.group.WORLD:
         torch_mesh = TorchDeviceMesh(
             torch_device_type,
-            torch.tensor(ranks).reshape(tuple(device_mesh.shape)),
-            mesh_dim_names=tuple(device_mesh.axis_names),
+            torch.tensor(ranks).reshape(shape),
+            mesh_dim_names=names,
         )
         _torch_meshes[key] = (dist.group.WORLD, torch_mesh)
         # The job's own group keeps its bound until the first step.
@@ -71,10 +60,7 @@ def to_torch_mesh(device_mesh):
             g for g in torch_mesh.get_all_groups() if g != dist.group.WORLD
         )
         runtime.log_debug(
-            "mesh: shape %s, axes %s, ranks %s",
-            tuple(device_mesh.shape),
-            tuple(device_mesh.axis_names),
-            ranks,
+            "mesh: shape %s, axes %s, ranks %s", shape, names, ranks
         )
     return torch_mesh
 
@@ -197,9 +183,8 @@ def check_rank(x, layout, what):
 
 
 def chunk_bounds(length, num_parts, index):
-    """`(start, stop)` of part `index` of `length` items cut in `num_parts` as
-    `torch.chunk` (DTensor's uneven sharding) cuts: trailing parts may be empty.
-    """
+    """Part `index` of `length` items cut in `num_parts` as `torch.chunk`
+    (DTensor's uneven sharding) cuts, as `(start, stop)`; may be empty."""
     part_size = -(-length // num_parts)
     start = min(index * part_size, length)
     return start, min(start + part_size, length)

@@ -11,15 +11,15 @@ from keras.src.backend.torch.distributed.core.runtime import DTensor
 from keras.src.backend.torch.distributed.core.runtime import Replicate
 
 
+def _is_sharded(x):
+    return isinstance(x, DTensor) and not all(
+        p.is_replicate() for p in x.placements
+    )
+
+
 def all_replicated(values):
     """Whether every `DTensor` (or variable value) in `values` is replicated."""
-    for x in values:
-        x = getattr(x, "value", x)
-        if isinstance(x, DTensor) and not all(
-            p.is_replicate() for p in x.placements
-        ):
-            return False
-    return True
+    return not any(_is_sharded(getattr(x, "value", x)) for x in values)
 
 
 def stateless_scope(mapping, collect_losses=False):
@@ -38,10 +38,9 @@ def local_value(x):
 
 @contextlib.contextmanager
 def on_local_values(variables, defer=None):
-    """Runs the block with replicated `variables` as local tensors.
-
-    New values are replicated and copied in at the end, unless
-    `defer(local, value)` takes one to write later and returns True."""
+    """Runs the block with replicated `variables` as local tensors; new values
+    are copied in at the end unless `defer(local, value)` takes one to write
+    later (returns True)."""
     local_values = [(v, local_value(v.value)) for v in variables]
     with stateless_scope(local_values) as scope:
         yield
@@ -56,9 +55,7 @@ def on_local_values(variables, defer=None):
 
 def _replicated(x):
     """`x` replicated on its mesh if it is a `DTensor`, else `x`."""
-    if not isinstance(x, DTensor) or all(
-        p.is_replicate() for p in x.placements
-    ):
+    if not _is_sharded(x):
         return x
     mesh = x.device_mesh
     return x.redistribute(mesh, [Replicate()] * mesh.ndim)
@@ -70,12 +67,10 @@ def local_metric_state(metric, defer=None):
 
     A sharded or partial input is reduced by DTensor where it meets the
     state. Without a distribution or replicated state, runs unchanged."""
-    if runtime.current_distribution() is None:
+    if runtime.current_distribution() is None or not all_replicated(
+        metric.variables
+    ):
         yield
         return
-    variables = list(metric.variables)
-    if not all_replicated(variables):
-        yield
-        return
-    with on_local_values(variables, defer):
+    with on_local_values(metric.variables, defer):
         yield

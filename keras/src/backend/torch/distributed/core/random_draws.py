@@ -1,15 +1,15 @@
 """Random numbers drawn by position, so each process draws only its part.
 
-Under a distribution `uniform`, `normal`, `randint` and `dropout` take
-element `index` as SplitMix64's output function of `key + (index + 1) *
-_GAMMA`: unlike torch's generators, independent of the layout, like JAX's
-partitionable draws. Initializers (so first values match Keras without a
-distribution) and other draws (`gamma`, `shuffle`, ...) keep upstream's.
-On local rows (`local_rows`) a draw of the local row count is those rows of
-the global batch's draw (`DrawPlan`)."""
+Under a distribution `uniform`, `normal`, `randint` and `dropout` take element
+`index` as SplitMix64's output function of `key + (index + 1) * _GAMMA`:
+independent of the layout, like JAX's partitionable draws. Initializers (so
+first values match Keras without a distribution) and other draws keep
+upstream's. On local rows a draw of the local row count is those rows of the
+global batch's draw (`DrawPlan`)."""
 
 import contextlib
 import dataclasses
+import math
 import threading
 
 import torch
@@ -18,6 +18,7 @@ from keras.src.backend.torch.distributed.core import generator_states
 from keras.src.backend.torch.distributed.core import layouts
 from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.core.runtime import DTensor
+from keras.src.backend.torch.distributed.core.runtime import Replicate
 
 # SplitMix64's constants as signed int64 (torch's int64 wraps modulo 2**64).
 _GAMMA = 0x9E3779B97F4A7C15 - (1 << 64)
@@ -65,12 +66,10 @@ class DrawPlan:
 def by_position():
     """Whether draws go by position (a distribution or local rows), except in
     initializers and symbolic (meta device) calls."""
-    if (
+    if getattr(_state, "initializing", 0) or (
         runtime.current_distribution() is None
         and getattr(_state, "rows", None) is None
     ):
-        return False
-    if getattr(_state, "initializing", 0):
         return False
     return runtime.backend_core().get_device() != "meta"
 
@@ -86,26 +85,24 @@ def initializing():
 
 
 @contextlib.contextmanager
+def _rows_scope(rows):
+    previous = getattr(_state, "rows", None)
+    _state.rows = rows
+    try:
+        yield
+    finally:
+        _state.rows = previous
+
+
 def local_rows_scope(start, local_rows, global_rows, plan):
     """Draws in the block are rows `[start, start + local_rows)` of a batch
     of `global_rows`, as `plan` (a `DrawPlan`) decides per draw."""
-    previous = getattr(_state, "rows", None)
-    _state.rows = (start, local_rows, global_rows, plan)
-    try:
-        yield
-    finally:
-        _state.rows = previous
+    return _rows_scope((start, local_rows, global_rows, plan))
 
 
-@contextlib.contextmanager
 def outside_rows():
     """Draws in the block are not local rows' (a layer run via DTensor)."""
-    previous = getattr(_state, "rows", None)
-    _state.rows = None
-    try:
-        yield
-    finally:
-        _state.rows = previous
+    return _rows_scope(None)
 
 
 def mix(z):
@@ -147,9 +144,12 @@ def draw_pairs(key, box, device, pair):
     element `p` takes counter `p >> 1`, whose two 24-bit halves
     `pair(low, high)` turns into the even and odd element's values."""
     global_shape, offsets, local_shape = box
-    count = _size(local_shape)
-    if _is_row_range(global_shape, offsets, local_shape):
-        start = offsets[0] * _size(global_shape[1:]) if offsets else 0
+    count = math.prod(local_shape)
+    # Whole but for its first dimension: one range of positions.
+    if tuple(global_shape[1:]) == tuple(local_shape[1:]) and not any(
+        offsets[1:]
+    ):
+        start = offsets[0] * math.prod(global_shape[1:]) if offsets else 0
         first, last = start >> 1, (start + count + 1) >> 1
         bits = random_bits(
             key, torch.arange(first, last, dtype=torch.int64, device=device)
@@ -167,20 +167,6 @@ def _halves(bits):
     low = torch.bitwise_right_shift(bits, 8).bitwise_and_(0xFFFFFF)
     high = bits.bitwise_right_shift_(40).bitwise_and_(0xFFFFFF)
     return low, high
-
-
-def _size(shape):
-    size = 1
-    for d in shape:
-        size *= d
-    return size
-
-
-def _is_row_range(global_shape, offsets, local_shape):
-    # Whole but for its first dimension: one range of positions.
-    return tuple(global_shape[1:]) == tuple(local_shape[1:]) and not any(
-        offsets[1:]
-    )
 
 
 def unit_uniform(key, box, device, dtype):
@@ -272,11 +258,9 @@ def _draw_box(shape):
     """`(global_shape, offsets, local_shape)` of a draw of `shape` here."""
     shape = tuple(int(d) for d in shape)
     rows = getattr(_state, "rows", None)
-    if rows is None:
+    if rows is None or not rows[3].decide(shape, rows[1]):
         return shape, (0,) * len(shape), shape
-    start, local_rows, global_rows, plan = rows
-    if not plan.decide(shape, local_rows):
-        return shape, (0,) * len(shape), shape
+    start, _, global_rows, _ = rows
     offsets = (start,) + (0,) * (len(shape) - 1)
     return (global_rows,) + shape[1:], offsets, shape
 
@@ -345,7 +329,7 @@ def _dtensor_scale(inputs, shape, key, keep):
     mask = keep_mask(key, (shape, offsets, local_shape), device, keep)
     mask = _scale(mask, inputs.dtype, keep)
     mask_placements = [
-        _replicate()
+        Replicate()
         if p.is_partial() or (p.is_shard() and shape[p.dim] == 1)
         else p
         for p in placements
@@ -353,15 +337,8 @@ def _dtensor_scale(inputs, shape, key, keep):
     return layouts.dtensor_from_local(mask, mesh, mask_placements, shape=shape)
 
 
-def _replicate():
-    from torch.distributed.tensor import Replicate
-
-    return Replicate()
-
-
 def _device():
-    device = runtime.backend_core().get_device()
-    return torch.device(device)
+    return torch.device(runtime.backend_core().get_device())
 
 
 def _device_of(inputs):

@@ -1,6 +1,5 @@
-"""The job a distribution runs in: processes (one per device, as torchrun
-starts them, in torch's default group: gloo on CPU; NCCL, with gloo for CPU
-tensors, on GPU), the distribution in effect, and random state."""
+"""The job a distribution runs in: its processes (one per device, in torch's
+default group), the distribution in effect, and random state."""
 
 import atexit
 import contextlib
@@ -17,8 +16,8 @@ from packaging.version import parse
 from keras.src.backend.common import global_state
 from keras.src.backend.torch.distributed.health import health
 
-# The one place that imports DTensor's names, so that Keras still imports
-# where torch has no DTensor (torch < 2.5, or no torch.distributed).
+# The one import of DTensor's names, so that Keras still imports where torch
+# has no DTensor (torch < 2.5, or no torch.distributed).
 try:
     from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
     from torch.distributed.tensor import DTensor
@@ -66,7 +65,7 @@ def current_distribution():
 
 
 def backend_core():
-    """Returns the torch backend's `core` module, directly or under `ops`."""
+    """The torch backend's `core` module, directly or under `ops`."""
     import keras.src.backend.torch as torch_backend
 
     return getattr(torch_backend, "ops", torch_backend).core
@@ -136,10 +135,15 @@ def initialize_job(job_addresses=None, num_processes=None, process_id=None):
     coordinator, num_processes, process_id = _resolve_job(
         job_addresses, num_processes, process_id
     )
-    if dist.is_initialized():
-        _check_job_matches_group(num_processes, process_id)
-    else:
+    if not dist.is_initialized():
         _init_process_group(coordinator, num_processes, process_id)
+    elif (num_processes, process_id) != (world_size(), rank()):
+        raise ValueError(
+            f"The process group is already initialized with world size "
+            f"{dist.get_world_size()} and rank {dist.get_rank()}, which "
+            f"contradicts num_processes={num_processes}, "
+            f"process_id={process_id}."
+        )
     agree_on_seed()
 
 
@@ -166,13 +170,12 @@ def sync_torch_rng():
     if torch.cuda.is_available():
         states.append(torch.cuda.get_rng_state())
     device = comm_device()
-    for i, state in enumerate(states):
-        state = state.to(device)
+    states = [state.to(device) for state in states]
+    for state in states:
         dist.broadcast(state, src=0)
-        states[i] = state.cpu()
-    torch.set_rng_state(states[0])
+    torch.set_rng_state(states[0].cpu())
     if torch.cuda.is_available():
-        torch.cuda.set_rng_state(states[1])
+        torch.cuda.set_rng_state(states[1].cpu())
 
 
 def comm_device():
@@ -184,14 +187,12 @@ def comm_device():
 
 def log_debug(message, *args):
     """Logs on the `keras.distribution` logger (`KERAS_DISTRIBUTION_DEBUG`)."""
-    if logger.isEnabledFor(logging.DEBUG):
-        logger.debug(message, *args)
+    logger.debug(message, *args)
 
 
 def _resolve_job(job_addresses, num_processes, process_id):
-    """`initialize`'s arguments reconciled with torchrun's environment, as
-    `(coordinator, num_processes, process_id)` (coordinator `None`: torchrun's
-    `MASTER_ADDR`/`PORT`)."""
+    """`(coordinator, num_processes, process_id)`: `initialize`'s arguments
+    reconciled with torchrun's environment (no coordinator: `MASTER_ADDR`)."""
     env_world = os.environ.get("WORLD_SIZE")
     env_rank = os.environ.get("RANK")
     for name, given, env in (
@@ -249,16 +250,6 @@ def _coordinator(job_addresses, num_processes):
     return addresses[0]
 
 
-def _check_job_matches_group(num_processes, process_id):
-    if (num_processes, process_id) != (dist.get_world_size(), dist.get_rank()):
-        raise ValueError(
-            f"The process group is already initialized with world size "
-            f"{dist.get_world_size()} and rank {dist.get_rank()}, which "
-            f"contradicts num_processes={num_processes}, "
-            f"process_id={process_id}."
-        )
-
-
 def _init_process_group(coordinator, num_processes, process_id):
     timeout = datetime.timedelta(seconds=health.start_timeout())
     if torch.cuda.is_available():
@@ -290,8 +281,8 @@ def _init_process_group(coordinator, num_processes, process_id):
 
 
 def _local_gpu(process_id):
-    """This process' GPU index; refuses more processes on the node than GPUs,
-    as NCCL fails at the first collective when two processes share a GPU."""
+    """This process' GPU index; refuses more processes on the node than GPUs
+    (NCCL fails at the first collective when two processes share a GPU)."""
     num_gpus = torch.cuda.device_count()
     if "LOCAL_RANK" not in os.environ:
         return process_id % num_gpus
@@ -311,8 +302,8 @@ def _local_gpu(process_id):
 
 
 def _launcher_store(timeout):
-    """torchrun's store, keyed by attempt: restarts (`--max-restarts`) keep
-    it, and `env://` would find the last attempt's dead processes."""
+    """torchrun's store, keyed by attempt: restarts keep it, and `env://`
+    would find the last attempt's dead processes."""
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
@@ -357,8 +348,8 @@ _configure_logger()
 
 
 class _GatheredAllToAllFilter(logging.Filter):
-    """Drops DTensor's per-process notice that a CPU mesh gathers for an
-    all-to-all inside ops (an einsum's), harmless and not ours to choose."""
+    """Drops DTensor's harmless notice that a CPU mesh gathers for an
+    all-to-all inside ops (an einsum's)."""
 
     def filter(self, record):
         return record.msg != GATHERED_ALL_TO_ALL_NOTICE

@@ -1,7 +1,5 @@
-"""What a distribution physically stores on this process (torch backend).
-
-Reads only local metadata, never a collective: any process may call it alone.
-"""
+"""What a distribution stores on this process, from local metadata only (no
+collective), so any process may ask alone."""
 
 import numpy as np
 
@@ -81,12 +79,8 @@ def sharding_summary(model, print_fn=None):
 
 def _variable_row(variable, layout_map, reason_of=None):
     value = variable.value
-    if isinstance(value, DTensor):
-        placements = tuple(str(p) for p in value.placements)
-        local = value.to_local()
-    else:
-        placements = ("R",)
-        local = value
+    local = value.to_local() if isinstance(value, DTensor) else value
+    placements = tuple(str(p) for p in getattr(value, "placements", ("R",)))
     rule = None
     if layout_map is not None:
         rule = layout_rules.matching_rule(layout_map, variable.path)

@@ -1,8 +1,5 @@
-"""Variables under a distribution: created sharded, assigned, read whole.
-
-A variable's value is a `DTensor` parameter laid out by `get_variable_layout`;
-at creation every process keeps its part of process 0's full value.
-"""
+"""Variables under a distribution: `DTensor` parameters laid out by
+`get_variable_layout`, created from process 0's value, assigned, read whole."""
 
 import torch
 import torch.distributed as dist
@@ -20,8 +17,7 @@ def initialize_variable(variable):
     """The parameter a new `variable` holds, laid out by the distribution.
 
     Called at the end of `Variable._initialize`; outside a distribution (or on
-    the meta device) the plain value is kept.
-    """
+    the meta device) the plain value is kept."""
     distribution = runtime.current_distribution()
     value = variable._value
     if distribution is None or value.is_meta or isinstance(value, DTensor):
@@ -57,8 +53,7 @@ def distribute_variable(value, layout):
 
     Process 0's value is broadcast (so differently seeded initializers agree) in
     pieces, each process keeping its part: unlike a scatter, none holds more
-    than its full value, its shard and one piece.
-    """
+    than its full value, its shard and one piece."""
     layout = layouts.as_torch_layout(layout)
     layouts.check_rank(value, layout, "variable")
     value = value.detach()
@@ -76,11 +71,7 @@ def distribute_variable(value, layout):
 
 def _broadcast_region(value, region):
     """Broadcasts process 0's `value`; returns `value[region]` of it."""
-    local = torch.empty(
-        [s.stop - s.start for s in region],
-        dtype=value.dtype,
-        device=value.device,
-    )
+    local = value.new_empty([s.stop - s.start for s in region])
     if value.ndim == 0:
         local.copy_(value)
         dist.broadcast(local, src=0)
@@ -108,11 +99,7 @@ def _broadcast_region(value, region):
             piece = kept
         else:
             if scratch is None:
-                scratch = torch.empty(
-                    (rows_per_piece,) + tuple(value.shape[1:]),
-                    dtype=value.dtype,
-                    device=value.device,
-                )
+                scratch = value.new_empty((rows_per_piece, *value.shape[1:]))
             piece = scratch[: stop - start]
         dist.broadcast(piece, src=0)
         if low < high and piece is not kept:
@@ -142,8 +129,7 @@ def assign(target, value):
 
     State without gradients is written through its local tensor, skipping
     DTensor's dispatch; a weight requiring grad goes through DTensor, whose
-    version counter autograd and `fsdp_call` check.
-    """
+    version counter autograd and `fsdp_call` check."""
     if not isinstance(target, DTensor):
         target.copy_(to_global_value(value))
         return
@@ -192,8 +178,7 @@ def _read_description(x):
 
 def rebind_module_parameter(module, name, parameter):
     """Makes `module.<name>` refer to `parameter`, so a wrapped torch module
-    computes with the distributed parameter, not the full one it was built with.
-    """
+    computes with the distributed parameter, not the one it was built with."""
     owner_name, _, leaf = name.rpartition(".")
     owner = module.get_submodule(owner_name)
     if dict(owner.named_parameters(recurse=False)).get(leaf) is not parameter:

@@ -1,10 +1,9 @@
-"""Whether a model call couples the samples of a batch, measured by a probe.
+"""Whether a model call couples a batch's samples, found by a probe.
 
-A per-sample call runs on a process' rows as plain tensors (`local_rows`).
-The first call (the probe) runs through DTensor, where a `Partial` result is
-a sum over the batch (`PartialWatch`), then on the local rows, where
-coupling makes the outputs differ from this process' rows of the first; if
-only those differ, the first differing layer goes through DTensor."""
+The probe calls through DTensor, where a `Partial` result is a sum over the
+batch (`PartialWatch`), then on the local rows, where coupling makes outputs
+differ from this process' rows of the first; then the first differing layer
+goes through DTensor."""
 
 import contextlib
 import dataclasses
@@ -34,9 +33,8 @@ _recorded = threading.local()
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
-    """What the probe found of a call: whether `per_sample`, the `reason`
-    (why not, or why layers couple), a per-sample call's `DrawPlan` (`draws`)
-    and its `coupled` layers, each called through DTensor."""
+    """The probe's finding: `per_sample`, the `reason` (why not, or why
+    layers couple), the `DrawPlan` (`draws`) and `coupled` layers."""
 
     per_sample: bool
     reason: str = ""
@@ -54,8 +52,7 @@ class Verdict:
 
 @contextlib.contextmanager
 def explained():
-    """What the block computes is not evidence of coupling (batch moments,
-    refused ops computed on global values: coupled on purpose)."""
+    """Marks what the block computes as coupling on purpose (not evidence)."""
     _explained.depth = getattr(_explained, "depth", 0) + 1
     try:
         yield
@@ -64,8 +61,8 @@ def explained():
 
 
 class PartialWatch(TorchFunctionMode):
-    """Notes the torch functions that return a partial sum (`Partial`);
-    entered above the fallback's modes, it sees results as callers do."""
+    """Notes torch functions returning a `Partial`; entered above the
+    fallback's modes, it sees results as callers do."""
 
     def __init__(self):
         super().__init__()
@@ -73,7 +70,7 @@ class PartialWatch(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
-        if not _is_explained() and _has_partial(result):
+        if not getattr(_explained, "depth", 0) and _has_partial(result):
             name = getattr(func, "__name__", str(func))
             self.reductions.append((name, coupled_layers.innermost_layer()))
         return result
@@ -87,13 +84,9 @@ def _has_partial(result):
     )
 
 
-def _is_explained():
-    return getattr(_explained, "depth", 0) > 0
-
-
 def coupling_layers(model, watch):
-    """`(layers, reason)`: the layers coupling samples in the probe's call (a
-    sum over the batch, an added loss); `None` if the model itself does."""
+    """`(layers, reason)` of the layers coupling samples in the probe's call;
+    `None` if the model itself does."""
     layers, reasons = [], []
     for name, layer in watch.reductions:
         if layer is None or layer is model:
@@ -111,9 +104,9 @@ def coupling_layers(model, watch):
 
 
 def verdict_of(watch, outputs, local_outputs, reason=None, coupled=None):
-    """The probe's `Verdict` from its `watch`, this process' rows of the
-    DTensor call's output leaves (`None`: one is not a batch of rows), the
-    local call's, a `reason` ruling that out, and `coupling_layers`'s answer."""
+    """The probe's `Verdict` from `watch`, this process' rows of the DTensor
+    outputs (`None`: one is not rows), the local outputs, a `reason` ruling
+    them out and `coupling_layers`'s answer."""
     if coupled is None and watch.reductions:
         name = watch.reductions[0][0]
         return Verdict(False, f"sums over the batch ({name})")
@@ -125,9 +118,8 @@ def verdict_of(watch, outputs, local_outputs, reason=None, coupled=None):
         return Verdict(False, reason)
     if local_outputs is None or len(local_outputs) != len(outputs):
         return Verdict(False, "its outputs on the local rows differ in shape")
-    for output, local in zip(outputs, local_outputs):
-        if not same(output, local):
-            return Verdict(False, DIFFERS)
+    if not all(map(same, outputs, local_outputs)):
+        return Verdict(False, DIFFERS)
     layers, why = coupled
     return Verdict(True, why, coupled=layers)
 
@@ -157,8 +149,8 @@ def record(layer, outputs):
 
 def first_differing_layer(model, dtensor_calls, local_calls, own_rows, skip):
     """The index in `model._flatten_layers(include_self=False)` of the first
-    layer whose outputs in `local_calls` differ from the `own_rows` of those
-    in `dtensor_calls` (`recording`'s), or -1 (none, or it is in `skip`)."""
+    layer whose `local_calls` outputs differ from the `own_rows` of its
+    `dtensor_calls` ones, or -1 (none, or in `skip`)."""
     layers = list(model._flatten_layers(include_self=False))
     seen = {}
     for layer, local in local_calls:
@@ -180,9 +172,9 @@ def first_differing_layer(model, dtensor_calls, local_calls, own_rows, skip):
 
 
 def agreed(verdict, mesh, differing=-1):
-    """`(verdict, position of the layer to try next or -1)` all processes of
-    `mesh` take: a call may match DTensor's rows on some processes only (e.g.
-    one reading the batch's first row), yet all must take the same path."""
+    """`(verdict, position of the layer to try next or -1)`, the same on all
+    of `mesh`: a call may match on some processes only (one reading the
+    batch's first row)."""
     if mesh.size() == 1:
         return verdict, differing
     code = 0 if verdict.per_sample else 1 if differing >= 0 else 2
@@ -196,14 +188,13 @@ def agreed(verdict, mesh, differing=-1):
 
 
 def assigned_outside(scope, entered):
-    """Whether a call in `scope` assigned a variable it was not given (a
-    seed generator outside the model: its update would be lost)."""
+    """Whether a call in `scope` assigned a variable it was not given (its
+    update would be lost)."""
     return any(key not in entered for key in scope.state_mapping)
 
 
 def unseen_by_probe(plan, rng_states, scope, entered, updated, routing):
-    """What a local-rows call did that its probe did not find, or `""`;
-    `routing` is its `coupled_layers.Routing`."""
+    """What a local-rows call did that its probe did not find, or `""`."""
     if plan.broken:
         return "a random draw of another shape than the probe's"
     if generator_states.advanced(rng_states, plan.unseeded, plan.python_draws):

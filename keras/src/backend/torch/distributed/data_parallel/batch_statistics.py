@@ -1,8 +1,6 @@
-"""Moments over a batch sharded across processes, as one process takes them.
-
-Training batch normalization needs whole-batch moments: `batch_moments` takes
-them in one all-reduce of packed sums, as torch's CUDA-only `SyncBatchNorm`.
-"""
+"""Whole-batch moments of a batch sharded across processes (batch
+normalization in training), in one all-reduce of packed sums as torch's
+CUDA-only `SyncBatchNorm`."""
 
 import functools
 import math
@@ -18,9 +16,7 @@ from keras.src.backend.torch.distributed.data_parallel import local_rows
 
 
 def batch_moments(function):
-    """The backend's `moments` over the global batch: the sums of `x`, `x * x`
-    and the count in one collective (upstream's means take 4), a differentiable
-    all-reduce on local rows or a DTensor partial sum over a 1-D mesh."""
+    """The backend's `moments` over the global batch, in one collective."""
 
     @functools.wraps(function)
     def moments(x, axes, keepdims=False, synchronized=False):
@@ -28,10 +24,8 @@ def batch_moments(function):
         axes = tuple(axes) if isinstance(axes, (list, tuple)) else (axes,)
         if 0 not in [a % x.ndim for a in axes]:
             return function(x, axes, keepdims, synchronized)
-        # What couples samples on purpose: not evidence for the probe.
         with batch_coupling.explained():
-            # A DTensor on local rows: its layer runs through DTensor
-            # (`coupled_layers`).
+            # A DTensor on local rows: a layer through `coupled_layers`.
             if _batch_sharded(x):
                 return _packed_moments(x, axes, keepdims)
             if group is not None and not isinstance(x, DTensor):
@@ -42,7 +36,6 @@ def batch_moments(function):
 
 
 def _batch_sharded(x):
-    """Whether `x` is a `DTensor` sharded only on axis 0 over a 1-D mesh."""
     return (
         isinstance(x, DTensor)
         and x.device_mesh.ndim == 1
@@ -52,42 +45,37 @@ def _batch_sharded(x):
 
 def _packed_moments(x, axes, keepdims):
     """`_global_moments` of a batch-sharded `DTensor`: one packed all-reduce."""
-    dtype = x.dtype
-    if dtype in (torch.float16, torch.bfloat16):
-        # As upstream: statistics in float32.
-        x = x.float()
-    sums = torch.sum(x, dim=axes, keepdim=True)
-    squares = torch.sum(x * x, dim=axes, keepdim=True)
+    dtype, x, sums, squares = _sums(x, axes)
     packed = torch.cat([sums.reshape(-1), squares.reshape(-1)])
     packed = packed.redistribute(placements=[Replicate()])
     total = 1
     for a in axes:  # A loop: dynamo cannot trace `math.prod` of a generator.
         total *= x.shape[a]
-    size = sums.numel()
-    mean = (packed[:size] / total).reshape(sums.shape)
-    variance = (packed[size:] / total).reshape(sums.shape) - mean * mean
-    if not keepdims:
-        mean = torch.squeeze(mean, dim=axes)
-        variance = torch.squeeze(variance, dim=axes)
-    return mean.to(dtype), variance.to(dtype)
+    return _moments(packed, total, sums, axes, keepdims, dtype)
 
 
 def _global_moments(x, axes, keepdims, group):
-    dtype = x.dtype
-    if dtype in (torch.float16, torch.bfloat16):
-        # As upstream: statistics in float32.
-        x = x.float()
-    sums = torch.sum(x, dim=axes, keepdim=True)
-    squares = torch.sum(x * x, dim=axes, keepdim=True)
+    dtype, x, sums, squares = _sums(x, axes)
     count = sums.new_full((1,), math.prod(x.shape[a] for a in axes))
     packed = torch.cat([sums.reshape(-1), squares.reshape(-1), count])
     packed = _AllReduceSum.apply(packed, group)
-    size = sums.numel()
-    total = packed[-1]
-    mean = (packed[:size] / total).reshape(sums.shape)
-    variance = (packed[size : 2 * size] / total).reshape(sums.shape) - (
-        mean * mean
-    )
+    return _moments(packed, packed[-1], sums, axes, keepdims, dtype)
+
+
+def _sums(x, axes):
+    """`(dtype, x, sums, squares)`, half precision in float32 as upstream."""
+    dtype = x.dtype
+    if dtype in (torch.float16, torch.bfloat16):
+        x = x.float()
+    sums = torch.sum(x, dim=axes, keepdim=True)
+    return dtype, x, sums, torch.sum(x * x, dim=axes, keepdim=True)
+
+
+def _moments(packed, total, sums, axes, keepdims, dtype):
+    """Mean and variance from the summed `packed` sums and squares."""
+    size, shape = sums.numel(), sums.shape
+    mean = (packed[:size] / total).reshape(shape)
+    variance = (packed[size : 2 * size] / total).reshape(shape) - mean * mean
     if not keepdims:
         mean = torch.squeeze(mean, dim=axes)
         variance = torch.squeeze(variance, dim=axes)

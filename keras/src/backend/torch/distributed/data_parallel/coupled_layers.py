@@ -1,7 +1,6 @@
-"""Layers coupling a batch's samples (a sum over it, an added loss) in a model
-run on the local rows (`local_rows`): each is called alone through DTensor on
-the global batch, weights replicated, and its outputs return to the rows.
-"""
+"""Layers coupling a batch's samples in a model run on the local rows: each
+is called alone through DTensor on the global batch, weights replicated, and
+its outputs return to the rows."""
 
 import contextlib
 import dataclasses
@@ -63,14 +62,15 @@ class Batch:
 
 def batch_of(values):
     """The `Batch` of `values`: all DTensors sharded on axis 0 over a 1-D
-    mesh (or replicated on one process), a row or more each; else `None`."""
+    mesh (or replicated on one process), a row or more each, or `None`."""
     leaves = [x for x in tree.flatten(values) if hasattr(x, "shape")]
     if not leaves or not all(isinstance(x, DTensor) for x in leaves):
         return None
     mesh = leaves[0].device_mesh
     global_rows = leaves[0].shape[0] if leaves[0].ndim else 0
     placements = tuple(leaves[0].placements)
-    if mesh.ndim != 1 or placements not in _batch_placements(mesh):
+    single = mesh.size() == 1 and placements == (Replicate(),)
+    if mesh.ndim != 1 or not (placements == (Shard(0),) or single):
         return None
     for x in leaves:
         if (
@@ -90,13 +90,6 @@ def batch_of(values):
     return Batch(mesh, global_rows, stop - start, placements, start)
 
 
-def _batch_placements(mesh):
-    """The placements of a batch split over the 1-D `mesh`."""
-    if mesh.size() == 1:
-        return ((Shard(0),), (Replicate(),))
-    return ((Shard(0),),)
-
-
 def replicated_on(value, mesh):
     """Whether `value` is a DTensor replicated on `mesh`."""
     return (
@@ -108,8 +101,8 @@ def replicated_on(value, mesh):
 
 @dataclasses.dataclass
 class Routing:
-    """The ids of a local-rows call's coupled layers, their activity
-    regularizers by id, and the losses they added, in order."""
+    """A local-rows call's coupled layers' ids, their activity regularizers
+    by id, and the losses they added."""
 
     layer_ids: frozenset
     batch: Batch
@@ -124,11 +117,9 @@ class Routing:
 
 @contextlib.contextmanager
 def routed(layers, batch):
-    """Yields a `Routing`; in the block, calls of `layers` run through
-    DTensor on `batch`."""
+    """Yields a `Routing`; in the block, `layers` run through DTensor."""
     previous = getattr(_state, "routing", None)
-    # `Layer.__call__` would regularize the local outputs; `_regularize`
-    # does it on the global ones instead.
+    # `_regularize` regularizes the global outputs, not `Layer.__call__`.
     regularizers = {
         id(layer): layer.activity_regularizer
         for layer in layers
@@ -158,8 +149,8 @@ def routing(layer):
 
 def call(through_dtensor, plain_as_replicated, layer, batch, args, kwargs):
     """Calls coupled `layer` through DTensor on local-row inputs; returns
-    the outputs' local rows, or raises `NotRows`. `plain_as_replicated` is
-    a context mixing plain tensors with DTensors (for the regularizer)."""
+    the outputs' local rows, or raises `NotRows`. `plain_as_replicated`: a
+    context mixing plain tensors with DTensors, for the regularizer."""
     scope = get_stateless_scope()
     losses_before = len(scope.losses)
     local_values = [
@@ -203,8 +194,8 @@ def _regularize(layer, outputs):
 
 
 def keep_losses(model, losses):
-    """Keeps coupled layers' `losses` from a call of `model` where Keras
-    would: the enclosing stateless scope if any, else the layers'."""
+    """Keeps coupled layers' `losses` where Keras would: the enclosing
+    stateless scope if any, else the layers'."""
     if not losses:
         return
     outer = get_stateless_scope()
@@ -234,7 +225,9 @@ class _ReplicatedWeight(torch.autograd.Function):
     def backward(ctx, grad):
         if not isinstance(grad, DTensor):
             return _first_process_only(grad, ctx.mesh), None
-        if all(_is_partial_sum(p) for p in grad.placements):
+        if all(
+            p.is_partial() and p.reduce_op == "sum" for p in grad.placements
+        ):
             return grad.to_local(), None
         whole = grad.redistribute(ctx.mesh, [Replicate()] * ctx.mesh.ndim)
         return _first_process_only(whole.to_local(), ctx.mesh), None
@@ -246,10 +239,6 @@ def whole(value):
         return value
     placements = [Replicate()] * value.device_mesh.ndim
     return value.redistribute(value.device_mesh, placements).to_local()
-
-
-def _is_partial_sum(placement):
-    return placement.is_partial() and placement.reduce_op == "sum"
 
 
 def _first_process_only(grad, mesh):
@@ -301,8 +290,7 @@ def _local_rows(x, batch):
 
 
 def _rows_of(x, batch):
-    """This process' rows of `x`, axis 0 holding `k >= 1` items per row
-    (e.g. tokens flattened to `(batch * sequence, ...)`)."""
+    """This process' rows of `x`, axis 0 holding `k >= 1` items per row."""
     if x.device_mesh != batch.mesh or x.ndim == 0:
         raise NotRows(f"an output of shape {tuple(x.shape)}")
     per_row, rest = divmod(x.shape[0], batch.global_rows)

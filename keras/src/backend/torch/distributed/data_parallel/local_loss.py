@@ -1,10 +1,9 @@
 """The compiled loss computed as plain tensors on each process' rows.
 
-A per-sample "sum_over_batch_size" loss is every process' weighted sum over the
-global count: each process computes its share on its local rows as a partial
-sum only the loss tracker reduces, so the backward pass runs on plain tensors.
-Replicated outputs are computed whole; anything else runs through DTensor.
-"""
+A per-sample "sum_over_batch_size" loss is the sum of each process' weighted
+sum over the global count: a partial sum only the loss tracker reduces, so
+the backward pass runs on plain tensors. Replicated outputs are computed
+whole; anything else runs through DTensor."""
 
 import functools
 
@@ -48,12 +47,9 @@ _SOFTMAX_FUNCTION_NAMES = (
 
 
 def gathered_predictions(model, y, y_pred):
-    """`y_pred` with its class axis gathered where the compiled loss would.
-
-    Only for one compiled softmax cross-entropy of logits: one gather of a
-    model-parallel head's logits serves it and the metrics' `argmax`, and the
-    loss can then run on plain tensors.
-    """
+    """`y_pred` with its class axis gathered for one compiled softmax
+    cross-entropy of logits: one gather serves the loss, then on plain
+    tensors, and the metrics' `argmax`."""
     if not isinstance(y_pred, DTensor) or y_pred.ndim == 0:
         return y_pred
     last = y_pred.ndim - 1
@@ -84,9 +80,9 @@ def local_compiled_loss(
 ):
     """The train step's loss on local tensors, or `None` if it may differ.
 
-    `local_y_pred` is `y_pred`'s rows from a call on the local rows (the loss
-    then a partial `DTensor`, else replicated), `local_weight(v)` a weight's
-    local value there; the model's other losses are then added too.
+    `local_y_pred`: `y_pred`'s rows from a local-rows call (the loss then a
+    partial `DTensor`, else replicated); `local_weight(v)`: a weight's local
+    value there, for the model's other losses.
     """
     # Imported here: the backend imports this module.
     from keras.src import ops
@@ -159,10 +155,12 @@ def _other_losses(model, mesh, placements, local_weight):
             return None
         if x.placements == (Replicate(),):
             # Counted once: its gradient a partial sum.
-            others.append((functools.partial(_local, x, Partial()), False))
+            local = functools.partial(x.to_local, grad_placements=[Partial()])
+            others.append((local, False))
         elif x.placements == (Partial(),):
             # Each process its part: the whole gradient on each.
-            others.append((functools.partial(_local, x, Replicate()), True))
+            local = functools.partial(x.to_local, grad_placements=[Replicate()])
+            others.append((local, True))
         else:
             return None
     for v in regularized:
@@ -170,11 +168,6 @@ def _other_losses(model, mesh, placements, local_weight):
             (functools.partial(v.regularizer, local_weight(v)), False)
         )
     return others
-
-
-def _local(x, grad_placement):
-    """`x`'s local tensor, its gradient laid out as `grad_placement`."""
-    return x.to_local(grad_placements=[grad_placement])
 
 
 def _local_prediction(y_pred, local_y_pred, batch):
@@ -234,32 +227,30 @@ def _per_sample_loss(loss):
 
 def _sharded_like(y_pred, values):
     """Whether each of `values` (or `None`) is batch-sharded as `y_pred`."""
-    for x in values:
-        if x is None:
-            continue
-        if not (
+    return all(
+        x is None
+        or (
             isinstance(x, DTensor)
             and x.device_mesh == y_pred.device_mesh
             and tuple(x.placements) == (Shard(0),)
             and x.ndim > 0
             and x.shape[0] == y_pred.shape[0]
-        ):
-            return False
-    return True
+        )
+        for x in values
+    )
 
 
 def _replicated_like(y_pred, values):
     """Whether `y_pred` and `values` (or `None`) are replicated on its mesh."""
-    for x in [y_pred] + list(values):
-        if x is None:
-            continue
-        if not (
+    return all(
+        x is None
+        or (
             isinstance(x, DTensor)
             and x.device_mesh == y_pred.device_mesh
             and all(p.is_replicate() for p in x.placements)
-        ):
-            return False
-    return True
+        )
+        for x in [y_pred] + list(values)
+    )
 
 
 def _loss_share(loss, y_true, y_pred, sample_weight, global_rows):

@@ -2,9 +2,8 @@
 
 With replicated weights and a sharded batch, a per-sample call (probed by
 `batch_coupling`) computes on the local rows what DTensor would, without its
-per-op dispatch. Coupling goes through `batch_statistics`, `random_draws` or
-`coupled_layers`; any other makes the step run through DTensor from then on.
-"""
+per-op dispatch; any coupling but `batch_statistics`', `random_draws`' and
+`coupled_layers`' sends the step through DTensor from then on."""
 
 import contextlib
 import dataclasses
@@ -38,8 +37,7 @@ _verdicts = weakref.WeakKeyDictionary()
 
 
 class ModelSteps:
-    """A model's `step.DistributedStep`s by kind ("train", ...), and the
-    one `running` now."""
+    """A model's `step.DistributedStep`s by kind, and the one `running`."""
 
     def __init__(self):
         self.by_kind = {}
@@ -63,17 +61,16 @@ def running_step(model):
 
 def call(call_function, layer, args, kwargs, through_dtensor):
     """Calls outermost `layer` on the local rows if that gives DTensor's
-    numbers: batch-sharded outputs, or `None` for the caller to call it
-    through DTensor. `through_dtensor(args, kwargs)` is the probe's call."""
+    numbers: batch-sharded outputs, or `None` to call it through DTensor
+    (`through_dtensor(args, kwargs)`, also the probe's call)."""
     step = running_step(layer)
     batch = coupled_layers.batch_of((args, kwargs))
     if batch is None or (step is not None and step.runs_through_dtensor):
         return None
-    mesh = batch.mesh
     if step is not None:
-        variables = step.local_variables(mesh)
+        variables = step.local_variables(batch.mesh)
     else:
-        variables = local_variables(layer, mesh)
+        variables = local_variables(layer, batch.mesh)
     if variables is None:
         return None
     verdicts = (
@@ -108,15 +105,13 @@ def verdict(layer, training=False):
 
 def _probe(call_function, layer, args, kwargs, through_dtensor, variables):
     """Calls `layer` through DTensor, then on the local rows replaying its
-    draws; returns `(DTensor outputs, Verdict)`, the verdict `None` if the
-    call built a layer (the next call probes again)."""
+    draws: `(DTensor outputs, Verdict)`, the verdict `None` if the call
+    built a layer."""
     batch = coupled_layers.batch_of((args, kwargs))
-    mesh = batch.mesh
     before = [(v, v.value.to_local().clone()) for v in variables]
     rng_states = generator_states.take()
     watch = batch_coupling.PartialWatch()
-    # The fallback's modes first: in a step they stay on through its
-    # backward pass, past the watch.
+    # The fallback's modes first: in a step they stay on past the watch.
     with batch_coupling.recording() as dtensor_calls:
         with fallback.dtensor_fallback(), watch:
             outputs = through_dtensor(args, kwargs)
@@ -129,27 +124,18 @@ def _probe(call_function, layer, args, kwargs, through_dtensor, variables):
         verdict = batch_coupling.verdict_of(
             watch, rows if split else None, None, None, coupled
         )
-        return outputs, batch_coupling.agreed(verdict, mesh)[0]
+        return outputs, batch_coupling.agreed(verdict, batch.mesh)[0]
     after = generator_states.take()
     own_rows = functools.partial(_own_rows, batch=batch)
     layers, why = list(coupled[0]), coupled[1]
     while True:
         generator_states.restore(rng_states)
-        losses = [x for c in layers for x in c._get_own_losses()]
         with batch_coupling.recording() as local_calls:
             local_leaves, reason, plan = _checking_call(
-                call_function,
-                layer,
-                args,
-                kwargs,
-                before,
-                batch,
-                tuple(layers),
-                losses,
+                call_function, layer, (args, kwargs), before, batch, layers
             )
         if reason is None:
-            # Global generators must advance as in the DTensor call, else the
-            # processes' sequences diverge.
+            # Else the processes' global generators diverge.
             if generator_states.differ(after, generator_states.take()):
                 reason = "draws from a global generator otherwise on its rows"
             plan.python_draws = generator_states.python_advanced(
@@ -163,7 +149,9 @@ def _probe(call_function, layer, args, kwargs, through_dtensor, variables):
             differing = batch_coupling.first_differing_layer(
                 layer, dtensor_calls, local_calls, own_rows, layers
             )
-        verdict, position = batch_coupling.agreed(verdict, mesh, differing)
+        verdict, position = batch_coupling.agreed(
+            verdict, batch.mesh, differing
+        )
         if position < 0:
             break
         layers.append(list(layer._flatten_layers(include_self=False))[position])
@@ -191,23 +179,21 @@ def _own_rows(x, batch):
     return None
 
 
-def _checking_call(
-    call_function, layer, args, kwargs, mapping, batch, coupled, losses
-):
-    """The probe's call on the local rows, from `mapping`'s starting values,
-    keeping nothing: `(output leaves, None, DrawPlan)` or `(None, reason,
-    None)`. `losses` are the `coupled` layers' from the DTensor call."""
-    local_args, local_kwargs = tree.map_structure(_to_local, (args, kwargs))
+def _checking_call(call_function, layer, inputs, mapping, batch, coupled):
+    """The probe's call on the local rows from `mapping`'s values, keeping
+    nothing: `(output leaves, None, DrawPlan)` or `(None, reason, None)`."""
+    # The `coupled` layers' losses from the DTensor call.
+    losses = [x for c in coupled for x in c._get_own_losses()]
+    local_args, local_kwargs = tree.map_structure(_to_local, inputs)
     plan = random_draws.DrawPlan()
     try:
         with torch.no_grad(), runtime.distribution_suspended():
-            with _in_local_call(batch, plan, coupled) as routing:
+            with _in_local_call(batch, plan, tuple(coupled)) as routing:
                 with local_state.stateless_scope(mapping, True) as scope:
                     entered = dict(scope.state_mapping)
                     outputs = call_function(layer, *local_args, **local_kwargs)
     except coupled_layers.NotRows:
         return None, "a layer that couples samples returns other values", None
-    rows = batch.local_rows
     variables = [v for v, _ in mapping]
     updated = [
         v for v in variables if scope.get_current_value(v) is not entered[id(v)]
@@ -219,7 +205,7 @@ def _checking_call(
     if not routing.added_only(scope.losses):
         return None, "adds a loss (taken over the global batch)", None
     leaves = [x for x in tree.flatten(outputs) if x is not None]
-    if not all(_is_local_batch(x, rows) for x in leaves):
+    if not all(_is_local_batch(x, batch) for x in leaves):
         return None, "its outputs on the local rows are not plain rows", None
     if not _same_losses(losses, routing.losses):
         return None, "its losses on the local rows differ from DTensor's", None
@@ -234,9 +220,7 @@ def _checking_call(
 
 def _same_losses(losses, local_losses):
     """Whether the coupled layers' losses of a probe's two calls agree."""
-    if len(losses) != len(local_losses):
-        return False
-    return all(
+    return len(losses) == len(local_losses) and all(
         batch_coupling.same(coupled_layers.whole(a), coupled_layers.whole(b))
         for a, b in zip(losses, local_losses)
     )
@@ -245,14 +229,8 @@ def _same_losses(losses, local_losses):
 def _call_locally(
     call_function, layer, inputs, batch, variables, verdict, step
 ):
-    """Calls `layer` on the local rows of `(args, kwargs)`; `None`, keeping
-    nothing, if it must run through DTensor after all."""
-    mesh, global_rows, local_rows = (
-        batch.mesh,
-        batch.global_rows,
-        batch.local_rows,
-    )
-    placements = batch.placements
+    """Calls `layer` on the local rows of `inputs`; `None`, keeping nothing,
+    if it must run through DTensor after all."""
     local_args, local_kwargs = tree.map_structure(_to_local, inputs)
     mapping = [(v, local_weight(v, step)) for v in variables]
     # A call dropped below must leave the generators as it found them.
@@ -273,17 +251,16 @@ def _call_locally(
         for v in variables
         if scope.get_current_value(v) is not entered[id(v)]
     ]
-    if not unseen and not all(_is_local_batch(x, local_rows) for x in leaves):
+    if not unseen and not all(_is_local_batch(x, batch) for x in leaves):
         unseen = "outputs that are not this process' rows"
     if not unseen:
         unseen = batch_coupling.unseen_by_probe(
             plan, rng_states, scope, entered, updated, routing
         )
     varies = plan.draws or plan.python_draws or verdict.coupled
-    if varies and global_rows % mesh.size():
-        # Uneven row counts: processes may see different outcomes, so they
-        # must agree on one.
-        unseen = batch_coupling.agreed_unseen(unseen, mesh)
+    if varies and batch.global_rows % batch.mesh.size():
+        # Uneven row counts: processes may see different outcomes.
+        unseen = batch_coupling.agreed_unseen(unseen, batch.mesh)
     if unseen:
         runtime.log_debug(
             "%s: through DTensor from now on: %s", layer.name, unseen
@@ -298,7 +275,7 @@ def _call_locally(
     coupled_layers.keep_losses(layer, scope.losses)
 
     def to_global(x):
-        output = _to_global(x, mesh, global_rows, placements)
+        output = _to_global(x, batch)
         if step is not None:
             step.keep_local_output(output, x)
         return output
@@ -329,8 +306,7 @@ def local_call_group():
 
 
 def local_variables(model, mesh):
-    """`model`'s variables if all are replicated on the 1-D `mesh`, else
-    `None`."""
+    """`model`'s variables if all are replicated on the 1-D `mesh`."""
     variables = list(model.variables)
     if not all(coupled_layers.replicated_on(v.value, mesh) for v in variables):
         return None
@@ -338,8 +314,7 @@ def local_variables(model, mesh):
 
 
 def classification_final(model):
-    """Whether `local_variables`' answer for `model` is final: once every
-    layer is built, layers, variables and layouts stay fixed."""
+    """Whether `local_variables`' answer for `model` is final (all built)."""
     return all(
         sublayer.built
         for sublayer in model._flatten_layers(include_self=True, recursive=True)
@@ -347,8 +322,8 @@ def classification_final(model):
 
 
 def local_weight(variable, step):
-    """A replicated weight's local value, its gradient a partial sum (a
-    plain leaf in Keras' own train step)."""
+    """A replicated weight's local value, its gradient a partial sum (the
+    step's plain leaf in Keras' own train step)."""
     value = variable.value
     if not value.requires_grad:
         return value.to_local()
@@ -362,27 +337,27 @@ def _to_local(x):
     return x.to_local() if isinstance(x, DTensor) else x
 
 
-def _is_local_batch(x, local_rows):
+def _is_local_batch(x, batch):
     """Whether `x` is a plain tensor of this process' rows (no DTensor op)."""
     return (
         hasattr(x, "shape")
         and not isinstance(x, DTensor)
         and x.ndim > 0
-        and x.shape[0] == local_rows
+        and x.shape[0] == batch.local_rows
     )
 
 
-def _to_global(x, mesh, global_rows, placements):
-    """A local output (and its mask) as the global value in `placements`."""
+def _to_global(x, batch):
+    """A local output (and its mask) as the global batch's DTensor."""
     mask = get_keras_mask(x)
-    output = _sharded(x, mesh, global_rows, placements)
+    output = _sharded(x, batch)
     if mask is not None:
-        set_keras_mask(output, _sharded(mask, mesh, global_rows, placements))
+        set_keras_mask(output, _sharded(mask, batch))
     return output
 
 
-def _sharded(x, mesh, global_rows, placements):
-    x = x.contiguous()
+def _sharded(x, batch):
+    shape = (batch.global_rows,) + tuple(x.shape[1:])
     return layouts.dtensor_from_local(
-        x, mesh, list(placements), shape=(global_rows,) + tuple(x.shape[1:])
+        x.contiguous(), batch.mesh, list(batch.placements), shape=shape
     )

@@ -1,15 +1,12 @@
 """Ops DTensor refuses, computed on global values instead.
 
 DTensor raises where it has no sharding strategy for an op or refuses its
-operands' placements (`unbind` of a sharded dim, an in-place op on a partial
-sum); JAX's GSPMD computes every op on every sharding. One torch dispatch mode,
-around layer calls and steps, lets DTensor compute; where it refuses, operands
-are gathered, the op runs on plain tensors, and results are laid out again
-(`global_values`, counted in `fallback_counts`). Unlike `register_sharding`,
-which replaces DTensor's own strategy and names ops in advance, the mode sees
-every op as it runs, backward included. It also gathers strided shards, which
-DTensor plans for far too slowly. DTensor refuses from global shapes and
-placements, so every process falls back alike and the gathers pair up.
+placements (`unbind` of a sharded dim, an in-place op on a partial sum);
+JAX's GSPMD computes every op on every sharding. A torch dispatch mode around
+layer calls and steps computes refused ops on gathered operands
+(`global_values`); unlike `register_sharding`, it sees every op as it runs,
+backward included. DTensor refuses from global shapes and placements, so every
+process falls back alike and the gathers pair up.
 """
 
 import contextlib
@@ -40,9 +37,8 @@ _POSITION_REDUCTIONS = (
 )
 
 
-# What DTensor raises when it cannot compute an op on these placements: no
-# strategy, a refused placement, an assertion in its propagation, and its
-# redistribution planner's `IndexError` (torch 2.11: padding a sharded dim).
+# What DTensor raises when it cannot compute an op on these placements (an
+# `IndexError`: its planner padding a sharded dim, torch 2.11).
 _REFUSALS = (
     NotImplementedError,
     RuntimeError,
@@ -56,11 +52,10 @@ _CPU_OUT_OF_MEMORY = "DefaultCPUAllocator: can't allocate memory"
 
 _state = threading.local()
 
-# Counted op by op where the gathers happen; read by the summary.
 fallback_counts = global_values.fallback_counts
 reset_fallback_counts = global_values.reset_fallback_counts
 
-# The reasons counted for what DTensor computes, but not as wanted.
+# Reasons counted for what DTensor computes, but not as wanted.
 _STRIDED_SHARD = (
     "a strided shard (a view merging a sharded dimension into an outer one), "
     "gathered along its mesh axes"
@@ -77,11 +72,12 @@ _LOCAL_SCALAR = (
 
 @contextlib.contextmanager
 def dtensor_fallback(lazy=False):
-    """Computes ops DTensor refuses on global values, in this thread; nested
-    entries do nothing more, and nothing under `torch.compile` (which does not
-    trace dispatch modes). The mode costs every op, so with `lazy` (a step that
-    may run on local rows) it goes on at the first nested entry or when the
-    yielded function is called, and stays on to the step's end for backward.
+    """Computes ops DTensor refuses on global values, in this thread;
+    nothing more when nested nor under `torch.compile` (no dispatch modes).
+
+    With `lazy` (a step that may run on local rows) the modes, which cost
+    every op, go on at the first nested entry or when the yielded function
+    is called, and stay on to the step's end for backward.
     """
     entered = getattr(_state, "lazy_step", None)
     if _active() or torch.compiler.is_compiling():
@@ -132,15 +128,16 @@ class _FallbackMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if not any(issubclass(t, DTensor) for t in types):
             return func(*args, **kwargs)
-        if func is _LOCAL_SCALAR_DENSE and not _is_replicated(args[0]):
-            # `item()`, `bool()`...: DTensor reads the local value, silently
-            # wrong on a partial sum, failing on processes without a part.
+        if func is _LOCAL_SCALAR_DENSE and not all(
+            p.is_replicate() for p in args[0].placements
+        ):
+            # `item()`, `bool()`: DTensor reads the local value, wrong on a
+            # partial sum, failing on processes without a part.
             return global_values.on_global_values(
                 func, args, kwargs, _LOCAL_SCALAR, str(func)
             )
         if func in _POSITION_REDUCTIONS and _reduces_a_split_dim(args, kwargs):
-            # torch 2.15 computes it per shard and labels the shard's
-            # positions a shard of the result: wrong numbers and shape.
+            # torch 2.15 labels each shard's positions a shard of the result.
             result = sharded_positions.positions(func, args, kwargs)
             if result is not None:
                 return result
@@ -152,8 +149,7 @@ class _FallbackMode(TorchDispatchMode):
             return result
         mutated = global_values.mutated_operands(func, args, kwargs)
         if any(not isinstance(x, DTensor) for x in mutated):
-            # A plain tensor updated with a `DTensor` (`total += loss`):
-            # DTensor would write into it, then refuse to return it.
+            # `plain += dtensor`: DTensor writes, then refuses to return it.
             return global_values.on_global_values(
                 func, args, kwargs, None, str(func), mutated
             )
@@ -190,9 +186,9 @@ class _FallbackMode(TorchDispatchMode):
 
 
 def is_refusal(error):
-    """Whether `error` is DTensor refusing an op on these placements: not an
-    out-of-memory error (global values need more memory), nor an assertion
-    failing outside DTensor's code (a bug, which a retry would hide)."""
+    """Whether `error` is DTensor refusing an op on these placements: not
+    out of memory (global values need more) nor an assertion outside DTensor
+    (a bug a retry would hide)."""
     if is_out_of_memory(error):
         return False
     if isinstance(error, AssertionError):
@@ -202,11 +198,9 @@ def is_refusal(error):
 
 
 def is_out_of_memory(error):
-    """Whether `error`, or an error it was raised from, is an allocator's
-    out-of-memory error (CUDA's, or the CPU allocator's `RuntimeError`)."""
+    """Whether `error` or an error it was raised from is out of memory."""
     cause, seen = error, set()
-    # DTensor's dispatch may re-raise a kernel's error as its cause; an
-    # error raised twice makes the chain a cycle.
+    # An error raised twice makes the chain a cycle.
     while cause is not None and id(cause) not in seen:
         if isinstance(cause, torch.cuda.OutOfMemoryError) or (
             _CPU_OUT_OF_MEMORY in str(cause)
@@ -218,14 +212,12 @@ def is_out_of_memory(error):
 
 
 class _InPlaceViewRefused(RuntimeError):
-    """An op that changes a `DTensor`'s shape in place (`transpose_`), which
-    `_FallbackMode` cannot emulate: a `DTensor`'s shape is fixed."""
+    """An op changing a `DTensor`'s (fixed) shape in place: `transpose_`."""
 
 
 class _FunctionFallbackMode(TorchFunctionMode):
-    """Reruns a torch function whole on global values where it decomposes
-    into in-place shape changes `_FallbackMode` refuses (`torch.stft`:
-    `as_strided`, then `transpose_`)."""
+    """Reruns a torch function on global values where it decomposes into
+    in-place shape changes (`torch.stft`: `as_strided`, `transpose_`)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -244,16 +236,14 @@ class _FunctionFallbackMode(TorchFunctionMode):
 
 def _without_strided_shards(x, name):
     """`x` gathered (counted under `name`) along mesh axes where it is a
-    strided shard, left by a view merging a sharded dim into an outer one:
-    DTensor plans every later op on it with a slow search over all axes."""
+    strided shard: DTensor plans every later op on it with a slow search."""
     if not isinstance(x, DTensor):
         return x
     placements = x.placements
     if all(_is_plain(p) for p in placements):
         return x
     gathered = x.redistribute(
-        x.device_mesh,
-        [p if _is_plain(p) else Replicate() for p in placements],
+        x.device_mesh, [p if _is_plain(p) else Replicate() for p in placements]
     )
     global_values.count(
         name,
@@ -265,22 +255,18 @@ def _without_strided_shards(x, name):
 
 
 def _reduces_a_split_dim(args, kwargs):
-    """Whether `argmax(x, dim)` / `argmin` reduces a dimension of `x` that
-    is sharded or partial (all of them when `dim` is None)."""
+    """Whether `argmax(x, dim)` / `argmin` reduces a sharded or partial
+    dimension of `x` (all of them when `dim` is None)."""
     x = args[0]
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
-    for placement in x.placements:
-        if placement.is_partial():
-            return True
-        if placement.is_shard() and (
-            dim is None or placement.dim % x.ndim == dim % max(x.ndim, 1)
-        ):
-            return True
-    return False
-
-
-def _is_replicated(x):
-    return all(p.is_replicate() for p in x.placements)
+    return any(
+        p.is_partial()
+        or (
+            p.is_shard()
+            and (dim is None or p.dim % x.ndim == dim % max(x.ndim, 1))
+        )
+        for p in x.placements
+    )
 
 
 def _is_plain(placement):

@@ -1,8 +1,5 @@
-"""Ops DTensor cannot compute as wanted (`fallback.py`), run on global values.
-
-Operands are gathered, the op runs on plain tensors, and results are laid out
-again or written back into mutated operands; counted for `sharding_summary`.
-"""
+"""Ops DTensor cannot compute as wanted, run on gathered global values, the
+results laid out again or written back; counted for `sharding_summary`."""
 
 import dataclasses
 import functools
@@ -18,8 +15,7 @@ from keras.src.backend.torch.distributed.core.runtime import Shard
 
 @dataclasses.dataclass
 class FallbackCount:
-    """An op's fallback `calls`, bytes gathered from other processes, and the
-    first line of DTensor's first error (`reason`)."""
+    """An op's fallback `calls`, bytes gathered, and DTensor's first error."""
 
     calls: int = 0
     gathered_bytes: int = 0
@@ -45,12 +41,9 @@ def reset_fallback_counts():
 def on_global_values(
     func, args, kwargs, refusal, name, mutated=(), differentiable=False
 ):
-    """`func`'s results on the global values of its `DTensor` operands, laid
-    out again; `mutated` operands are written back, counted under `name`.
-
-    `differentiable`: autograd records the gathers (a torch function, above
-    autograd; an op below it is recorded whole).
-    """
+    """`func`'s results on its operands' global values, laid out again;
+    `mutated` operands are written back, counted under `name`.
+    `differentiable`: autograd records the gathers (a torch function)."""
     operands = [x for x in leaves((args, kwargs)) if isinstance(x, DTensor)]
     mesh = operands[0].device_mesh
     gathered = {}
@@ -96,8 +89,8 @@ def on_global_values(
 
 
 def _in_memory_order_of(whole, x):
-    """`whole`, dense, laid out in memory as `x`'s strides say: cuDNN's
-    batch-first RNN output is not contiguous, and its backward needs that."""
+    """`whole`, dense, in `x`'s memory order: cuDNN's batch-first RNN
+    backward needs its non-contiguous output."""
     order = _memory_order(x)
     if order is None or order == sorted(order):
         return whole.contiguous()
@@ -106,16 +99,16 @@ def _in_memory_order_of(whole, x):
 
 
 def _memory_order(x):
-    """Dimensions of `x` outermost to innermost in memory; `None` if broadcast.
-    (DTensor's global strides keep only its local tensor's order.)"""
+    """Dimensions of `x` outermost to innermost in memory (as its local
+    tensor's); `None` if broadcast."""
     if any(x.stride(d) == 0 and x.size(d) > 1 for d in range(x.dim())):
         return None
     return sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
 
 
 def gathered_at_once(x):
-    """`x`'s global value in one all-gather (`full_tensor` takes one per sharded
-    mesh dim); `None` unless plainly sharded on several dims of a world mesh."""
+    """`x`'s global value in one all-gather, not `full_tensor`'s one per
+    mesh dim; `None` unless plainly sharded on several dims of a world mesh."""
     mesh = x.device_mesh
     placements = x.placements
     if (
@@ -130,8 +123,7 @@ def gathered_at_once(x):
         return None
     if mesh.size() != torch.distributed.get_world_size():
         return None
-    shape = tuple(x.shape)
-    mesh_shape = tuple(mesh.shape)
+    shape, mesh_shape = tuple(x.shape), tuple(mesh.shape)
     ranks = mesh.mesh.reshape(-1).tolist()
     coordinates = {
         rank: tuple(
@@ -175,24 +167,19 @@ def _part_box(shape, placements, mesh_shape, coordinate):
 
 def _laid_out(value, mesh, operands):
     """`value` laid out like the first same-shape operand (partials reduced)."""
-    placements = [Replicate()] * mesh.ndim
-    for x in operands:
-        if x.shape == value.shape and x.device_mesh == mesh:
-            placements = [
-                Replicate() if p.is_partial() else p for p in x.placements
-            ]
-            break
-    replicated = DTensor.from_local(
-        value, mesh, [Replicate()] * mesh.ndim, run_check=False
-    )
+    whole = [Replicate()] * mesh.ndim
+    like = [x for x in operands if x.shape == value.shape]
+    like = [x.placements for x in like if x.device_mesh == mesh] + [whole]
+    placements = [Replicate() if p.is_partial() else p for p in like[0]]
+    replicated = DTensor.from_local(value, mesh, whole, run_check=False)
     if all(p.is_replicate() for p in placements):
         return replicated
     return replicated.redistribute(mesh, placements)
 
 
 def _write_back(operand, value):
-    """Writes a global `value` into `operand`'s shards; a partial sum over `n`
-    gets `value / n` each (DTensor does not redistribute to `Partial`)."""
+    """Writes a global `value` into `operand`'s shards, `value / n` into a
+    partial sum over `n` (DTensor does not redistribute to `Partial`)."""
     mesh = operand.device_mesh
     replicated = DTensor.from_local(
         value, mesh, [Replicate()] * mesh.ndim, run_check=False
@@ -236,8 +223,7 @@ def _written_arguments(func):
 
 
 def count(name, refusal, operands, gathered_bytes=0):
-    """Counts one fallback of `name`, keeping its first `refusal`, with the
-    bytes of the gathered `operands` plus `gathered_bytes`."""
+    """Counts a fallback of `name`: first `refusal`, bytes gathered."""
     gathered_bytes += sum(_gathered_bytes(x) for x in operands)
     with _counts_lock:
         entry = _counts.setdefault(name, FallbackCount())
@@ -247,19 +233,14 @@ def count(name, refusal, operands, gathered_bytes=0):
         if first:
             entry.reason = _first_line(refusal)
     if first:
-        runtime.log_debug(
-            "fallback: %s (%s), gathering %d bytes",
-            name,
-            entry.reason,
-            gathered_bytes,
-        )
+        message = "fallback: %s (%s), gathering %d bytes"
+        runtime.log_debug(message, name, entry.reason, gathered_bytes)
 
 
 def _gathered_bytes(x):
     """The bytes of `x`'s global value that this process does not hold."""
-    held = x.to_local().numel()
-    if any(p.is_partial() for p in x.placements):
-        held = 0
+    partial = any(p.is_partial() for p in x.placements)
+    held = 0 if partial else x.to_local().numel()
     return (x.numel() - held) * x.element_size()
 
 
@@ -285,9 +266,7 @@ def map_leaves(function, value):
     """`value` with `function` applied to each leaf (a `torch.Size` is one)."""
     if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
         mapped = [map_leaves(function, x) for x in value]
-        return (
-            type(value)(mapped) if isinstance(value, list) else (tuple(mapped))
-        )
+        return type(value)(mapped) if isinstance(value, list) else tuple(mapped)
     if isinstance(value, dict):
         return {k: map_leaves(function, x) for k, x in value.items()}
     return function(value)

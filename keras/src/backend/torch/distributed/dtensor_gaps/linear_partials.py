@@ -1,11 +1,7 @@
-"""Ops linear in an operand, computed on its partial sums as they are.
-
-Such an op can run on each process' term of a partial sum with no collective.
-DTensor knows this of matmuls, sums and additions, but reduces partial sums for
-the backward of `softmax` and `log_softmax` and for `scatter` (e.g. a
-mixture-of-experts router's gradient). `_LINEAR_OPERANDS` lists those ops;
-`_sum_with_shards` handles a partial sum plus a shard over the same axis, which
-DTensor would reduce-scatter and gather again.
+"""Ops linear in an operand, run on each term of its partial sums with no
+collective. DTensor reduces partial sums first for the backward of `softmax`
+and `log_softmax`, for `scatter` (a mixture-of-experts router's gradient),
+and for a partial sum plus a shard over the same axis (`_sum_with_shards`).
 """
 
 import torch
@@ -28,8 +24,7 @@ _LINEAR_OPERANDS = {
     # of `topk`, `max`, `sort`.
     _aten.scatter.src: ((0, 3), 1),
 }
-# Partial sum + shard (`_sum_with_shards`); + a replicated value stays
-# DTensor's: reduced first, not later in more places.
+# Partial sum + shard; + a replicated value stays DTensor's (reduced first).
 _ADD = _aten.add.Tensor
 
 # Given an index twice, these keep one value, which must be the same on each
@@ -38,10 +33,8 @@ _ONE_OF_DUPLICATES = (_aten.scatter.src,)
 
 
 def on_partial_sums(func, args, kwargs):
-    """Aten op `func` on its partial-sum operands' terms, as a partial sum.
-
-    `None` where `func` is not listed or its operands do not allow it.
-    """
+    """Aten op `func` on its partial-sum operands' terms, as a partial sum;
+    `None` where `func` is not listed or its operands do not allow it."""
     # Called for every op on `DTensor`s: the cheap lookup first.
     entry = _LINEAR_OPERANDS.get(func)
     if entry is None and func is not _ADD:
@@ -51,7 +44,10 @@ def on_partial_sums(func, args, kwargs):
     if func is _ADD:
         return _sum_with_shards(args)
     linear, dim_position = entry
-    if func in _ONE_OF_DUPLICATES and not _writes_in_order(args[0]):
+    in_order = args[0].device.type == "cpu"
+    if func in _ONE_OF_DUPLICATES and not (
+        in_order or torch.are_deterministic_algorithms_enabled()
+    ):
         return None
     operands = [(i, x) for i, x in enumerate(args) if isinstance(x, DTensor)]
     if not all(isinstance(args[i], DTensor) for i in linear):
@@ -84,24 +80,17 @@ def on_partial_sums(func, args, kwargs):
     )
 
 
-def _writes_in_order(x):
-    return (
-        x.device.type == "cpu" or torch.are_deterministic_algorithms_enabled()
-    )
-
-
 def _result_placements(operands, linear, partial_axes, dim, ndim):
     """The result's placements, or `None` if the op can't run on locals."""
     placements = []
     for axis in range(ndim):
         if axis in partial_axes:
-            for i, x in operands:
-                p = x.placements[axis]
-                allowed = p.is_replicate() or (
-                    i in linear and p == Partial("sum")
-                )
-                if not allowed:
-                    return None
+            if not all(
+                x.placements[axis].is_replicate()
+                or (i in linear and x.placements[axis] == Partial("sum"))
+                for i, x in operands
+            ):
+                return None
             placements.append(Partial("sum"))
             continue
         shards = {x.placements[axis] for _, x in operands} - {Replicate()}
@@ -175,8 +164,6 @@ def _sum_with_shards(args):
     if not split:
         return None
     terms = [_shard_as_term(x, placements, mesh) for x in (a, b)]
-    if terms[0] is None or terms[1] is None:
-        return None
     return layouts.dtensor_from_local(
         terms[0] + terms[1], mesh, placements, shape=a.shape
     )

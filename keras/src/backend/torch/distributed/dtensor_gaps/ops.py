@@ -1,8 +1,5 @@
-"""Ops that DTensor alone would not compute as one process does.
-
-DTensor convolves a sharded kernel wrongly and mis-reduces a sharded lookup
-with sharded indices, so convolution and `take` lay out their operands here.
-Refused ops are `fallback`'s, einsum `shard_local`'s.
+"""Ops DTensor alone would not compute as one process does: it convolves a
+sharded kernel wrongly and mis-reduces a sharded lookup with sharded indices.
 """
 
 import torch
@@ -30,9 +27,8 @@ def conv_operands(inputs, kernel):
 
 
 def reshape(x, newshape):
-    """`torch.reshape`, on global values where DTensor refuses the view, as
-    layer calls and steps do (`fallback`). DTensor refuses before it
-    communicates, so every process takes the same path."""
+    """`torch.reshape`, on global values where DTensor refuses the view
+    (before it communicates, so on every process alike)."""
     if runtime.current_distribution() is None or not isinstance(x, DTensor):
         return torch.reshape(x, newshape)
     try:
@@ -47,7 +43,7 @@ def reshape(x, newshape):
 def take_operands(x, indices):
     """`(x, indices)` for `take`, the (small) indices gathered on mesh axes
     where the table is sharded too: DTensor's masked partial sum would get a
-    mask of the wrong shape (`IndexError` when reduced)."""
+    mask of the wrong shape."""
     if not isinstance(x, DTensor) or not isinstance(indices, DTensor):
         return x, indices
     placements = [
@@ -58,13 +54,10 @@ def take_operands(x, indices):
 
 
 def divide_no_nan_local(numerator, divisor):
-    """`divide_no_nan` on each process' values, placed like `numerator`.
-
-    Linear in `numerator`: a partial one (a loss over a sharded batch) stays
-    partial, where DTensor's `where` would reduce it at once; a replicated one
-    skips DTensor's dispatch. `None` unless `numerator` is partial (sum or avg)
-    or replicated and `divisor` constant, plain or replicated on its mesh.
-    """
+    """`divide_no_nan` on each process' values, placed like `numerator`: a
+    partial one stays partial (DTensor's `where` would reduce it). `None`
+    unless `numerator` is partial (sum or avg) or replicated, and `divisor`
+    constant, plain or replicated on its mesh."""
     if not isinstance(numerator, DTensor) or divisor.requires_grad:
         return None
     placements = numerator.placements

@@ -1,9 +1,8 @@
 """Argmax and argmin over a sharded dimension, from each shard's best.
 
-DTensor computes `argmax(x, dim)` over a sharded `dim` per shard (local
-positions) or refuses it, and gathering `x` costs every process all of it:
-shards all-gather their extreme and global position instead and take the first
-extreme (NaN counting as one), as torch does on the global value.
+DTensor takes `argmax(x, dim)` over a sharded `dim` per shard or refuses it;
+rather than gather `x`, shards all-gather their extreme and its position and
+take the first extreme (NaN counting as one), as torch does.
 """
 
 import torch
@@ -20,8 +19,8 @@ _ARGMAX = torch.ops.aten.argmax.default
 def positions(func, args, kwargs):
     """`func` (`aten.argmax`/`argmin`) of `x` over a `dim` one mesh dim splits,
     replicated over it; `None` without `dim`, for a partial or non-float `x`,
-    or `dim` split several ways or into empty parts. Placements and global
-    shape decide, so every process takes the same path."""
+    or `dim` split several ways or into empty parts (alike on all processes).
+    """
     x = args[0]
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
     keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)

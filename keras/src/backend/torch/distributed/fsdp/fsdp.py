@@ -2,11 +2,8 @@
 
 Left to DTensor, a kernel sharded on its input features makes every process
 compute the whole batch. As FSDP2's `fully_shard`, a layer call gathers its
-weights (in the compute dtype) in one collective, frees the copy on return
-and re-gathers it at the first gradient reaching its outputs, so gathers are
-ordered alike on every process. `KERAS_DISTRIBUTION_GATHER_WEIGHTS` picks the
-axes (`"batch"`, `"all"`: ZeRO-3, `"off"`);
-`KERAS_DISTRIBUTION_RESHARD_AFTER_FORWARD=0` keeps them until its backward.
+weights (in the compute dtype) in one collective, frees them on return and
+re-gathers them at the first gradient reaching its outputs.
 """
 
 import contextlib
@@ -26,8 +23,8 @@ RESHARD_ENV = "KERAS_DISTRIBUTION_RESHARD_AFTER_FORWARD"
 
 
 def gathered_mesh_dims(distribution):
-    """The mesh dimensions weights are gathered along for a call: a tuple
-    (empty: none), or `None` for every dimension a weight is sharded on."""
+    """The mesh dims a call gathers weights along (`GATHER_WEIGHTS_ENV`): a
+    tuple (empty: none), or `None` for every dim a weight is sharded on."""
     choice = os.environ.get(GATHER_WEIGHTS_ENV, "batch").lower()
     if choice not in _GATHER_CHOICES:
         raise ValueError(
@@ -62,8 +59,7 @@ def gathered_placements(value, mesh_dims):
 
 
 def reshards_after_forward():
-    """Whether a layer's gathered weights are freed when its call returns
-    (`KERAS_DISTRIBUTION_RESHARD_AFTER_FORWARD`, default `"1"`)."""
+    """Whether a layer's gathered weights are freed when its call returns."""
     choice = os.environ.get(RESHARD_ENV, "1")
     if choice not in ("0", "1"):
         raise ValueError(
@@ -112,7 +108,7 @@ def gathered_weights(layer, distribution, enabled=True):
             # before its outputs' does (an activity regularizer's loss).
             yield lambda outputs: _watch(enclosing, outputs)
         else:
-            yield _no_outputs_to_watch
+            yield _same
         return
     call = fsdp_call.CallGather(weights)
     schedule = fsdp_schedule.running_schedule()
@@ -139,21 +135,17 @@ def gathered_weights(layer, distribution, enabled=True):
         call.exit()
 
 
-def _no_outputs_to_watch(outputs):
-    return outputs
-
-
 def _noting_saved_values():
     """Notes the gathered values autograd saves: those backward re-gathers."""
     if not (torch.is_grad_enabled() and reshards_after_forward()):
         return contextlib.nullcontext()
-    return torch.autograd.graph.saved_tensors_hooks(_note_saved, _unpack)
+    return torch.autograd.graph.saved_tensors_hooks(_note_saved, _same)
 
 
 def _note_saved(tensor):
-    """Pack hook marking the gathered weights `tensor` reads (not which
-    outlive the call: cycles are collected unevenly across processes).
-    Detached, lest a saved output's own `grad_fn` keep activations alive."""
+    """Pack hook marking the gathered weights `tensor` reads (not those that
+    outlive the call: processes collect cycles unevenly). Detached, lest a
+    saved output's own `grad_fn` keep activations alive."""
     with torch.no_grad():
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
         if local.numel():
@@ -163,8 +155,8 @@ def _note_saved(tensor):
         return tensor.detach()
 
 
-def _unpack(tensor):
-    return tensor
+def _same(value):
+    return value
 
 
 def _leaves(outputs):
@@ -230,21 +222,17 @@ def _call_variables(layer):
 
 
 def _policy(layer):
-    return (
-        getattr(layer, "compute_dtype", None),
-        getattr(layer, "variable_dtype", None),
-        getattr(layer, "autocast", None),
-    )
+    names = ("compute_dtype", "variable_dtype", "autocast")
+    return tuple(getattr(layer, name, None) for name in names)
 
 
 def _release_after_forward(call, enclosing, outputs, schedule, last):
     """Frees `call`'s gathered storage, unless `last`, to re-gather later."""
     leaves = _leaves(outputs)
     if call.release(leaves, reshards_after_forward() and not last):
-        restore_ahead = None
-        if schedule is not None:
-            restore_ahead = schedule.released(call)
-        call.restore_ahead_of = restore_ahead
+        call.restore_ahead_of = (
+            None if schedule is None else schedule.released(call)
+        )
         _watch([call], leaves)
     elif last and torch.is_grad_enabled():
         restore_ahead = schedule.kept()

@@ -1,6 +1,6 @@
-"""A layer call's weights (`CallGather`): gathered in one collective, their
-storage freed after the call (autograd's saved tensors keep metadata, not
-memory) and refilled when backward reaches the call, with prefetches.
+"""A layer call's weights, gathered in one collective, their storage freed
+after the call and refilled when backward reaches it (autograd's saved
+tensors keep the metadata only).
 """
 
 import threading
@@ -15,8 +15,6 @@ _thread_state = threading.local()
 
 def _state():
     if not hasattr(_thread_state, "calls"):
-        # A layer called inside its own call (a recurrent cell) or the call
-        # that gathered its weights keeps them.
         _thread_state.calls = []
         _thread_state.variables = set()
     return _thread_state
@@ -39,9 +37,7 @@ class CallGather:
         self.weights = weights
         self.released = []
         # Prefetches for the call (`gather_ahead`) and its backward ops.
-        self.ahead = None
-        self.ahead_state = None
-        self.restoring = None
+        self.ahead = self.ahead_state = self.restoring = None
         self.restoring_weights = []
         # Set by `fsdp_schedule`: prefetches the previous call's weights.
         self.restore_ahead_of = None
@@ -115,15 +111,16 @@ class CallGather:
         self.released = [w for w in self.weights if w.release(outputs)]
         return bool(self.released)
 
+    def _freed(self):
+        return [w for w in self.released if w.needs_restore()]
+
     def needs_restore(self):
         """Whether some freed weight needs regathering and none started."""
-        return self.restoring is None and any(
-            w.needs_restore() for w in self.released
-        )
+        return self.restoring is None and bool(self._freed())
 
     def restore_ahead(self):
         """Starts regathering the freed values for their backward ops."""
-        weights = [w for w in self.released if w.needs_restore()]
+        weights = self._freed()
         with torch.no_grad():
             self.restoring = self._gather(weights, async_op=True)
         self.restoring_weights = weights
@@ -136,18 +133,14 @@ class CallGather:
 
     def restore(self):
         """Regathers freed values autograd still holds; returns whether any."""
-        freed = [w for w in self.released if w.needs_restore()]
+        freed = self._freed()
         if not freed and self.restoring is None:
             return False
         fresh = {}
         if self.restoring is not None:
             started = self.restoring.local_values()
-            fresh = {
-                id(w): local
-                for w, local in zip(self.restoring_weights, started)
-            }
-            self.restoring = None
-            self.restoring_weights = []
+            fresh = dict(zip(map(id, self.restoring_weights), started))
+            self.restoring, self.restoring_weights = None, []
         missing = [w for w in freed if id(w) not in fresh]
         if missing:
             with torch.no_grad():
@@ -167,12 +160,9 @@ class GatheredWeight:
         self.placements = placements
         # Compute dtype under mixed precision: shards are cast, then gathered.
         self.dtype = getattr(torch, variable.dtype)
-        self.value = None
+        self.value = self.geometry = self.storage = self.version = None
         self.saved = False
-        self.geometry = None
-        self.storage = None
         self.nbytes = 0
-        self.version = None
 
     def shard(self):
         """The sharded value in the dtype the call reads it in."""
@@ -198,8 +188,8 @@ class GatheredWeight:
         gathered_variables().discard(id(self.variable))
 
     def write_back(self):
-        """Copies what the call assigned (`SpectralNormalization`) to shards;
-        not a compute-dtype copy's: Keras' assignment to it has no effect."""
+        """Copies what the call assigned (`SpectralNormalization`) to shards,
+        unless a compute-dtype copy (Keras' assignment to it has no effect)."""
         if self.value._version == self.version:
             return
         if self.dtype == self.sharded.dtype:
@@ -212,9 +202,9 @@ class GatheredWeight:
         self.version = self.value._version
 
     def release(self, outputs):
-        """Frees the gathered storage after forward; whether it did: not without
-        gradients (nothing outlives the call), nor when one of `outputs` or the
-        shard shares the storage."""
+        """Frees the gathered storage after forward, unless without gradients
+        (nothing outlives the call) or shared with `outputs` or the shard;
+        returns whether it did."""
         value = self.value
         if not (value.requires_grad and torch.is_grad_enabled()):
             return False

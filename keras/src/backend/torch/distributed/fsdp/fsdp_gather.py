@@ -1,12 +1,10 @@
 """One collective for all the weights a layer call gathers, as FSDP2 does.
 
-`fsdp` gathers a layer call's weights along the batch axis; `redistribute`
-would cost 2-3 collectives each. As FSDP2's `fully_shard`, `gather` pads each
-shard to the largest (DTensor shards as `torch.chunk`: the last can be smaller
-or empty) and all-gathers them flat, one buffer per dtype, copying each weight
-out to its own storage (which `fsdp` frees); backward, partial-sum gradients
-take one reduce-scatter the same way. Weights gathered along several mesh dims
-or with nested shards, and gradients not reduced by a sum, use `redistribute`.
+`redistribute` would cost 2-3 collectives per weight. `gather` pads each shard
+to the largest (DTensor shards as `torch.chunk`: the last can be smaller or
+empty) and all-gathers them flat, one buffer per dtype, copying each weight
+to its own storage (which `fsdp` frees); partial-sum gradients take one
+reduce-scatter. Other gathers and gradients use `redistribute`.
 """
 
 import math
@@ -22,13 +20,12 @@ from keras.src.backend.torch.distributed.core.runtime import Shard
 
 
 def gather(shards, placements, async_op=False):
-    """A `PendingGather` of `shards` (in the dtype to gather in) to their
-    `placements`, asynchronous if `async_op`."""
+    """Starts gathering `shards` (in the dtype to gather in) to `placements`."""
     return PendingGather(shards, placements, async_op)
 
 
 class PendingGather:
-    """Gathers of weights, started; see `gather` for the arguments."""
+    """Gathers of weights, started."""
 
     def __init__(self, shards, placements, async_op):
         self.shards = list(shards)
@@ -63,9 +60,7 @@ class PendingGather:
 
     def values(self):
         """The gathered `DTensor`s; their gradients reduce-scatter to shards."""
-        values = [None] * len(self.shards)
-        for index, value in self._alone.items():
-            values[index] = value
+        values = [self._alone.get(i) for i in range(len(self.shards))]
         for group in self._groups:
             gathered = _GatherFunction.apply(group, *group.shards)
             for index, value in zip(group.indices, gathered):
@@ -74,9 +69,8 @@ class PendingGather:
 
     def local_values(self):
         """The gathered local tensors (no autograd history), one per shard."""
-        values = [None] * len(self.shards)
-        for index, value in self._alone.items():
-            values[index] = local_tensor(value)
+        alone = {i: local_tensor(v) for i, v in self._alone.items()}
+        values = [alone.get(i) for i in range(len(self.shards))]
         for group in self._groups:
             for index, value in zip(group.indices, group.local_values()):
                 values[index] = value
@@ -113,7 +107,7 @@ def _flat_mesh_dim(shard, target):
 
 
 def local_tensor(value):
-    """The local tensor of `value`, once its async collective (if any) ends."""
+    """The local tensor of `value`, its async collective (if any) waited for."""
     local = value.to_local() if isinstance(value, DTensor) else value
     wait = getattr(local, "wait", None)
     return local if wait is None else wait()
@@ -141,8 +135,7 @@ class _FlatGather:
         self.placements = placements
         self.indices = indices
         self.mesh_dim = mesh_dim
-        mesh = shards[0].device_mesh
-        self.mesh = mesh
+        self.mesh = mesh = shards[0].device_mesh
         self.group = mesh.get_group(mesh_dim)
         self.size = mesh.size(mesh_dim)
         self.coordinate = mesh.get_local_rank(mesh_dim)
@@ -160,34 +153,26 @@ class _FlatGather:
         )
 
     def wait(self):
-        """Waits for the all-gather to complete and drops its buffer."""
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-        self._buffer = None
-
-    def local_values(self):
-        """The gathered local tensors, each in its own storage; not kept here,
-        or they would outlive the `DTensor`s `fsdp` frees after the call."""
+        """Waits for the all-gather to complete; hands its buffer over."""
         if self._work is not None:
             self._work.wait()
             self._work = None
         buffer, self._buffer = self._buffer, None
+        return buffer
+
+    def local_values(self):
+        """The gathered local tensors, each in its own storage; not kept here,
+        or they would outlive the `DTensor`s `fsdp` frees after the call."""
+        buffer = self.wait()
         if len(self.layouts) == 1 and self.layouts[0].is_whole_buffer():
             # The buffer is the gathered tensor: a copy would raise peak memory.
             return [buffer.view(self.layouts[0].gathered_shape)]
-        rows = buffer.view(self.size, -1)
-        offset = 0
-        locals_ = []
-        for layout in self.layouts:
-            pieces = rows[:, offset : offset + layout.numel]
-            offset += layout.numel
-            locals_.append(layout.joined(pieces))
-        return locals_
+        widths = [layout.numel for layout in self.layouts]
+        pieces = buffer.view(self.size, -1).split(widths, dim=1)
+        return [layout.joined(p) for layout, p in zip(self.layouts, pieces)]
 
     def reduce_scatter(self, grads):
-        """The shards' gradients (`DTensor`s in their layouts, or `None`s)
-        from those of the gathered values."""
+        """The shards' gradients (or `None`s) from the gathered values'."""
         results = [None] * len(grads)
         summed = []
         grads = self._summed_over_other_dims(grads)
@@ -205,16 +190,14 @@ class _FlatGather:
                 results[index] = grad.redistribute(self.mesh, shard.placements)
                 continue
             if placement == shard.placements[self.mesh_dim]:
-                # Sharded as the weight (input sharded on its stored
-                # features): each process holds its own part already.
+                # Sharded as the weight: each process has its part already.
                 results[index] = grad.redistribute(
                     self.mesh, shard.placements
                 ).to_local()
                 continue
             wanted = list(target)
-            wanted[self.mesh_dim] = placement
-            if not (placement.is_partial() or placement.is_replicate()):
-                wanted[self.mesh_dim] = target[self.mesh_dim]
+            if placement.is_partial() or placement.is_replicate():
+                wanted[self.mesh_dim] = placement
             if tuple(grad.placements) != tuple(wanted):
                 grad = grad.redistribute(self.mesh, wanted)
             local = grad.to_local()
@@ -238,10 +221,8 @@ class _FlatGather:
             send = _concatenated(pieces)
             received = send.new_empty(send.numel() // self.size)
             runtime.reduce_scatter_flat(received, send, group=self.group)
-            offset = 0
-            for index, layout, _ in summed:
-                flat = received[offset : offset + layout.numel]
-                offset += layout.numel
+            flats = received.split([layout.numel for _, layout, _ in summed])
+            for (index, layout, _), flat in zip(summed, flats):
                 results[index] = layout.unpadded(flat, self.coordinate)
         return [
             None
@@ -259,8 +240,7 @@ class _FlatGather:
 
     def _summed_over_other_dims(self, grads):
         """`grads` with partial sums along other mesh dims (weight replicated
-        there) summed in one all-reduce per dims and dtype, not one
-        `redistribute` each."""
+        there) summed, one all-reduce per dims and dtype."""
         grads = list(grads)
         groups = {}
         for index, (grad, target) in enumerate(zip(grads, self.placements)):
@@ -270,7 +250,8 @@ class _FlatGather:
                 dim
                 for dim, placement in enumerate(grad.placements)
                 if dim != self.mesh_dim
-                and _is_partial_sum(placement)
+                and placement.is_partial()
+                and placement.reduce_op == "sum"
                 and target[dim].is_replicate()
                 and self.mesh.size(dim) > 1
             )
@@ -281,26 +262,21 @@ class _FlatGather:
             flat = torch.cat([local.reshape(-1) for local in locals_])
             for dim in dims:
                 dist.all_reduce(flat, group=self.mesh.get_group(dim))
-            offset = 0
-            for index, local in zip(indices, locals_):
+            summed = flat.split([local.numel() for local in locals_])
+            for index, local, part in zip(indices, locals_, summed):
                 grad = grads[index]
                 placements = list(grad.placements)
                 for dim in dims:
                     placements[dim] = Replicate()
                 grads[index] = DTensor.from_local(
-                    flat[offset : offset + local.numel()].view(local.shape),
+                    part.view(local.shape),
                     self.mesh,
                     placements,
                     run_check=False,
                     shape=grad.shape,
                     stride=layouts.contiguous_strides(grad.shape),
                 )
-                offset += local.numel()
         return grads
-
-
-def _is_partial_sum(placement):
-    return placement.is_partial() and placement.reduce_op == "sum"
 
 
 def _concatenated(pieces):
@@ -369,8 +345,7 @@ class _GatherFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, flat_gather, *shards):
-        # Unreached gradients stay `None`, as in one process: an optimizer
-        # skips a weight without gradient, but not a zero one.
+        # Unreached gradients stay `None`: an optimizer skips those, not 0s.
         ctx.set_materialize_grads(False)
         ctx.flat_gather = flat_gather
         return tuple(

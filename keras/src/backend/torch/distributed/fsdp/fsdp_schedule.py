@@ -1,8 +1,5 @@
-"""The order of a step's weight gathers, to gather one layer ahead.
-
-`fsdp` gathers a layer's batch-sharded weights when it is called and in the
-backward pass; as FSDP2 prefetches, a `GatherSchedule` learns one step's
-order so the next step gathers one layer ahead, forward and backward.
+"""The order of a step's weight gathers, learned so that the next step
+gathers one layer ahead, forward and backward, as FSDP2 prefetches.
 """
 
 import contextlib
@@ -24,8 +21,8 @@ def running_schedule():
 
 
 def gathers_ahead(distribution):
-    """Whether layer calls gather ahead: `KERAS_DISTRIBUTION_GATHER_AHEAD`
-    if set, else not on CPU meshes, where it costs memory without overlap."""
+    """Whether layer calls gather ahead: `GATHER_AHEAD_ENV` if set, else not
+    on CPU meshes, where it costs memory without overlap."""
     choice = os.environ.get(GATHER_AHEAD_ENV)
     if choice is None:
         device = str(np.asarray(distribution.device_mesh.devices).flat[0])
@@ -59,16 +56,14 @@ class GatherSchedule:
     def __init__(self, ahead=True):
         self.ahead = ahead
         # Weak references to the previous (`_order`) and this step's layers.
-        self._order = []
-        self._calls = []
+        self._order, self._calls = [], []
         # `(weak reference to its layer, call)` gathered ahead.
         self._ahead = None
         # This step's calls freed after the forward pass, in call order.
         self._released = []
 
     def take_ahead(self, layer, call):
-        """Gives `call` (of `layer`) what was gathered ahead for it; returns
-        the call's position in the step's order."""
+        """Gives `call` (of `layer`) its prefetch; returns its position."""
         self._calls.append(weakref.ref(layer))
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[0]() is not layer:
@@ -105,11 +100,10 @@ class GatherSchedule:
     def released(self, call):
         """Records a call freed after the forward pass; returns a function
         that, in backward, gathers the call released before it (or `None`)."""
-        if not self.ahead:
-            return None
-        self._released.append(call)
-        index = len(self._released) - 1
-        return lambda: self._restore_ahead(index)
+        restore_ahead = self.kept()
+        if self.ahead:
+            self._released.append(call)
+        return restore_ahead
 
     def kept(self):
         """As `released`, for a last call that kept its gathered weights."""

@@ -1,5 +1,3 @@
-"""The job's health: nothing hangs, a failure names its process. `health`:
-timeouts on collectives, a failed or frozen process reported by name;
-`agreement`: disagreeing processes (model, batch count) stopped before they
-hang; `call_agreement`: collective calls made on one process agreed first.
-"""
+"""The job's health: bounded collectives and failures named by process
+(`health`), processes that disagree stopped before they hang (`agreement`,
+`call_agreement`)."""

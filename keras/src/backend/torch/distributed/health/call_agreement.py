@@ -1,10 +1,9 @@
 """Collective calls agreed in the job's store before they communicate.
 
-Some user calls are collectives (`get_weights`, `numpy()`, starting `fit`,
-saving a model to one file). Made on some processes only, such a call hangs,
-or pairs with the others' next collective and returns its data. So each is
-first announced in the store (which cannot pair with a collective), and
-communicates once every process announced the same; else each raises."""
+A user call that is a collective (`get_weights`, `numpy()`, starting `fit`)
+made on some processes only hangs, or pairs with the others' next collective.
+So each is first announced in the store, which cannot pair with a collective,
+and communicates once every process announced the same; else each raises."""
 
 import atexit
 import contextlib
@@ -58,7 +57,6 @@ def start():
     watcher_store = health.connect_store()
     if store is None or watcher_store is None:
         return
-    _state.update(store=store, pid=os.getpid(), count=0, depth=0)
     stop_event = threading.Event()
     watcher = threading.Thread(
         target=_watch,
@@ -66,6 +64,7 @@ def start():
         name="keras-call-agreement",
         daemon=True,
     )
+    _state.update(store=store, pid=os.getpid(), count=0, depth=0)
     _state.update(watcher=watcher, stop=stop_event)
     watcher.start()
     # Runs before the process group's teardown (atexit runs LIFO).
@@ -73,8 +72,7 @@ def start():
 
 
 def stop(reason="the end of its program"):
-    """Announces that this process makes no more calls (`reason`; at exit or
-    on an uncaught error, so waiting processes learn at once)."""
+    """Tells the other processes that this one makes no more calls."""
     if _state["pid"] != os.getpid():
         return
     with _lock:
@@ -93,8 +91,8 @@ def stop(reason="the end of its program"):
 @contextlib.contextmanager
 def collective_call(description):
     """Runs a collective call once every process announced `description`
-    (else `CallMismatchError`, or `health.JobFailedError` after the timeout).
-    Nested calls, and calls in a step or its tracing, are not announced."""
+    (else `CallMismatchError`, or `health.JobFailedError` after the timeout);
+    not for nested calls, nor in a step or its tracing."""
     start()
     if not _announces():
         yield
@@ -108,12 +106,8 @@ def collective_call(description):
 
 
 def check_same_num_batches(num_batches):
-    """Agrees on the start of `fit`/`evaluate`/`predict` (collective steps)
-    and on the number of batches of each process' data.
-
-    Args:
-        num_batches: this process' batches (or `steps_per_epoch`), or `None`.
-    """
+    """Agrees on the start of `fit`/`evaluate`/`predict` and on
+    `num_batches`, this process' batches (or `steps_per_epoch`, or `None`)."""
     if runtime.current_distribution() is None:
         return
     with collective_call(_iterating_method()):
@@ -153,7 +147,7 @@ def _agree(description):
     deadline = time.monotonic() + health.current_timeout()
     pause = 0.001
     while True:
-        calls = _read(store, number)
+        calls = {r: call for r, (_, call) in _entries(store, number).items()}
         if any(call != description for call in calls.values()):
             raise _mismatch(description, rank, calls)
         if len(calls) == size:
@@ -171,11 +165,6 @@ def _append(store, number, description):
     counts = ",".join(f"{k}={n}" for k, n in health.step_counts().items())
     line = f"{dist.get_rank()}\t{counts}\t{description}"
     store.append(_KEY.format(number), line.replace("\n", " ") + "\n")
-
-
-def _read(store, number):
-    """The calls announced under `number`: `{rank: description}`."""
-    return {rank: call for rank, (_, call) in _entries(store, number).items()}
 
 
 def _entries(store, number):
@@ -213,9 +202,8 @@ def _not_announced(description, rank, size, calls):
         f"for {_processes(missing)} to make the same collective call: "
         f"{description}. {_processes(sorted(calls)).capitalize()} made it; "
         f"{_processes(missing)} did not (other work or collectives, or "
-        "stuck). "
-        "Every process must make this call in the same order; if they "
-        "legitimately take longer to reach it, raise "
+        "stuck). Every process must make this call in the same order; if "
+        "they legitimately take longer to reach it, raise "
         f"{health.STEP_TIMEOUT_ENV}."
     )
 
@@ -252,9 +240,8 @@ def _watch(store, stop_event):
 def _rule_out(store, number):
     """Announces this process' step under `number` if it rules the call out:
     the caller has not run it, so the two would wait for each other."""
-    announced = _entries(store, number)
     counts = health.step_counts()
-    for _, (their_counts, _) in announced.items():
+    for their_counts, _ in _entries(store, number).values():
         ahead = [
             kind
             for kind, count in counts.items()
@@ -262,8 +249,7 @@ def _rule_out(store, number):
         ]
         if ahead:
             kind = ahead[0]
-            running = health.running_step() == kind
-            what = "runs" if running else "ran"
+            what = "runs" if health.running_step() == kind else "ran"
             _append(
                 store,
                 number,

@@ -1,10 +1,9 @@
 """Bounded collectives, and clear errors when a process of the job fails.
 
-Process groups are bounded by `start_timeout()` until the first step
-completes, then by `step_timeout()` (as torchtitan does). A process whose own
-code raises writes why to the job's store; one whose collective then fails
-raises `JobFailedError` naming the step, the collective and the processes
-that failed or did not arrive.
+Collectives are bounded by `start_timeout()` until the first step completes,
+then by `step_timeout()`. A process whose own code raises writes why to the
+job's store; one whose collective then fails raises `JobFailedError` naming
+the step, the collective and the processes that failed or did not arrive.
 """
 
 import contextlib
@@ -47,8 +46,7 @@ class JobFailedError(RuntimeError):
 
 
 def step_timeout():
-    """Seconds a collective may wait once the first step has completed:
-    `KERAS_DISTRIBUTION_TIMEOUT` if set, else 300 (gloo) or 120 (NCCL)."""
+    """Seconds a collective may wait once the first step has completed."""
     value = os.environ.get(STEP_TIMEOUT_ENV)
     if value is not None:
         return _positive_seconds(STEP_TIMEOUT_ENV, value)
@@ -57,8 +55,7 @@ def step_timeout():
 
 
 def start_timeout():
-    """Seconds a collective may wait before the first step has completed:
-    `KERAS_DISTRIBUTION_START_TIMEOUT` if set, else 5 x `step_timeout()`."""
+    """Seconds a collective may wait before the first step has completed."""
     value = os.environ.get(START_TIMEOUT_ENV)
     if value is not None:
         return _positive_seconds(START_TIMEOUT_ENV, value)
@@ -91,9 +88,8 @@ def bound_groups(groups):
 
 
 def install(coordinator=None):
-    """Reports this process' uncaught errors to the others (excepthook), once
-    the job's process group exists; `coordinator`: the store's `"host:port"`,
-    or `None` for torchrun's `MASTER_ADDR` and `MASTER_PORT`."""
+    """Reports this process' uncaught errors to the others; `coordinator`:
+    the store's `"host:port"` (default: `MASTER_ADDR`, `MASTER_PORT`)."""
     _state["coordinator"] = coordinator
     previous = sys.excepthook
     if getattr(previous, "_keras_health", False):
@@ -115,7 +111,7 @@ def guarded_step(kind, all_groups):
     steps[kind] = step = steps.get(kind, 0) + 1
     if "store" not in _state:
         # Once: a job without a reachable store still runs, unreported.
-        _state["store"] = _connect_store()
+        _state["store"] = connect_store()
     if _state["written"]:
         # A caught earlier failure's stale report must not blame a later one.
         _clear_own_reports()
@@ -145,11 +141,6 @@ def running_step():
 def step_counts():
     """Steps started per kind, e.g. `{"train": 12, "test": 3}`."""
     return dict(_state["steps"])
-
-
-def connect_store():
-    """A new client of the job's store, or `None` (one process, unreachable)."""
-    return _connect_store()
 
 
 def report_failure(error):
@@ -219,9 +210,7 @@ def _job_error(error, where):
 
 
 def _peer_reports(rank, size, wait=True):
-    """`(failed, silent)`, after a short wait if `wait`: `(rank, error)`s,
-    silent ranks."""
-    failed, silent = [], []
+    """`([(rank, error)], [silent rank])`, after a short wait if `wait`."""
     deadline = time.monotonic() + min(REPORT_GRACE_SECONDS, step_timeout())
     others = [r for r in range(size) if r != rank]
     while True:
@@ -295,7 +284,8 @@ def _job_store():
     return dist.PrefixStore(f"{_STORE_PREFIX}/{attempt}", store)
 
 
-def _connect_store():
+def connect_store():
+    """A new client of the job's store, or `None` (one process, unreachable)."""
     try:
         return _job_store()
     except Exception as error:  # Reports are best effort; steps go on.
@@ -305,7 +295,7 @@ def _connect_store():
 
 def _store_set(key, value):
     if "store" not in _state:
-        _state["store"] = _connect_store()
+        _state["store"] = connect_store()
     store = _state["store"]
     try:
         if store is not None:

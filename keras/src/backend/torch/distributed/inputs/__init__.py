@@ -1,3 +1,2 @@
-"""Global batches assembled (`data_input`) from each process' share, read by
-`data_sources` and `tf_data` and picked by `data_parts`, `loader_rows` and
-`pydataset_shares`."""
+"""Global batches assembled (`data_input`) from each process' share, read in
+parts (`data_sources`, `loader_rows`, `pydataset_shares`) or by `tf_data`."""

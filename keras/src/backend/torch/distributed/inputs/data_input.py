@@ -1,6 +1,5 @@
-"""Data inputs under a distribution: global batches as batch-sharded DTensors,
-each process keeping its rows; no communication if the global size is known.
-"""
+"""Global batches as batch-sharded DTensors, each process keeping its rows; no
+communication if the global size is known."""
 
 import weakref
 
@@ -84,10 +83,8 @@ def _plain(x):
 def distribute_data_input(
     per_process_batch, layout, batch_dim_name, global_batch_size=None
 ):
-    """Assembles the global batch from each process' part of it.
-
-    See `keras.src.backend.torch.distribution_lib.distribute_data_input`.
-    """
+    """Assembles the global batch from each process' part of it (see
+    `keras.src.backend.torch.distribution_lib.distribute_data_input`)."""
     layout = layouts.as_torch_layout(layout)
     leaves = _flatten(per_process_batch)
     if not leaves:
@@ -141,13 +138,9 @@ def _gather_part_sizes(local_size, layout, batch_dim_name):
 
 
 def _check_part_sizes(sizes, global_batch_size):
-    expected = [
-        stop - start
-        for start, stop in (
-            layouts.chunk_bounds(global_batch_size, len(sizes), i)
-            for i in range(len(sizes))
-        )
-    ]
+    n = len(sizes)
+    bounds = [layouts.chunk_bounds(global_batch_size, n, i) for i in range(n)]
+    expected = [stop - start for start, stop in bounds]
     if sizes != expected:
         raise ValueError(
             f"The per-process batch sizes {sizes} cannot form a global "

@@ -82,10 +82,8 @@ class BatchRows:
 
     def of(self, global_size, rank=None):
         """`(start, stop)` of the rows of process `rank` (default: this)."""
-        rank = runtime.rank() if rank is None else rank
-        return layouts.chunk_bounds(
-            global_size, self.num_parts, self.parts[rank]
-        )
+        part = self.parts[runtime.rank() if rank is None else rank]
+        return layouts.chunk_bounds(global_size, self.num_parts, part)
 
 
 class Batches:

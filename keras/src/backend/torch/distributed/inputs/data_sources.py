@@ -1,9 +1,6 @@
-"""Data sources read in parts, each process reading only its rows.
-
-Instead of every process reading the whole global batch, a batched map-style
-`DataLoader` (`loader_rows`) and a finite `PyDataset` (`pydataset_shares`) yield
-global `DTensor` batches; other sources keep the default path.
-"""
+"""Data sources read in parts: a batched map-style `DataLoader` (`loader_rows`)
+and a finite `PyDataset` (`pydataset_shares`) yield global `DTensor` batches of
+which each process read only its rows; other sources keep the default path."""
 
 import torch
 
@@ -17,11 +14,8 @@ from keras.src.trainers.data_adapters.torch_data_loader_adapter import (
 
 
 def process_data_adapter(adapter):
-    """`adapter`, or one reading only this process' share of its data.
-
-    `adapter` itself unless a multi-process distribution shards the data
-    (`auto_shard_dataset`) and the source can be read in parts.
-    """
+    """`adapter`, or one reading only this process' share of its data where a
+    multi-process distribution shards it and the source can be read in parts."""
     distribution = runtime.current_distribution()
     if (
         distribution is None

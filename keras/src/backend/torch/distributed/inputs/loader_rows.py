@@ -1,8 +1,5 @@
-"""A map-style `DataLoader` under a distribution: each process its rows.
-
-Every process draws the global batches of indices from the batch sampler and
-fetches only its rows, with the loader's own workers and `collate_fn`.
-"""
+"""A map-style `DataLoader` under a distribution: every process draws the global
+batches of indices and fetches only its rows, with the loader's workers."""
 
 import collections
 import queue
@@ -57,11 +54,9 @@ class DataLoaderRows(data_parts.SharedAdapter):
 
 
 class _ProcessRowsSampler(torch.utils.data.Sampler):
-    """This process' indices of each batch the batch sampler draws.
-
-    All draw whole batches, so samplers advance as in one process; with no rows
-    in a batch, the first sample is fetched for an empty part's structure.
-    """
+    """This process' indices of each batch the batch sampler draws (whole, so
+    samplers advance as in one process); with no rows in a batch, the first
+    sample is fetched for an empty part's structure."""
 
     def __init__(self, batch_sampler, rows):
         self._batch_sampler = batch_sampler
@@ -126,9 +121,8 @@ def _loader_with_sampler(loader, batch_sampler):
 
 
 class _ReadAhead:
-    """Reads an iterator ahead on a thread once `start()`ed, in line before.
-
-    So Keras' peek at the first batch reads no more; errors raise in `next`.
+    """Reads an iterator ahead on a thread once `start()`ed, in line before
+    (so Keras' peek at the first batch reads no more); errors raise in `next`.
     """
 
     def __init__(self, iterator, enabled, depth=2):

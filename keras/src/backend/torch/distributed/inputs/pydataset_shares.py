@@ -1,7 +1,6 @@
-"""A finite `PyDataset` under a distribution, read in shares: it returns whole
-batches, so processes take turns reading them (with its workers), in line or
-through Keras' `OrderedEnqueuer`, and scatter the rows to their holders, in
-the order one process takes them.
+"""A finite `PyDataset` read in shares: it returns whole batches, so processes
+take turns reading them (with its workers, in line or through Keras'
+`OrderedEnqueuer`) and scatter the rows to their holders, in one process' order.
 """
 
 import collections
@@ -21,9 +20,8 @@ from keras.src.trainers.data_adapters.py_dataset_adapter import PyDataset
 
 
 class PyDatasetShares(data_parts.SharedAdapter):
-    """A finite `PyDataset` read in shares, each batch on one process: batches,
-    and the dataset state each is read in, match one process'
-    `PyDatasetAdapter`, with or without Keras' enqueuer."""
+    """A finite `PyDataset`, each batch read on one process: batches, and the
+    dataset state each is read in, match one process' `PyDatasetAdapter`."""
 
     def __init__(self, adapter, distribution):
         super().__init__(adapter, distribution)
@@ -36,12 +34,10 @@ class PyDatasetShares(data_parts.SharedAdapter):
             self._queue = _QueuedBatches(adapter)
 
     def get_torch_dataloader(self):
-        # Wrapped as `PyDatasetAdapter` does: passes draw torch's RNG as one
-        # process does.
-        if self._queue is not None:
-            batches = self._queued_batches()
-        else:
-            batches = self._batches()
+        # Wrapped as `PyDatasetAdapter` does, so passes draw torch's RNG alike.
+        batches = (
+            self._batches() if self._queue is None else self._queued_batches()
+        )
         return data_adapter_utils.get_torch_dataloader(batches)
 
     def on_epoch_begin(self):
@@ -98,13 +94,11 @@ class PyDatasetShares(data_parts.SharedAdapter):
         """Scatters `batch` from `src`; returns own `(rows, global_size)`."""
         parts = None
         if batch is not None:
-            global_size = data_parts.batch_size(batch)
-            parts = []
-            for rank in range(runtime.world_size()):
-                start, stop = self._rows.of(global_size, rank)
-                parts.append(
-                    (data_parts.take_rows(batch, start, stop), global_size)
-                )
+            size = data_parts.batch_size(batch)
+            parts = [
+                (data_parts.take_rows(batch, *self._rows.of(size, rank)), size)
+                for rank in range(runtime.world_size())
+            ]
         return _scatter_objects(parts, src)
 
 
@@ -185,8 +179,8 @@ class _Window:
 
 def _pass_order(adapter, epoch):
     """A pass' batch order as Keras draws it, on every process: from
-    `random.Random(epoch)`, or on Keras 3.15 (`epoch` None) process 0's
-    global `random`."""
+    `random.Random(epoch)`, or where the adapter counts no epochs (`epoch`
+    None) process 0's global `random`."""
     order = list(range(adapter.py_dataset.num_batches))
     if not adapter.shuffle:
         return order
@@ -287,8 +281,7 @@ def _process_zero_order(order):
 def _scatter_objects(objects, src):
     """Gives process `i` `objects[i]` from process `src`; returns its own."""
     device = runtime.comm_device()
-    size = runtime.world_size()
-    sizes = torch.zeros(size, dtype=torch.int64, device=device)
+    sizes = torch.zeros(runtime.world_size(), dtype=torch.int64, device=device)
     if objects is not None:
         data = [
             pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL) for o in objects

@@ -1,11 +1,10 @@
 """`tf.data` input under a multi-process distribution.
 
-Upstream refuses a dataset whose batch size it cannot compute (after `map`,
-`prefetch`). One of a static batch size, split evenly by the batch-axis
-processes in mesh order, is sharded upstream's way; any other is read whole by
-every process, which keeps its rows, so it must yield the same batches
-everywhere (shuffle it with a seed). Imported lazily: it needs the data
-adapters, which need the backend.
+Upstream refuses a dataset whose batch size it cannot compute. One of a static
+batch size split evenly by the batch-axis processes is sharded upstream's way;
+any other is read whole by every process, which keeps its rows, so it must yield
+the same batches everywhere (seed its shuffle). Imported lazily: the data
+adapters need the backend.
 """
 
 from keras.src import tree
@@ -39,9 +38,9 @@ def _shards_data(distribution):
 
 
 def _shardable_batch_size(dataset, distribution):
-    """The global batch size, or `None` if `dataset` must be read whole:
-    upstream's part `data_shard_id` is this process' rows only when the shards
-    are the batch-axis processes in mesh order and batches split evenly."""
+    """The global batch size, or `None` if `dataset` must be read whole (unless
+    shards are the batch-axis processes in mesh order and batches split evenly,
+    upstream's part `data_shard_id` is not this process' rows)."""
     from tensorflow.python.data.experimental.ops import (
         distribute as tf_data_distribute,
     )

@@ -1,11 +1,10 @@
 """The auto plan's column and row pairs, checked against what layers read.
 
-Width pairing (`auto_plan.py`) cannot tell a kernel reading another's output
-from one reading the block's stream when both are as wide. So at a layer's first
-symbolic call, before weights load, a block is traced on meta (else zero)
-stand-ins (`_Trace`) and a functional model's graph walked back; a kernel that
-reads otherwise is laid out again. Untraceable ones keep their width pairing,
-which costs collectives, never correctness.
+Width pairing cannot tell a kernel reading another's output from one reading
+the block's stream when both are as wide. So at a layer's first symbolic call
+a block is traced on stand-ins (`_Trace`), or a functional model's graph walked
+back, and a kernel that reads otherwise is laid out again. Untraceable ones
+keep their width pairing, which costs collectives, never correctness.
 """
 
 import contextlib
@@ -129,10 +128,8 @@ class _CallFailed(Exception):
 
 
 class _Trace(TorchFunctionMode):
-    """Runs a block on stand-ins, tracking the column kernels each tensor reads.
-
-    `reads`: for each width-paired layer, whether it reads a column output.
-    """
+    """Runs a block on stand-ins, tracking the column kernels each tensor
+    reads; `reads`: whether each width-paired layer reads a column output."""
 
     def __init__(self, distribution):
         super().__init__()
@@ -141,8 +138,8 @@ class _Trace(TorchFunctionMode):
         self._carried = {}
 
     def run(self, layer, args, kwargs):
-        """Calls `layer` on stand-ins on the meta device, else on zeros;
-        `_CallFailed` if the layer's call fails on both."""
+        """Calls `layer` on meta stand-ins, else on zeros; `_CallFailed` if
+        both fail."""
         try:
             self._run(layer, args, kwargs, "meta")
         except _CallFailed:
@@ -154,10 +151,8 @@ class _Trace(TorchFunctionMode):
         from keras.src import backend
 
         # Keras converts a mapped weight to the current device.
-        scope = contextlib.nullcontext()
-        if device is not None:
-            scope = backend.device_scope(device)
-        with scope:
+        meta = device is not None
+        with backend.device_scope(device) if meta else contextlib.nullcontext():
             args, kwargs = tree.map_structure(_stand_in, (args, kwargs))
             weights = [(v, _zeros(v.shape, v.dtype)) for v in layer.variables]
             _state.trace = self

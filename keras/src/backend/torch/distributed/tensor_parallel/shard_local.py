@@ -22,7 +22,7 @@ _STACK_LABELS = "abcdefghlmnopq"
 def local_einsum(function):
     """Wraps the backend's `einsum` (`function`) to run on local shards where
     each mesh axis shards one label evenly in every operand that has it (a
-    contracted one gives a partial sum); else on `_einsum_operands`."""
+    contracted one gives a partial sum); else with `_gather_uneven_dims`."""
 
     @functools.wraps(function)
     def einsum(subscripts, *operands, **kwargs):
@@ -30,7 +30,7 @@ def local_einsum(function):
             return function(subscripts, *operands, **kwargs)
         split = _shard_local_einsum(subscripts, operands)
         if split is None:
-            operands = _einsum_operands(operands)
+            operands = [_gather_uneven_dims(x) for x in operands]
             return function(subscripts, *operands, **kwargs)
         mesh, placements, local_operands = split
         output = function(subscripts, *local_operands, **kwargs)
@@ -39,31 +39,24 @@ def local_einsum(function):
     return einsum
 
 
-def _einsum_operands(operands):
-    """Gathers the dimensions DTensor's einsum views cannot keep sharded
-    (uneven, or of size 1); gradients come back sharded like the operand."""
-    return [_gather_uneven_dims(x) for x in operands]
-
-
 def _gather_uneven_dims(x):
+    """An einsum operand with the dimensions DTensor's einsum views cannot
+    keep sharded gathered: uneven ones, or of size 1 (even over a mesh axis
+    of size 1); its gradient comes back sharded like the operand."""
     if isinstance(x, KerasVariable):
         x = x.value
     if not isinstance(x, DTensor):
         return x
-    mesh = x.device_mesh
     placements = [
-        Replicate() if p.is_shard() and _uneven(x, p.dim, mesh.size(i)) else p
+        Replicate()
+        if p.is_shard()
+        and (x.shape[p.dim] % x.device_mesh.size(i) or x.shape[p.dim] == 1)
+        else p
         for i, p in enumerate(x.placements)
     ]
     if placements == list(x.placements):
         return x
-    return layouts.redistribute(x, mesh, placements)
-
-
-def _uneven(x, dim, num_shards):
-    # DTensor's views cannot keep a dimension of size 1 sharded either,
-    # even over a mesh axis of size 1 (where gathering costs nothing).
-    return x.shape[dim] % num_shards or x.shape[dim] == 1
+    return layouts.redistribute(x, x.device_mesh, placements)
 
 
 def local_matmul(function):
@@ -131,20 +124,25 @@ def _shard_local_einsum(subscripts, operands):
         # DTensor's backward keeps a partial output gradient partial (reduced
         # once, later); this path would reduce it here.
         return None
-    placements = [_output_placement(label, output) for label in split_labels]
+    placements = [_placement(label, output) for label in split_labels]
+    # An operand's gradient is partial where the split label is one it lacks
+    # (each output part reads all of it).
     local_operands = [
-        _local_part(x, labels, split_labels)
+        x.to_local(
+            grad_placements=[_placement(s, labels) for s in split_labels]
+        )
         for labels, x in zip(inputs, operands)
     ]
     return mesh, placements, local_operands
 
 
-def _output_placement(label, output):
-    """A kept label shards the output; a contracted one's parts sum to it."""
+def _placement(label, labels):
+    """The placement of a value with `labels` when `label` is split: a label
+    it has shards it; one it lacks (contracted) leaves partial sums."""
     if label is None:
         return Replicate()
-    if label in output:
-        return Shard(output.index(label))
+    if label in labels:
+        return Shard(labels.index(label))
     return Partial()
 
 
@@ -175,20 +173,6 @@ def _split_label(inputs, operands, mesh_dim, num_shards):
         if x.shape[labels.index(label)] % num_shards:
             return False
     return label
-
-
-def _local_part(x, labels, split_labels):
-    """An einsum operand's local tensor; its gradient is partial where the
-    split label is one it lacks (each output part reads all of it)."""
-    grad_placements = []
-    for label in split_labels:
-        if label is None:
-            grad_placements.append(Replicate())
-        elif label in labels:
-            grad_placements.append(Shard(labels.index(label)))
-        else:
-            grad_placements.append(Partial())
-    return x.to_local(grad_placements=grad_placements)
 
 
 def local_attention(function):
@@ -222,9 +206,7 @@ def local_attention(function):
 def _shard_local_attention(query, key, value, args, kwargs):
     """Whether attention splits per shard: `DTensor`s laid out alike, sharded
     evenly on batch (0) or heads (2) only, mask and bias like the scores."""
-    if not all(isinstance(x, DTensor) for x in (query, key, value)):
-        return False
-    if args:
+    if args or not all(isinstance(x, DTensor) for x in (query, key, value)):
         return False
     mesh, placements = query.device_mesh, query.placements
     if key.placements != value.placements or key.ndim != 4:

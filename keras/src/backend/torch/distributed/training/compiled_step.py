@@ -1,8 +1,5 @@
-"""Steps compiled by `torch.compile` (`jit_compile=True`) on `DTensor`s.
-
-Loss and metrics are built before the first call (dynamo cannot trace their
-lazy build); a step torch cannot compile runs eagerly (`run_first`).
-"""
+"""Steps compiled by `torch.compile` (`jit_compile=True`) on `DTensor`s; a
+step torch cannot compile runs eagerly (`run_first`)."""
 
 import contextlib
 import functools
@@ -58,9 +55,13 @@ def run(compiled_step_function, model, data):
 
 
 def run_first(compiled_step_function, model, data):
-    """Runs the compiled step; if it fails, undoes what it changed, warns
-    and raises `CompileFailed`."""
-    state = _step_state(model)
+    """Runs the compiled step; if it fails, restores the variables it may
+    have changed (all but the weights), warns and raises `CompileFailed`."""
+    state = list(model.non_trainable_variables) + list(model.metrics_variables)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and getattr(optimizer, "built", False):
+        state += list(optimizer.variables)
+    state = list({id(v): v for v in state}.values())
     saved = [v.value.detach().clone() for v in state]
     try:
         return run(compiled_step_function, model, data)
@@ -107,20 +108,9 @@ def evenly_sharded(values):
         if not isinstance(x, DTensor):
             continue
         parts = {}
-        for mesh_dim, placement in enumerate(x.placements):
-            if placement.is_shard():
-                size = x.device_mesh.size(mesh_dim)
-                parts[placement.dim] = parts.get(placement.dim, 1) * size
+        for size, p in zip(x.device_mesh.shape, x.placements):
+            if p.is_shard():
+                parts[p.dim] = parts.get(p.dim, 1) * size
         if any(x.shape[dim] % n for dim, n in parts.items()):
             return False
     return True
-
-
-def _step_state(model):
-    """Variables a step may change before it fails: all but the weights."""
-    state = list(model.non_trainable_variables) + list(model.metrics_variables)
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None and getattr(optimizer, "built", False):
-        state += list(optimizer.variables)
-    unique = {id(v): v for v in state}
-    return list(unique.values())

@@ -1,9 +1,8 @@
 """Gradients reduced once per step, in buckets, before the optimizer.
 
 Replicated weights' gradients on a sharded batch are `Partial` DTensors, which
-every optimizer op reading them would all-reduce again. Here each is reduced
-once, in DDP-like buckets; in Keras' train step, during backward
-(`step_reduction`).
+every optimizer op reading them would all-reduce again; here each is reduced
+once, in DDP-like buckets.
 """
 
 import weakref
@@ -91,45 +90,52 @@ def reduce_gradients(gradients, buffers=None, as_local=False):
     groups = {}
     for i, g in enumerate(gradients):
         if isinstance(g, DTensor) and any(p.is_partial() for p in g.placements):
-            # By the mesh's value, not its identity: DTensor's sharding
-            # propagation cache hands out the mesh object of an earlier,
-            # equal mesh.
-            key = (g.device_mesh, _reduced_axes(g), g.dtype, g.device)
+            # By the mesh's value, not its identity (DTensor's sharding
+            # propagation cache hands out an earlier, equal mesh object), and
+            # the axes summed over: processes differing only on those hold
+            # the same part, however it is laid out on the others.
+            axes = tuple(
+                _summed(p) if p.is_partial() else None for p in g.placements
+            )
+            key = (g.device_mesh, axes, g.dtype, g.device)
             groups.setdefault(key, []).append(i)
     for key, indices in groups.items():
-        if not _needs_reduction(gradients[indices[0]]):
+        if not partial_dims(gradients[indices[0]]):
+            # Partial only over mesh axes of size one: already whole.
             for i in indices:
-                gradients[i] = _relabel_reduced(gradients[i], as_local)
+                g = gradients[i]
+                gradients[i] = reduced_value(g, g.to_local(), as_local)
             continue
         flat = flat_buffer(buffers, key, [gradients[i] for i in indices])
         offset = 0
         for bucket in buckets(indices, lambda i: nbytes(gradients[i])):
-            bucket_gradients = [gradients[i] for i in bucket]
-            size = sum(g.to_local().numel() for g in bucket_gradients)
-            reduced = _all_reduce_bucket(
-                bucket_gradients, flat[offset : offset + size], as_local
-            )
+            values = [gradients[i] for i in bucket]
+            size = sum(g.to_local().numel() for g in values)
+            part = flat[offset : offset + size]
             offset += size
-            for i, g in zip(bucket, reduced):
+            torch.cat([g.to_local().reshape(-1) for g in values], out=part)
+            for group, op in _all_reduces(values[0]):
+                dist.all_reduce(part, op=op, group=group)
+            for i, g in zip(bucket, unpack_bucket(values, part, as_local)):
                 gradients[i] = g
     return gradients
 
 
-def _reduced_axes(value):
-    """The placements `value` is all-reduced over, as sums. Processes that
-    differ only on such an axis hold the same part of the value, however it
-    is laid out on the others, so such values can share one collective."""
-    return tuple(
-        _summed([p])[0] if p.is_partial() else None for p in value.placements
-    )
+def _summed(placement):
+    """`placement`, a partial average taken as a partial sum."""
+    if placement.is_partial() and placement.reduce_op == "avg":
+        return Partial("sum")
+    return placement
 
 
-def _summed(placements):
-    """`placements` with partial averages taken as partial sums."""
-    return tuple(
-        Partial("sum") if p.is_partial() and p.reduce_op == "avg" else p
-        for p in placements
-    )
+def partial_dims(value):
+    """The mesh dims `value` is partial over, of more than one process."""
+    mesh = value.device_mesh
+    return [
+        d
+        for d, p in enumerate(value.placements)
+        if p.is_partial() and mesh.size(d) > 1
+    ]
 
 
 def flat_buffer(buffers, key, gradients):
@@ -142,20 +148,6 @@ def flat_buffer(buffers, key, gradients):
         if buffers is not None:
             buffers[key] = buffer
     return buffer[:size]
-
-
-def _needs_reduction(gradient):
-    """Whether a partial gradient is partial over more than one process."""
-    mesh = gradient.device_mesh
-    return any(
-        p.is_partial() and mesh.size(d) > 1
-        for d, p in enumerate(gradient.placements)
-    )
-
-
-def _relabel_reduced(gradient, as_local):
-    """A gradient partial only over mesh axes of size one is already whole."""
-    return reduced_value(gradient, gradient.to_local(), as_local)
 
 
 def reduced_value(value, local, as_local):
@@ -173,30 +165,16 @@ def reduced_value(value, local, as_local):
     )
 
 
-def _all_reduce_bucket(gradients, flat, as_local):
-    """All-reduces a bucket (one mesh, summed placements, dtype) packed in
-    `flat`, a 1-D tensor of its local size; returns views of `flat`."""
-    torch.cat([g.to_local().reshape(-1) for g in gradients], out=flat)
-    for group, op in _all_reduces(gradients[0]):
-        dist.all_reduce(flat, op=op, group=group)
-    return unpack_bucket(gradients, flat, as_local)
-
-
 def _all_reduces(value):
     """`(process group, op)` of each all-reduce summing `value`'s parts: one
     per partial mesh axis, or one over every process when it is partial by
     one op on every non-trivial axis of a whole-world mesh."""
     mesh = value.device_mesh
-    partial = [
-        (dim, p)
-        for dim, p in enumerate(value.placements)
-        if p.is_partial() and mesh.size(dim) > 1
-    ]
-    every_axis = len(partial) == sum(1 for n in mesh.shape if n > 1)
+    partial = [(d, value.placements[d]) for d in partial_dims(value)]
     if (
         len(partial) > 1
-        and every_axis
-        and len({_summed([p])[0] for _, p in partial}) == 1
+        and len(partial) == sum(1 for n in mesh.shape if n > 1)
+        and len({_summed(p) for _, p in partial}) == 1
         and mesh.size() == dist.get_world_size()
     ):
         return [(None, reduce_op(partial[0][1]))]
@@ -204,30 +182,25 @@ def _all_reduces(value):
 
 
 def reduce_op(placement):
-    return getattr(dist.ReduceOp, _summed([placement])[0].reduce_op.upper())
+    return getattr(dist.ReduceOp, _summed(placement).reduce_op.upper())
 
 
 def unpack_bucket(gradients, flat, as_local):
-    """The reduced values of a bucket's `gradients`, views of `flat`."""
+    """The reduced values of a bucket's `gradients`, views of `flat`; partial
+    averages are divided by the number of parts summed."""
     reduced, offset = [], 0
     for g in gradients:
         local = g.to_local()
         part = flat[offset : offset + local.numel()].view(local.shape)
         offset += local.numel()
-        divisor = _average_divisor(g)
+        divisor = 1
+        for d, p in enumerate(g.placements):
+            if p.is_partial() and p.reduce_op == "avg":
+                divisor *= g.device_mesh.size(d)
         if divisor > 1:
             part /= divisor
         reduced.append(reduced_value(g, part, as_local))
     return reduced
-
-
-def _average_divisor(value):
-    """The number of parts a partial average of `value` was summed over."""
-    divisor = 1
-    for mesh_dim, placement in enumerate(value.placements):
-        if placement.is_partial() and placement.reduce_op == "avg":
-            divisor *= value.device_mesh.size(mesh_dim)
-    return divisor
 
 
 def buckets(items, nbytes, first_cap=None):
@@ -237,8 +210,8 @@ def buckets(items, nbytes, first_cap=None):
     for item in items:
         bucket.append(item)
         size += nbytes(item)
-        cap = first_cap if first_cap is not None and not result else None
-        if size >= (BUCKET_BYTES if cap is None else cap):
+        cap = BUCKET_BYTES if first_cap is None or result else first_cap
+        if size >= cap:
             result.append(bucket)
             bucket, size = [], 0
     if bucket:

@@ -1,9 +1,8 @@
-"""Layer calls under a distribution: inside a layer call or a step, a plain
-tensor is a global value replicated on every process, as in JAX. Partial-sum
-outputs (a row-parallel kernel) are reduced as the layer returns (Megatron's
-`RowwiseParallel`), as are the partial sums of a replicated output's gradient
-(Megatron's `f`) unless the layer's backward keeps them partial at no cost
-(`_partial_gradient_axes`)."""
+"""Layer calls under a distribution: a plain tensor is a global value
+replicated on every process, as in JAX. Partial-sum outputs (a row-parallel
+kernel) are reduced as the layer returns (Megatron's `RowwiseParallel`), as
+are a replicated output's partial gradients (Megatron's `f`) unless the
+layer's backward keeps them partial at no cost (`_partial_gradient_axes`)."""
 
 import contextlib
 import functools
@@ -38,13 +37,11 @@ from keras.src.backend.torch.distributed.tensor_parallel import pairing_check
 CHECK_REPLICATION_ENV = "KERAS_DISTRIBUTION_CHECK_REPLICATION"
 GRADIENT_HOOK_ATTRIBUTE = "_keras_distribution_gradient_hook"
 
-# Open `replicated_plain_tensors` contexts, process-wide: torch's
-# `implicit_replication` flag is one per process.
+# Process-wide, as torch's `implicit_replication` flag is.
 _replication_depth = 0
 _replication_held = False
 _implicit_replication = None
-# Nesting depth of `call_layer`, per thread as Keras' call context is (a data
-# loader thread's layer call is not nested in the main thread's model).
+# Nesting depth of `call_layer`, per thread as Keras' call context is.
 _calls = threading.local()
 
 
@@ -53,11 +50,9 @@ def _call_depth():
 
 
 def call_layer(call_function, layer, *args, **kwargs):
-    """Calls `layer` (via `call_function`) under the distribution in effect.
-
-    Plain tensor inputs enter as replicated DTensors (so autograd saves
-    DTensors); `KERAS_DISTRIBUTION_CHECK_REPLICATION=1` checks them first.
-    """
+    """Calls `layer` (via `call_function`) under the distribution in effect,
+    plain tensor inputs as replicated DTensors (so autograd saves DTensors),
+    checked first if `KERAS_DISTRIBUTION_CHECK_REPLICATION=1`."""
     distribution = runtime.current_distribution()
     # Under `torch.compile` the step entered the context (dynamo can't).
     if distribution is None or torch.compiler.is_compiling():
@@ -108,7 +103,11 @@ def _call_with_dtensors(call_function, layer, distribution, args, kwargs):
     args, kwargs = tree.map_structure(
         functools.partial(layouts.replicate, mesh=mesh), (args, kwargs)
     )
-    symbolic = _is_symbolic((args, kwargs))
+    leaves = tree.flatten((args, kwargs))
+    keras_tensors = any(isinstance(x, KerasTensor) for x in leaves)
+    symbolic = keras_tensors or any(
+        isinstance(x, torch.Tensor) and x.is_meta for x in leaves
+    )
     _calls.depth = _call_depth() + 1
     try:
         with (
@@ -123,7 +122,7 @@ def _call_with_dtensors(call_function, layer, distribution, args, kwargs):
     if _calls.depth == 0 and not symbolic:
         # The outermost call on data: a whole model, built by now.
         layout_rules.check_model(layer, distribution)
-    if _calls.depth == 0 and symbolic and _has_keras_tensors((args, kwargs)):
+    if _calls.depth == 0 and keras_tensors:
         # A functional model being built: weights not loaded or copied yet.
         pairing_check.check_layer(layer, distribution, args, kwargs)
     partial_axes = ()
@@ -136,9 +135,8 @@ def _call_with_dtensors(call_function, layer, distribution, args, kwargs):
 def _partial_gradient_axes(layer, ndim, inputs):
     """Mesh dims over which `layer`'s backward can take a partial-sum output
     gradient as it is, to reduce it once where its producer gets all: those a
-    linear `Dense`/`EinsumDense`'s weights are replicated on (the producer's
-    all-reduce and the step's weight reduction make its partial gradients
-    whole), or all for a weightless layer with one differentiated input."""
+    linear `Dense`/`EinsumDense`'s weights are replicated on, or all for a
+    weightless layer with one differentiated input."""
     from keras.src import activations
     from keras.src import layers
 
@@ -167,19 +165,6 @@ def _differentiated_inputs(inputs):
         for x in tree.flatten(inputs)
         if isinstance(x, torch.Tensor) and x.requires_grad
     )
-
-
-def _is_symbolic(values):
-    """Whether `values` hold `KerasTensor`s or meta-device torch tensors."""
-    return any(
-        isinstance(x, KerasTensor)
-        or (isinstance(x, torch.Tensor) and x.is_meta)
-        for x in tree.flatten(values)
-    )
-
-
-def _has_keras_tensors(values):
-    return any(isinstance(x, KerasTensor) for x in tree.flatten(values))
 
 
 def _layer_output(x, partial_axes=()):
@@ -227,11 +212,9 @@ def _hooked_by_inner_layer(output):
 
 
 def _whole_output_gradient(grad, placements, partial_axes=()):
-    """A replicated output's gradient (partial after column-parallel
-    consumers, sharded after a scatter or index) made whole where the output
-    is (Megatron's `f`), so the layer's backward and weight gradients are
-    whole; left to DTensor, a LayerNorm would leave partial weight gradients.
-    """
+    """A replicated output's gradient (partial or sharded) made whole where
+    the output is (Megatron's `f`): left to DTensor, a LayerNorm would leave
+    partial weight gradients."""
     if not isinstance(grad, DTensor):
         return grad
     whole = []
@@ -257,10 +240,9 @@ def replicated_plain_tensors():
             yield
             return
         _update_implicit_replication()
-        with contextlib.ExitStack() as stack:
-            mesh = runtime.current_distribution().device_mesh.backend_mesh
-            if mesh.device_type == "cpu":
-                stack.enter_context(sdpa_kernel(SDPBackend.MATH))
+        mesh = runtime.current_distribution().device_mesh.backend_mesh
+        cpu = mesh.device_type == "cpu"
+        with sdpa_kernel(SDPBackend.MATH) if cpu else contextlib.nullcontext():
             yield
     finally:
         _replication_depth -= 1
@@ -310,9 +292,8 @@ def loop_function(function):
 
 
 def loop_condition(cond):
-    """`loop_function(cond)`, with a `DTensor` result made global before the
-    loop reads it as a `bool`: read as each process' own part, the processes
-    would leave the loop at different steps."""
+    """`loop_function(cond)`, a `DTensor` result made global before the loop
+    reads it as a `bool` (else processes may leave at different steps)."""
     function = loop_function(cond)
     if function is cond:
         return cond
@@ -360,7 +341,5 @@ def check_replicated(values, name):
 def _digest(x):
     """A few numbers that differ when two tensors differ."""
     x = x.detach().to(runtime.comm_device()).reshape(-1).to(torch.float64)
-    weights = torch.arange(
-        1, x.numel() + 1, dtype=torch.float64, device=x.device
-    )
+    weights = torch.arange(1, x.numel() + 1, dtype=x.dtype, device=x.device)
     return torch.stack([x.sum(), (x * weights).sum(), (x * x).sum()])

@@ -1,13 +1,6 @@
-"""The training step as one object: a step function under the distribution.
-
-The torch trainer builds a `DistributedStep` per step function. Under a
-distribution it distributes each global batch (`data_input`), runs the model on
-the local rows as plain tensors (`local_rows`) or through DTensor (`fallback`),
-overlaps gradient reductions with the backward pass (`step_reduction`),
-computes the loss locally (`local_loss`) and may compile (`compiled_step`).
-While it runs it is set on its model, where the hooks below find it; gradient
-hooks (on autograd's own threads on CUDA) hold its reduction, not a lookup.
-"""
+"""The training step as one object, `DistributedStep`, set on its model while
+it runs, where the train step's hooks below find it; gradient hooks (on
+autograd's own threads on CUDA) hold its reduction, not a lookup."""
 
 import contextlib
 import functools
@@ -35,14 +28,15 @@ from keras.src.backend.torch.distributed.training import step_reduction
 class DistributedStep:
     """A train, test or predict step function, run under the distribution.
 
-    A compiled step is compiled anew with static shapes, but runs eagerly where
-    a variable or batch is sharded unevenly (compiled code assumes equal shards,
-    torch 2.13) or once its first call failed; processes decide alike, on global
-    shapes. `runs_through_dtensor` is set once a local-rows call drew random
-    numbers or assigned a trainable variable (DTensor does those globally).
+    A compiled step runs eagerly where a variable or batch is sharded
+    unevenly (compiled code assumes equal shards, torch 2.13) or once its
+    first call failed; processes decide alike, on global shapes.
     """
 
     def __init__(self, model, kind, step_function, eager_step_function):
+        # The torch trainer's own step, whatever the base names its class.
+        from keras.src.models.model import Model
+
         self.model = model
         self.kind = kind
         # Reached via the model whatever the trainer does with the step.
@@ -56,11 +50,13 @@ class DistributedStep:
             self._distributed_function = compiled_step.compile_step(
                 eager_step_function
             )
-        # Keras' own train step reduces in `reduce_gradients` after one
-        # backward pass: its buckets can be all-reduced while that pass runs.
-        self._overlaps_reduction = kind == "train" and _default_train_step(
-            model
+        # Keras' own train step reduces after one backward pass: its buckets
+        # can be all-reduced while that pass runs.
+        self._overlaps_reduction = (
+            kind == "train" and type(model).train_step is Model.train_step
         )
+        # Set once a local-rows call drew random numbers or assigned a
+        # trainable variable (DTensor does those globally).
         self.runs_through_dtensor = False
         # `{training: batch_coupling.Verdict}` of the probe (`local_rows.call`).
         self.verdicts = {}
@@ -83,19 +79,13 @@ class DistributedStep:
             return self.step_function(data)
         call_agreement.start()
         with health.guarded_step(self.kind, layouts.all_process_groups):
-            with self._running():
+            steps = local_rows.model_steps(self.model)
+            previous, steps.running = steps.running, self
+            try:
                 return self._run(data, distribution)
-
-    @contextlib.contextmanager
-    def _running(self):
-        """Sets this step on its model while it runs."""
-        steps = local_rows.model_steps(self.model)
-        previous, steps.running = steps.running, self
-        try:
-            yield
-        finally:
-            steps.running = previous
-            self._local_outputs.clear()
+            finally:
+                steps.running = previous
+                self._local_outputs.clear()
 
     def _run(self, data, distribution):
         model = self.model
@@ -125,11 +115,14 @@ class DistributedStep:
                 return self._eager_step(data)
 
     def _eager_step(self, data):
-        """Runs an eager step, DTensor's refusals computed on global values.
-
-        The `fallback` mode is entered lazily where the model may run on the
-        local rows, whose plain tensors then skip its cost.
-        """
+        """Runs an eager step, DTensor's refusals computed on global values (a
+        `fallback` mode entered lazily where the model may run on local rows,
+        whose plain tensors then skip its cost)."""
+        reduction = contextlib.nullcontext()
+        if self._overlaps_reduction:
+            reduction = step_reduction.overlapped_reduction(
+                self.model, self._leaves, self._buckets
+            )
         with (
             fallback.dtensor_fallback(
                 lazy=self._may_run_locally()
@@ -137,24 +130,12 @@ class DistributedStep:
             fsdp_schedule.following(
                 self._gathers, runtime.current_distribution()
             ),
+            reduction as self._reduction,
         ):
-            try:
-                return self._step_reducing(data)
-            finally:
-                self._fallback_on = None
-
-    def _step_reducing(self, data):
-        """The step function, its gradients reduced during backward."""
-        if not self._overlaps_reduction:
-            return self.eager_step_function(data)
-        with step_reduction.overlapped_reduction(
-            self.model, self._leaves, self._buckets
-        ) as reduction:
-            self._reduction = reduction
             try:
                 return self.eager_step_function(data)
             finally:
-                self._reduction = None
+                self._fallback_on = self._reduction = None
 
     def _may_run_locally(self):
         """Whether the model may be called on the local rows (1-D mesh)."""
@@ -164,11 +145,8 @@ class DistributedStep:
         return mesh.ndim == 1 and self.local_variables(mesh) is not None
 
     def local_variables(self, mesh):
-        """`local_rows.local_variables` of the model on the batch's `mesh`.
-
-        Checked on every call until the model is built, then kept for this step
-        function while the batch comes on the same mesh.
-        """
+        """`local_rows.local_variables` of the model on the batch's `mesh`,
+        kept once the model is built while the batch comes on that mesh."""
         kept = self._local_variables
         if kept is not None and kept[0] is mesh:
             return kept[1]
@@ -178,10 +156,8 @@ class DistributedStep:
         return variables
 
     def local_leaf(self, variable):
-        """The plain leaf for a weight in a call on the local rows, or `None`.
-
-        Only in Keras' own eager train step (`step_reduction`).
-        """
+        """The plain leaf for a weight in a call on the local rows, or `None`
+        (only in Keras' own eager train step)."""
         if self._reduction is None:
             return None
         return self._reduction.local_leaf(variable)
@@ -190,41 +166,24 @@ class DistributedStep:
         """Keeps, for this step, the plain `local` rows `output` was made of."""
         self._local_outputs.append((output, local))
 
-    def local_output(self, x):
-        """The local tensor kept for `x` in this step, or `None`."""
-        for output, local in self._local_outputs:
-            if output is x:
-                return local
-        return None
-
     def local_compiled_loss(self, y, y_pred, sample_weight):
         """See `local_loss` (the hook)."""
+        local = next(
+            (local for out, local in self._local_outputs if out is y_pred),
+            None,
+        )
         loss = local_loss_lib.local_compiled_loss(
             self.model,
             y,
             y_pred,
             sample_weight,
-            self.local_output(y_pred),
+            local,
             functools.partial(local_rows.local_weight, step=self),
         )
         if loss is None and self._fallback_on is not None:
             # Keras computes the loss through DTensor.
             self._fallback_on()
         return loss
-
-    def metric_predictions(self, y_pred):
-        """See `metric_predictions` (the hook)."""
-        if not torch.compiler.is_compiling():
-            return y_pred
-        return tree.map_structure(
-            lambda x: x.detach() if isinstance(x, torch.Tensor) else x, y_pred
-        )
-
-    def local_metric_state(self, metric):
-        """See `local_metric_state`; in Keras' own train step the tracker's
-        partial loss is reduced with the gradients' last bucket."""
-        defer = None if self._reduction is None else self._reduction.defer
-        return local_state.local_metric_state(metric, defer)
 
     def reduce_gradients(self, gradients):
         """See `reduce_gradients` (the hook)."""
@@ -234,10 +193,8 @@ class DistributedStep:
 
 
 def call_verdict(model, kind=None, training=False):
-    """The probe's `batch_coupling.Verdict` of `model`'s calls, or `None`.
-
-    Of step function `kind`'s calls (`None`: outside a step) with `training`.
-    """
+    """The probe's `batch_coupling.Verdict` of `model`'s calls with
+    `training` in step function `kind` (`None`: outside a step), or `None`."""
     if kind is None:
         return local_rows.verdict(model, training)
     step = model_step(model, kind)
@@ -245,31 +202,21 @@ def call_verdict(model, kind=None, training=False):
 
 
 def model_step(model, kind):
-    """The `DistributedStep` last built for `model`'s `kind`, or `None`.
-
-    Kept on the model: the trainer may call it from inside its own function
-    (`distribution_lib.batch_step`) rather than as `model.train_function`.
-    """
+    """The `DistributedStep` last built for `model`'s `kind`, or `None`."""
     return local_rows.model_steps(model).by_kind.get(kind)
 
 
 def loss_predictions(model, y, y_pred):
-    """`y_pred` as a step's loss and metrics read it.
-
-    In a step under a distribution, a sharded class axis is gathered where the
-    compiled loss would (`local_loss.gathered_predictions`).
-    """
+    """`y_pred` as a step's loss and metrics read it (in a step, a sharded
+    class axis gathered where the compiled loss would)."""
     if local_rows.running_step(model) is None:
         return y_pred
     return local_loss_lib.gathered_predictions(model, y, y_pred)
 
 
 def local_loss(model, y, y_pred, sample_weight):
-    """The train step's compiled loss on local tensors, or `None`.
-
-    `None` outside a step under a distribution, or where local tensors can't
-    give DTensor's numbers (the caller then computes it as Keras does).
-    """
+    """The train step's compiled loss on local tensors, or `None` (outside a
+    step, or where local tensors can't give DTensor's numbers)."""
     step = local_rows.running_step(model)
     if step is None:
         return None
@@ -284,9 +231,11 @@ def metric_predictions(model, y_pred):
     ("Expected a DTensor tangent but got a plain Tensor").
     """
     step = local_rows.running_step(model)
-    if step is None:
+    if step is None or not torch.compiler.is_compiling():
         return y_pred
-    return step.metric_predictions(y_pred)
+    return tree.map_structure(
+        lambda x: x.detach() if isinstance(x, torch.Tensor) else x, y_pred
+    )
 
 
 def reduce_gradients(model, gradients):
@@ -300,16 +249,12 @@ def reduce_gradients(model, gradients):
 
 def local_metric_state(model, metric):
     """A context running `metric`'s update on its replicated state's local
-    values in a step under a distribution (else a no-op)."""
+    values in a step (else a no-op); in Keras' own train step the tracker's
+    partial loss is reduced with the gradients' last bucket."""
     step = local_rows.running_step(model)
     if step is None:
         return contextlib.nullcontext()
-    return step.local_metric_state(metric)
-
-
-def _default_train_step(model):
-    """Whether `model` trains with Keras' own step (then overlappable)."""
-    # The torch trainer's own step, whatever the base names its class.
-    from keras.src.models.model import Model
-
-    return type(model).train_step is Model.train_step
+    reduction = step._reduction
+    return local_state.local_metric_state(
+        metric, None if reduction is None else reduction.defer
+    )

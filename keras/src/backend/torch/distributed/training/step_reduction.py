@@ -1,10 +1,8 @@
 """Keras' own train step's gradient reduction, overlapped with backward as DDP's
 reducer does: reverse-order buckets (the first small) are all-reduced
-asynchronously as backward completes them; the last one is reduced, with the
-loss tracker's partial sum (`defer`), in `reduce_step_gradients`. Per-sample
-models take weights as plain leaves (`local_leaf`), avoiding DTensor's
-per-weight dispatch. Hooks hold the reduction itself: autograd may run them on
-its own (CUDA) threads, where no thread-local lookup would find it.
+asynchronously as backward completes them; the last, with the loss tracker's
+partial sum (`defer`), in `reduce_step_gradients`. Per-sample models take
+weights as plain leaves (`local_leaf`), avoiding DTensor's per-weight dispatch.
 """
 
 import contextlib
@@ -31,33 +29,31 @@ def reduce_step_gradients(reduction, optimizer, gradients):
     deferred = []
     if reduction is not None:
         gradients = reduction.finish(gradients, as_local)
-        deferred = reduction.take_deferred()
+        deferred, reduction.deferred = reduction.deferred, []
     # The deferred state first: in the first bucket whatever its size.
     reduced = gradients_lib.reduce_gradients(
-        [value for _, value in deferred] + list(gradients),
+        [value for _, _, value in deferred] + list(gradients),
         gradients_lib.optimizer_buffers(optimizer),
         as_local,
     )
     with torch.no_grad():
-        for (local, _), value in zip(deferred, reduced):
+        for (_, local, _), value in zip(deferred, reduced):
             local.copy_(local_state.local_value(value).reshape(local.shape))
     return reduced[len(deferred) :]
 
 
 @contextlib.contextmanager
-def overlapped_reduction(model, leaves, plans=None):
-    """Around Keras' eager train step, yields the `OverlappedReduction` (or
-    `None`) all-reducing 1-D mesh variables' gradient buckets as backward
-    completes them, but those not all partial sums of one mesh axis and dtype.
-    `leaves` and `plans`: dicts kept across steps."""
+def overlapped_reduction(model, leaves, plans):
+    """Yields the `OverlappedReduction` of a train step (or `None`), which
+    all-reduces the gradient buckets of 1-D mesh variables as backward
+    completes them. `leaves` and `plans`: dicts kept across steps."""
     trainable = list(getattr(model, "trainable_weights", ()))
     key = tuple(id(v) for v in trainable)
-    plan = None if plans is None else plans.get(key)
+    plan = plans.get(key)
     if plan is None:
         plan = _BucketPlan(trainable)
-        if plans is not None:
-            plans.clear()  # Only the current weights' plan is kept.
-            plans[key] = plan
+        plans.clear()  # Only the current weights' plan is kept.
+        plans[key] = plan
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None or not plan.buckets:
         yield None
@@ -74,9 +70,11 @@ def overlapped_reduction(model, leaves, plans=None):
         yield reduction
         # Launched but not taken: wait, so processes leave the step together.
         reduction.wait_all(as_local=False)
-        reduction.complete_deferred()
+        if reduction.deferred:  # The step's gradients were not reduced.
+            reduction._reduce_pending([], [])
     finally:
-        reduction.drop_leaf_gradients()
+        for leaf in reduction.leaf_of.values():
+            leaf.grad = None  # Freed before the next step.
         for handle in reduction.handles:
             handle.remove()
 
@@ -185,7 +183,11 @@ class OverlappedReduction:
         if reduction is None:
             return  # Left to `reduce_step_gradients`.
         group, op = reduction
-        self._supersede(bucket_index)
+        # A shared weight accumulates again after its bucket completed: wait
+        # for and forget the earlier launch, whose buffer this one reuses.
+        for entry in [e for e in self.launched if e[0] == bucket_index]:
+            entry[3].wait(datetime.timedelta(seconds=health.current_timeout()))
+            self.launched.remove(entry)
         first = gradients[0]
         key = ("overlapped", bucket_index, first.dtype, first.device)
         flat = gradients_lib.flat_buffer(self.buffers, key, gradients)
@@ -196,32 +198,30 @@ class OverlappedReduction:
         work = dist.all_reduce(flat, op=op, group=group, async_op=True)
         self.launched.append((bucket_index, gradients, flat, work))
 
-    def _supersede(self, bucket_index):
-        """Waits for and forgets an earlier launch of a relaunched bucket: a
-        shared weight accumulates again after its bucket completed, and the new
-        launch reuses the buffer the earlier one may still be reducing."""
-        earlier = [e for e in self.launched if e[0] == bucket_index]
-        if not earlier:
-            return
-        timeout = datetime.timedelta(seconds=health.current_timeout())
-        for entry in earlier:
-            entry[3].wait(timeout)
-            self.launched.remove(entry)
-
     def _reduction_of(self, bucket_index, gradients):
-        """`(process group, op)` of a bucket, `None` if it has none."""
+        """`(process group, op)` of a bucket, `None` if it has none: plain
+        gradients of one dtype, or `DTensor`s laid out alike and partial over
+        one mesh axis."""
         if not any(isinstance(g, DTensor) for g in gradients):
             mesh = self.buckets[bucket_index][0].value.device_mesh
             if len({g.dtype for g in gradients}) > 1 or mesh.size() == 1:
                 return None
             return mesh.get_group(0), dist.ReduceOp.SUM
-        mesh_dim = _single_reduction_dim(gradients)
-        if mesh_dim is None:
-            return None
         first = gradients[0]
+        if not all(
+            isinstance(g, DTensor)
+            and g.device_mesh == first.device_mesh
+            and g.placements == first.placements
+            and g.dtype == first.dtype
+            for g in gradients
+        ):
+            return None
+        dims = gradients_lib.partial_dims(first)
+        if len(dims) != 1:
+            return None
         return (
-            first.device_mesh.get_group(mesh_dim),
-            gradients_lib.reduce_op(first.placements[mesh_dim]),
+            first.device_mesh.get_group(dims[0]),
+            gradients_lib.reduce_op(first.placements[dims[0]]),
         )
 
     def wait_all(self, as_local):
@@ -255,8 +255,17 @@ class OverlappedReduction:
         for i, variable in enumerate(self.trainable):
             leaf = self.leaf_of.get(id(variable))
             if leaf is not None and gradients[i] is not None:
-                # Also used through DTensor (a regularization loss).
-                result[i] = _with_leaf_gradient(gradients[i], leaf.grad)
+                # Also used through DTensor (a regularization loss): add the
+                # leaf's partial gradient.
+                result[i] = gradients[i]
+                if leaf.grad is not None:
+                    mesh = gradients[i].device_mesh
+                    result[i] = gradients[i] + DTensor.from_local(
+                        leaf.grad,
+                        mesh,
+                        [Partial()] * mesh.ndim,
+                        run_check=False,
+                    )
                 continue
             gradient = gradients[i] if leaf is None else leaf.grad
             entry = launched.get(id(variable))
@@ -269,16 +278,9 @@ class OverlappedReduction:
             self._reduce_pending(pending, result)
         return result
 
-    def take_deferred(self):
-        """Hands the unreduced deferred state to the caller, as pairs."""
-        deferred, self.deferred = self.deferred, []
-        return [(local, value) for _, local, value in deferred]
-
     def _reduce_pending(self, pending, result):
         """All-reduces `pending` leaf gradients and the deferred state."""
         deferred, self.deferred = self.deferred, []
-        if not pending and not deferred:
-            return
         groups = {}
         for mesh, local, value in deferred:
             key = (mesh, value.dtype)
@@ -301,16 +303,6 @@ class OverlappedReduction:
                     with torch.no_grad():
                         target.copy_(value.reshape(target.shape))
 
-    def complete_deferred(self):
-        """Reduces the deferred state if the step's gradients were not."""
-        if self.deferred:
-            self._reduce_pending([], [])
-
-    def drop_leaf_gradients(self):
-        """Frees the leaves' gradients before the next step."""
-        for leaf in self.leaf_of.values():
-            leaf.grad = None
-
 
 def _views(flat, values):
     """Views of `flat` shaped as each of `values` (their local parts)."""
@@ -320,36 +312,3 @@ def _views(flat, values):
         views.append(flat[offset : offset + local.numel()].view(local.shape))
         offset += local.numel()
     return views
-
-
-def _with_leaf_gradient(gradient, leaf_gradient):
-    """A weight's `DTensor` gradient plus its leaf's partial gradient."""
-    if leaf_gradient is None:
-        return gradient
-    mesh = gradient.device_mesh
-    partial = DTensor.from_local(
-        leaf_gradient, mesh, [Partial()] * mesh.ndim, run_check=False
-    )
-    return gradient + partial
-
-
-def _single_reduction_dim(gradients):
-    """The one partial mesh axis of a uniform bucket, or `None`."""
-    first = gradients[0]
-    if not isinstance(first, DTensor):
-        return None
-    for g in gradients:
-        if not (
-            isinstance(g, DTensor)
-            and g.device_mesh == first.device_mesh
-            and g.placements == first.placements
-            and g.dtype == first.dtype
-        ):
-            return None
-    mesh = first.device_mesh
-    dims = [
-        d
-        for d, p in enumerate(first.placements)
-        if p.is_partial() and mesh.size(d) > 1
-    ]
-    return dims[0] if len(dims) == 1 else None
