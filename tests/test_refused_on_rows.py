@@ -147,6 +147,63 @@ def test_the_check_keeps_rows_that_couple_on_global_values():
                 assert gathered == 24, gathered
 
 
+class _RefusedOnOneRank:
+    """A per-sample op of two results whose kernel refuses rank 1's rows
+    (3 of the 6) alone."""
+
+    def __call__(self, x):
+        import torch.distributed as dist
+
+        if x.shape[0] == 3 and dist.get_rank() == 1:
+            raise RuntimeError("this kernel refuses 3 rows")
+        return x * 2.0, x + 1.0
+
+    def __str__(self):
+        return "refused_on_one_rank"
+
+
+def _one_rank_refuses_body(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import distribute_tensor
+
+    from keras.src.backend.torch.distributed.dtensor_gaps import global_values
+    from keras.src.backend.torch.distributed.dtensor_gaps import refused_on_rows
+
+    # Rows over the first mesh dimension, features over the second: the
+    # check gathers each result's features, a collective of the second.
+    mesh = init_device_mesh("cpu", (2, 2))
+    global_values.reset_fallback_counts()
+    refused_on_rows.forget()
+    op, values, on_rows = _RefusedOnOneRank(), [], []
+    for step in range(3):
+        x = torch.arange(24, dtype=torch.float32).reshape(6, 4) + step
+        xd = distribute_tensor(x, mesh, [Shard(0), Shard(1)])
+        result = refused_on_rows.on_local_rows(op, (xd,), {}, None)
+        on_rows.append(result is not None)
+        if result is None:
+            result = global_values.on_global_values(
+                op, (xd,), {}, None, str(op)
+            )
+        values.append([r.full_tensor().numpy() for r in result])
+    return values, on_rows, global_values.fallback_counts()[str(op)].calls
+
+
+def test_a_kernel_refusing_one_process_rows_keeps_all_on_global_values():
+    # Rank 1's call on its rows fails where the others' agree: every
+    # process still makes the check's collectives, then all take the
+    # global path.
+    per_rank = run_on_ranks(_one_rank_refuses_body, world_size=4)
+    for values, on_rows, calls in per_rank:
+        for step, (doubled, shifted) in enumerate(values):
+            x = torch.arange(24, dtype=torch.float32).reshape(6, 4) + step
+            np.testing.assert_allclose(doubled, (x * 2.0).numpy())
+            np.testing.assert_allclose(shifted, (x + 1.0).numpy())
+        # The first meeting returns the global results; then none on rows.
+        assert on_rows == [True, False, False], on_rows
+        assert calls == 3, calls
+
+
 def _pooling_fit(rank=None, world_size=None):
     """A pooling model made to run through DTensor (a mean over the batch
     outside any layer): the backward op of its pooling, which DTensor

@@ -1,12 +1,10 @@
-"""Ops DTensor refuses, computed on each process' rows where per-sample.
-
-`global_values` computes ops DTensor has no batch-sharded strategy for (a
-recurrent layer's fused cell, some pooling and resampling kernels) on
-gathered global values, at a cost growing with the global batch. The first
-meeting of a signature computes the op both ways, and the processes agree
-(one all-reduce per mesh dimension) whether it runs on the local rows.
+"""Ops DTensor refuses, computed on each process' rows where per-sample
+(a recurrent layer's fused cell, some pooling and resampling kernels), not
+on gathered global values. The first meeting of a signature computes the op
+both ways, and the processes agree whether it runs on the local rows.
 """
 
+import dataclasses
 import threading
 
 import torch
@@ -37,7 +35,7 @@ def forget():
 def on_local_rows(func, args, kwargs, refusal):
     """The results of `func` (refused by DTensor with `refusal`) computed on
     each process' rows as batch-sharded `DTensor`s, or `None` where the op
-    does not split by rows (the caller computes it on global values)."""
+    does not split by rows."""
     split = _batch_split(args, kwargs)
     if split is None:
         return None
@@ -51,15 +49,15 @@ def on_local_rows(func, args, kwargs, refusal):
     return _first_meeting(func, args, kwargs, refusal, split, signature)
 
 
+@dataclasses.dataclass(frozen=True)
 class _Split:
-    """How an op's operands split by rows over one mesh dimension."""
+    """How an op's operands split by rows over one mesh dimension; `rows`:
+    the `id` of each operand split by rows."""
 
-    def __init__(self, mesh, mesh_dim, global_rows, rows):
-        self.mesh = mesh
-        self.mesh_dim = mesh_dim
-        self.global_rows = global_rows
-        # `id` of each operand split by rows.
-        self.rows = rows
+    mesh: object
+    mesh_dim: int
+    global_rows: int
+    rows: frozenset
 
     def placements(self, by_rows):
         """An operand's placements: its rows if `by_rows`, else whole."""
@@ -79,9 +77,9 @@ class _Split:
 
 
 def _batch_split(args, kwargs):
-    """The `_Split` of the operands, or `None`: `DTensor`s sharded on axis
-    0 over one mesh dimension with equal row counts (at least one per
-    process), any other operand whole over it."""
+    """The `_Split` of the operands, or `None`: `DTensor`s sharded on axis 0
+    over one mesh dimension with equal row counts (a row or more each), any
+    other operand whole over it."""
     operands = [
         x
         for x in global_values.leaves((args, kwargs))
@@ -113,7 +111,7 @@ def _batch_split(args, kwargs):
     if global_rows < mesh.size(mesh_dim):
         return None
     # A whole operand of as many rows (a gradient made whole by a sum over
-    # the batch) is taken by rows too: its own rows are a local slice.
+    # the batch) is taken by rows too.
     rows += [
         id(x)
         for x in operands
@@ -152,7 +150,8 @@ def _computed_on_rows(func, args, kwargs, split, counted=False):
             return x
         target = split.placements(id(x) in split.rows)
         value = x.detach().redistribute(split.mesh, target)
-        gathered_bytes += _gathered(x, value)
+        received = value.to_local().numel() - x.to_local().numel()
+        gathered_bytes += max(0, received) * x.element_size()
         return value.to_local()
 
     local_args, local_kwargs = global_values.map_leaves(on_rows, (args, kwargs))
@@ -177,13 +176,6 @@ def _computed_on_rows(func, args, kwargs, split, counted=False):
     return global_values.map_leaves(as_dtensor, outputs), results
 
 
-def _gathered(x, value):
-    """The bytes this process received to hold `value` (from `x`)."""
-    return max(0, value.to_local().numel() - x.to_local().numel()) * (
-        x.element_size()
-    )
-
-
 def _first_meeting(func, args, kwargs, refusal, split, signature):
     """Computes `func` on global values; records if it is per-sample."""
     outputs = global_values.on_global_values(
@@ -192,12 +184,12 @@ def _first_meeting(func, args, kwargs, refusal, split, signature):
     try:
         on_rows, local = _computed_on_rows(func, args, kwargs, split)
     except RuntimeError as error:
-        # A kernel that refuses the local rows' shape: not per-sample here.
+        # A kernel refusing the local rows' shape: not per-sample here.
         if isinstance(error, torch.OutOfMemoryError):
             raise
         runtime.log_debug("%s on the local rows: %s", func, error)
         local = None
-    agrees = local is not None and _own_rows_agree(outputs, local, split)
+    agrees = _own_rows_agree(outputs, local, split)
     # Every process of the mesh takes the same path from now on.
     differs = not agrees
     for mesh_dim in range(split.mesh.ndim):
@@ -209,17 +201,21 @@ def _first_meeting(func, args, kwargs, refusal, split, signature):
 
 
 def _own_rows_agree(outputs, local, split):
+    """Whether `local` (`None` if the rows' call failed) holds this process'
+    rows of each result. Every process redistributes the same results
+    whatever its own `local`, so that their collectives pair up."""
     results = global_values.leaves(outputs)
-    if len(results) != len(local):
-        return False
     placements = split.placements(True)
-    for result, rows in zip(results, local):
-        if not isinstance(result, DTensor):
-            return False
-        own = result.redistribute(split.mesh, placements).to_local()
-        if not _same(own, rows):
-            return False
-    return True
+    own = [
+        x.redistribute(split.mesh, placements).to_local()
+        for x in results
+        if isinstance(x, DTensor)
+    ]
+    return (
+        local is not None
+        and len(own) == len(results) == len(local)
+        and all(_same(a, b) for a, b in zip(own, local))
+    )
 
 
 def _same(a, b):
