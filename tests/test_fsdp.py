@@ -688,3 +688,35 @@ def test_gradients_partial_over_another_axis_are_summed_at_once():
         # Each step's one reduce-scatter of the block: the scale and the
         # offset, partial sums over the model axis, in one all-reduce.
         assert r["summed"] == [(2, 1), (2, 1)], r
+
+
+def _non_sum_partial_gradient_body(rank, world_size):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import distribute_tensor
+
+    from keras.src.backend.torch.distributed.fsdp import fsdp_gather
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    weight = distribute_tensor(
+        torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)]
+    ).requires_grad_()
+    (gathered,) = fsdp_gather.gather([weight], [[Replicate()]]).values()
+    # A gradient that is each process' part of a maximum, not of a sum.
+    local = torch.full((4, 2), float(rank + 1))
+    gathered.backward(
+        DTensor.from_local(local, mesh, [Partial("max")], run_check=False)
+    )
+    return [str(p) for p in weight.grad.placements], weight.grad.to_local()
+
+
+def test_a_gathered_weights_non_sum_partial_gradient_reduces_to_its_shard():
+    per_rank = run_on_ranks(_non_sum_partial_gradient_body, world_size=2)
+    for placements, grad in per_rank:
+        assert placements == ["S(0)"], placements
+        # The maximum over the processes' 1s and 2s, this process' rows.
+        assert grad.shape == (2, 2) and bool((grad == 2.0).all()), grad

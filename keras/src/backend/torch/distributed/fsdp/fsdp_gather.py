@@ -187,7 +187,9 @@ class _FlatGather:
                 )
             placement = grad.placements[self.mesh_dim]
             if placement.is_partial() and placement.reduce_op != "sum":
-                results[index] = grad.redistribute(self.mesh, shard.placements)
+                results[index] = grad.redistribute(
+                    self.mesh, shard.placements
+                ).to_local()
                 continue
             if placement == shard.placements[self.mesh_dim]:
                 # Sharded as the weight: each process has its part already.
