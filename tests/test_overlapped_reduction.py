@@ -139,3 +139,33 @@ def test_a_weight_used_twice_is_reduced_with_both_gradients():
     for rank, result in enumerate(per_rank):
         pm.assert_close(result, reference, f"rank {rank}")
     pm.assert_ranks_agree(per_rank)
+
+
+def _uneven_buckets_body(rank, world_size):
+    import types
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import distribute_tensor
+
+    from keras.src.backend.torch.distributed.training import step_reduction
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    # Reversed: a small replicated weight, 3 rows of 2**17 floats (1.5 MiB)
+    # sharded 2 / 1 rows, then 0.5 MiB replicated. By local bytes the first
+    # 1 MiB bucket would close after the sharded weight on process 0 only.
+    values = (
+        ("other", distribute_tensor(torch.zeros(2**17), mesh, [Replicate()])),
+        ("sharded", distribute_tensor(torch.zeros(3, 2**17), mesh, [Shard(0)])),
+        ("small", distribute_tensor(torch.zeros(8), mesh, [Replicate()])),
+    )
+    variables = [types.SimpleNamespace(name=n, value=v) for n, v in values]
+    buckets = step_reduction._reverse_buckets(variables)
+    return [[v.name for v in bucket] for bucket in buckets]
+
+
+def test_buckets_are_the_same_on_every_process_of_uneven_shards():
+    per_rank = run_on_ranks(_uneven_buckets_body, world_size=2)
+    assert per_rank == [[["small", "sharded"], ["other"]]] * 2, per_rank

@@ -80,10 +80,14 @@ def overlapped_reduction(model, leaves, plans):
 
 
 def _reverse_buckets(variables):
-    """`variables` reversed, in buckets of DDP's sizes, the first small."""
+    """`variables` reversed, in buckets of DDP's sizes, the first small.
+
+    Sized by global shapes, as every process buckets alike (a weight sharded
+    unevenly has local parts of different sizes).
+    """
     return gradients_lib.buckets(
         variables[::-1],
-        lambda v: gradients_lib.nbytes(v.value),
+        lambda v: v.value.numel() * v.value.element_size(),
         gradients_lib.FIRST_BUCKET_BYTES,
     )
 
