@@ -149,6 +149,47 @@ def test_batch_reducing_op_between_layers_runs_on_dtensor():
         pm.assert_close(result, reference, f"rank {rank}")
 
 
+def _squeezed_fit(rank=None, world_size=None):
+    """Fits a Dense layer whose `(rows, 1)` output is squeezed: on a process
+    holding a single row of an uneven batch, the call gives a scalar."""
+    import numpy as np
+
+    import keras
+    from keras import ops
+    from tests import distributions
+
+    distributions.use_setting("dp" if rank is not None else "single")
+    keras.utils.set_random_seed(pm.SEED)
+    inputs = keras.Input((5,))
+    outputs = ops.squeeze(keras.layers.Dense(1)(inputs))
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer="sgd", loss="mse")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(11, 5)).astype("float32")
+    y = rng.normal(size=(11,)).astype("float32")
+    # Batches of 4, 4 and 3 rows: the last splits 2 and 1.
+    history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    weights = [np.array(w.numpy()) for w in model.weights]
+    return {"loss": history.history["loss"], "weights": weights}
+
+
+def _squeezed_body(rank, world_size):
+    return _counting_local_calls(_squeezed_fit, rank, world_size)
+
+
+def test_an_uneven_batch_one_process_leaves_takes_all_through_dtensor():
+    # The second process' single row gives a scalar, not its rows: every
+    # process agrees to leave the local rows, or the others would wait in
+    # collectives it no longer makes.
+    per_rank = run_on_ranks(_squeezed_body, world_size=2)
+    reference = pm.run_single(_squeezed_fit)
+    for rank, (result, local_calls) in enumerate(per_rank):
+        pm.assert_close(result, reference, f"rank {rank}")
+        # Only the first even batch after the probe ran on the rows.
+        assert local_calls == 1, local_calls
+    pm.assert_ranks_agree([result for result, _ in per_rank])
+
+
 def _masked_batchnorm_fit(rank=None, world_size=None):
     """Embedding(mask_zero=True) -> BatchNormalization: its masked moments
     are sums over the rows it sees, so that layer alone runs through

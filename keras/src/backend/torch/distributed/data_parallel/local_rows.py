@@ -257,9 +257,9 @@ def _call_locally(
         unseen = batch_coupling.unseen_by_probe(
             plan, rng_states, scope, entered, updated, routing
         )
-    varies = plan.draws or plan.python_draws or verdict.coupled
-    if varies and batch.global_rows % batch.mesh.size():
-        # Uneven row counts: processes may see different outcomes.
+    if batch.global_rows % batch.mesh.size():
+        # Uneven row counts: processes may see different outcomes (draws,
+        # coupled layers, outputs of another rank on a single row).
         unseen = batch_coupling.agreed_unseen(unseen, batch.mesh)
     if unseen:
         runtime.log_debug(
