@@ -204,6 +204,45 @@ def test_a_kernel_refusing_one_process_rows_keeps_all_on_global_values():
         assert calls == 3, calls
 
 
+def _uneven_body(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import distribute_tensor
+
+    from keras.src.backend.torch.distributed.dtensor_gaps import global_values
+    from keras.src.backend.torch.distributed.dtensor_gaps import refused_on_rows
+
+    mesh = init_device_mesh("cpu", (2,))
+    global_values.reset_fallback_counts()
+    refused_on_rows.forget()
+    op, found = _Doubled(), []
+    # Even rows (checked, then on the rows), uneven rows (checked anew),
+    # and a single row (the second process has none: never on the rows).
+    for rows in (6, 6, 5, 5, 1):
+        x = torch.arange(2 * rows, dtype=torch.float32).reshape(rows, 2)
+        xd = distribute_tensor(x, mesh, [Shard(0)])
+        before = global_values.fallback_counts().get(str(op))
+        result = refused_on_rows.on_local_rows(op, (xd,), {}, None)
+        after = global_values.fallback_counts().get(str(op))
+        checked = getattr(after, "gathered_bytes", 0) > getattr(
+            before, "gathered_bytes", 0
+        )
+        value = None if result is None else result.full_tensor().numpy()
+        found.append((value, checked))
+    return found
+
+
+def test_uneven_and_empty_row_parts_are_checked_apart():
+    per_rank = run_on_ranks(_uneven_body, world_size=2)
+    for found in per_rank:
+        checks = [checked for _, checked in found]
+        assert checks == [True, False, True, False, False], checks
+        for rows, (value, _) in zip((6, 6, 5, 5), found):
+            x = torch.arange(2 * rows, dtype=torch.float32).reshape(rows, 2)
+            np.testing.assert_allclose(value, (x * 2.0).numpy())
+        assert found[-1][0] is None
+
+
 def _pooling_fit(rank=None, world_size=None):
     """A pooling model made to run through DTensor (a mean over the batch
     outside any layer): the backward op of its pooling, which DTensor

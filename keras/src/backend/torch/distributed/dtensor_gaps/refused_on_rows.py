@@ -108,8 +108,10 @@ def _batch_split(args, kwargs):
             return None
         global_rows = x.shape[0]
         rows.append(id(x))
-    if global_rows < mesh.size(mesh_dim):
-        return None
+    parts = mesh.size(mesh_dim)
+    start, stop = layouts.chunk_bounds(global_rows, parts, parts - 1)
+    if stop <= start:
+        return None  # A process without rows: its kernels may refuse them.
     # A whole operand of as many rows (a gradient made whole by a sum over
     # the batch) is taken by rows too.
     rows += [
@@ -136,7 +138,9 @@ def _signature(func, args, kwargs, split):
         return type(x).__name__
 
     leaves = global_values.leaves((args, sorted((kwargs or {}).items())))
-    return (func, split.mesh_dim, tuple(key(x) for x in leaves))
+    # Uneven parts meet the op anew: a kernel may refuse a process' few rows.
+    even = split.global_rows % split.mesh.size(split.mesh_dim) == 0
+    return (func, split.mesh_dim, even, tuple(key(x) for x in leaves))
 
 
 def _computed_on_rows(func, args, kwargs, split, counted=False):
@@ -183,7 +187,7 @@ def _first_meeting(func, args, kwargs, refusal, split, signature):
     )
     try:
         on_rows, local = _computed_on_rows(func, args, kwargs, split)
-    except RuntimeError as error:
+    except (RuntimeError, ValueError, IndexError) as error:
         # A kernel refusing the local rows' shape: not per-sample here.
         if isinstance(error, torch.OutOfMemoryError):
             raise
