@@ -75,6 +75,17 @@ def _fit_own_data(num_samples):
     model.fit(x, x[:, :1], batch_size=8, epochs=1, verbose=0)
 
 
+def _fit_global_data(num_samples):
+    """Each process fits on what should be the same global data."""
+    import keras
+
+    distributions.use_data_parallel()
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.zeros((num_samples, 8), "float32")
+    model.fit(x, x[:, :1], batch_size=8, epochs=1, verbose=0)
+
+
 def _model_parallel_with_batch_axis(batch_dim_name, axis_names, world_size):
     from keras import distribution as kd
 
@@ -127,6 +138,8 @@ def _make_mistake(case, rank, world_size):
         _build_different_models(rank)
     elif case == "different_batch_counts":
         _fit_own_data(num_samples=32 if rank == 0 else 48)
+    elif case == "different_global_batch_counts":
+        _fit_global_data(num_samples=32 if rank == 0 else 48)
     elif case == "gpu_devices_on_cpu":
         _use_data_parallel_on(["gpu:0", "gpu:1"])
     elif case == "batch_dim_name_not_in_mesh":
@@ -171,6 +184,10 @@ _CASES = {
     "different_batch_counts": [
         "process 0: 4, process 1: 6",
         "steps_per_epoch",
+    ],
+    "different_global_batch_counts": [
+        "process 0: 4, process 1: 6",
+        "the same global data",
     ],
     "gpu_devices_on_cpu": ["['gpu:0', 'gpu:1']", "no GPU", "list_devices"],
     "batch_dim_name_not_in_mesh": [

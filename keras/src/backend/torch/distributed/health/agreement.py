@@ -32,24 +32,21 @@ def check_same_variable(path, shape, dtype):
 
 def check_same_num_batches(num_batches):
     """Raises on every process if their `num_batches` (or `steps_per_epoch`,
-    `None` if unknown) differ; only with `auto_shard_dataset=False`."""
-    distribution = runtime.current_distribution()
-    if (
-        runtime.world_size() == 1
-        or distribution is None
-        or distribution.auto_shard_dataset
-    ):
+    `None` if unknown) differ: global batches as well as each process' own
+    (a dataset whose length each process computes may differ)."""
+    if runtime.world_size() == 1 or runtime.current_distribution() is None:
         return
     counts = _gather_if_different(str(num_batches))
     if counts is None:
         return
     per_process = ", ".join(f"process {i}: {n}" for i, n in enumerate(counts))
     raise ValueError(
-        "With `auto_shard_dataset=False` every process must iterate over "
-        "the same number of batches (every step needs every process). "
-        f"Received: {per_process} batches ('None' is unknown). Give every "
-        "process as many batches (e.g. drop the remainder), or pass the "
-        "same `steps_per_epoch` (and `validation_steps`) on every process."
+        "Every process must iterate over the same number of batches (every "
+        f"step needs every process). Received: {per_process} batches "
+        "('None' is unknown). Give every process as many batches (the same "
+        "global data; with `auto_shard_dataset=False`, e.g. drop the "
+        "remainder), or pass the same `steps_per_epoch` (and "
+        "`validation_steps`) on every process."
     )
 
 
