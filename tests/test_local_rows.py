@@ -109,12 +109,9 @@ def test_models_drawing_random_numbers_run_on_local_rows():
         assert evaluate_calls == 2, evaluate_calls
 
 
-def _batch_centered_fit(rank=None, world_size=None):
-    """Fits Dense layers around `x - mean(x over the batch)`.
-
-    The mean is an op of the functional graph, not a layer: computed on a
-    process' rows alone it would differ from one process.
-    """
+def _fit_functional(rank, build, rows, y_shape, batch_size):
+    """Fits `keras.Model(*build(keras, ops))` on `rows` rows in batches of
+    `batch_size` (under `DataParallel` if `rank` is given)."""
     import numpy as np
 
     import keras
@@ -123,18 +120,32 @@ def _batch_centered_fit(rank=None, world_size=None):
 
     distributions.use_setting("dp" if rank is not None else "single")
     keras.utils.set_random_seed(pm.SEED)
-    inputs = keras.Input((5,))
-    hidden = keras.layers.Dense(4, name="hidden")(inputs)
-    centered = hidden - ops.mean(hidden, axis=0, keepdims=True)
-    outputs = keras.layers.Dense(2, name="out")(centered)
-    model = keras.Model(inputs, outputs)
+    model = keras.Model(*build(keras, ops))
     model.compile(optimizer="sgd", loss="mse")
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(16, 5)).astype("float32")
-    y = rng.normal(size=(16, 2)).astype("float32")
-    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    x = rng.normal(size=(rows, 5)).astype("float32")
+    y = rng.normal(size=(rows,) + y_shape).astype("float32")
+    history = model.fit(
+        x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0
+    )
     weights = [np.array(w.numpy()) for w in model.weights]
     return {"loss": history.history["loss"], "weights": weights}
+
+
+def _batch_centered_fit(rank=None, world_size=None):
+    """Fits Dense layers around `x - mean(x over the batch)`.
+
+    The mean is an op of the functional graph, not a layer: computed on a
+    process' rows alone it would differ from one process.
+    """
+
+    def build(keras, ops):
+        inputs = keras.Input((5,))
+        hidden = keras.layers.Dense(4, name="hidden")(inputs)
+        centered = hidden - ops.mean(hidden, axis=0, keepdims=True)
+        return inputs, keras.layers.Dense(2, name="out")(centered)
+
+    return _fit_functional(rank, build, 16, (2,), 8)
 
 
 def _batch_centered_body(rank, world_size):
@@ -152,25 +163,13 @@ def test_batch_reducing_op_between_layers_runs_on_dtensor():
 def _squeezed_fit(rank=None, world_size=None):
     """Fits a Dense layer whose `(rows, 1)` output is squeezed: on a process
     holding a single row of an uneven batch, the call gives a scalar."""
-    import numpy as np
 
-    import keras
-    from keras import ops
-    from tests import distributions
+    def build(keras, ops):
+        inputs = keras.Input((5,))
+        return inputs, ops.squeeze(keras.layers.Dense(1)(inputs))
 
-    distributions.use_setting("dp" if rank is not None else "single")
-    keras.utils.set_random_seed(pm.SEED)
-    inputs = keras.Input((5,))
-    outputs = ops.squeeze(keras.layers.Dense(1)(inputs))
-    model = keras.Model(inputs, outputs)
-    model.compile(optimizer="sgd", loss="mse")
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(11, 5)).astype("float32")
-    y = rng.normal(size=(11,)).astype("float32")
     # Batches of 4, 4 and 3 rows: the last splits 2 and 1.
-    history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
-    weights = [np.array(w.numpy()) for w in model.weights]
-    return {"loss": history.history["loss"], "weights": weights}
+    return _fit_functional(rank, build, 11, (), 4)
 
 
 def _squeezed_body(rank, world_size):
