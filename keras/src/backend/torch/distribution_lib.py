@@ -201,7 +201,8 @@ def distribute_data_input(
     """Assembles the global batch (`DTensor`s) from each process' part.
 
     The processes along the batch axis hold consecutive parts, sized as
-    `torch.chunk` splits the batch; those along other axes hold the same.
+    `torch.chunk` splits the batch; those along other axes hold the same. A
+    batch too short to give each process a row is gathered whole on each.
 
     Args:
         per_process_batch: this process' part (arrays, possibly nested).

@@ -107,7 +107,13 @@ def distribute_data_input(
             shape,
             placements,
         )
-        return layouts.dtensor_from_local(x, mesh, placements, shape=shape)
+        value = layouts.dtensor_from_local(x, mesh, placements, shape=shape)
+        whole = layouts.without_empty_shards(shape, mesh, placements)
+        if whole != tuple(placements):
+            # A process without rows would fail alone in some kernels (a
+            # `max` over the batch) while the others go on: gathered.
+            value = value.redistribute(mesh, whole)
+        return value
 
     return _map_structure(put, per_process_batch)
 
