@@ -149,6 +149,39 @@ def _load_body(rank, world_size, directory, setting):
     return weights_state, _state(loaded)
 
 
+def _lagging_listing_body(rank, world_size, directory):
+    import keras
+    from keras.src.backend.torch.distributed.checkpoints import checkpoint
+
+    use_data_parallel()
+    model = _model()
+    callback = keras.callbacks.DistributedCheckpoint(
+        directory, max_to_keep=2, save_on_background=False
+    )
+    _fit(model, 2, [callback])
+    saved = _state(model)
+    if rank == 1:
+        # This process' listing lags: it sees the first step only.
+        listed = checkpoint.complete_steps
+        checkpoint.complete_steps = lambda d: listed(d)[:1]
+    loaded = _model()
+    loaded.load_weights(directory)
+    return saved, _state(loaded), checkpoint.resolve(directory)
+
+
+def test_every_process_loads_the_step_process_0_finds(tmp_path):
+    per_rank = run_on_ranks(
+        _lagging_listing_body,
+        world_size=2,
+        args=(str(tmp_path / "ckpt"),),
+        timeout=TIMEOUT,
+    )
+    for saved, loaded, step in per_rank:
+        # The last step's model and optimizer, on both processes.
+        assert os.path.basename(step) == "1", step
+        _assert_states_equal(loaded, saved)
+
+
 def test_save_on_2x2_loads_anywhere(tmp_path):
     import keras
 

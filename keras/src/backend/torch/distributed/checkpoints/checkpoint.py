@@ -175,8 +175,25 @@ def complete_steps(directory):
 
 
 def resolve(path):
-    """The checkpoint `path` names: itself, or its latest complete step."""
+    """The checkpoint `path` names: itself, or its latest complete step, as
+    process 0 finds it: each process' own listing may lag while a save lands
+    (a shared file system's caches), and processes loading different steps
+    would mix them silently. Every process calls it."""
     path = os.fspath(path)
+    try:
+        found, error = _resolved_here(path), None
+    except ValueError as e:
+        found, error = None, str(e)
+    if _distributed() and dist.get_world_size() > 1:
+        shared = [found, error]
+        dist.broadcast_object_list(shared, src=0)
+        found, error = shared
+    if error is not None:
+        raise ValueError(error)
+    return found
+
+
+def _resolved_here(path):
     if os.path.isfile(os.path.join(path, INFO_FILE)):
         if not _is_complete(path):
             raise ValueError(
