@@ -70,6 +70,14 @@ def _assert_states_equal(actual, expected):
         np.testing.assert_array_equal(a, e)
 
 
+def _on_2_ranks(body, tmp_path):
+    """`body(rank, world_size, directory)` on 2 ranks, the checkpoints in
+    `tmp_path`."""
+    return run_on_ranks(
+        body, world_size=2, args=(str(tmp_path / "ckpt"),), timeout=TIMEOUT
+    )
+
+
 def _fit(model, epochs, callbacks=(), initial_epoch=0):
     x, y = _data()
     history = model.fit(
@@ -170,12 +178,7 @@ def _lagging_listing_body(rank, world_size, directory):
 
 
 def test_every_process_loads_the_step_process_0_finds(tmp_path):
-    per_rank = run_on_ranks(
-        _lagging_listing_body,
-        world_size=2,
-        args=(str(tmp_path / "ckpt"),),
-        timeout=TIMEOUT,
-    )
+    per_rank = _on_2_ranks(_lagging_listing_body, tmp_path)
     for saved, loaded, step in per_rank:
         # The last step's model and optimizer, on both processes.
         assert os.path.basename(step) == "1", step
@@ -246,12 +249,7 @@ def _resume_body(rank, world_size, directory):
 
 
 def test_resume_equals_uninterrupted(tmp_path):
-    results = run_on_ranks(
-        _resume_body,
-        world_size=2,
-        args=(str(tmp_path / "ckpt"),),
-        timeout=TIMEOUT,
-    )
+    results = _on_2_ranks(_resume_body, tmp_path)
     for uninterrupted, losses, expected, resumed in results:
         np.testing.assert_allclose(losses, uninterrupted[1:], rtol=1e-6)
         _assert_states_equal(resumed, expected)
@@ -339,12 +337,7 @@ def _failed_save_body(rank, world_size, directory):
 
 
 def test_failed_save_keeps_previous_step(tmp_path):
-    results = run_on_ranks(
-        _failed_save_body,
-        world_size=2,
-        args=(str(tmp_path / "ckpt"),),
-        timeout=TIMEOUT,
-    )
+    results = _on_2_ranks(_failed_save_body, tmp_path)
     for error, names, saved, loaded in results:
         assert error is not None and "disk full" in error
         assert names == [".partial-1", "0"]
