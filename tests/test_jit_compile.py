@@ -169,3 +169,54 @@ def test_a_first_compiled_step_out_of_memory_is_raised_not_run_eagerly():
     with pytest.warns(UserWarning, match="Running the step eagerly"):
         with pytest.raises(compiled_step.CompileFailed):
             compiled_step.run_first(failing(TypeError("x")), model, None)
+
+
+def _failing_first_call_body(rank, world_size, failing_ranks, after):
+    """Fits with compiled steps standing for the eager ones (no compiling
+    time), whose first call fails on `failing_ranks` (`after` its
+    collectives: the others wait for none of its)."""
+    import functools
+
+    from keras.src.backend.torch.distributed.training import compiled_step
+
+    compiled_step.compile_step = functools.partial
+    run = compiled_step.run
+    calls = []
+
+    def failing_run(step_function, model, data):
+        calls.append(None)
+        if len(calls) > 1 or rank not in failing_ranks:
+            return run(step_function, model, data)
+        if after:
+            run(step_function, model, data)
+        raise TypeError("this process cannot compile the step")
+
+    compiled_step.run = failing_run
+    try:
+        return _fit("mlp", "dp", NUM_SAMPLES["dp"], True)
+    except RuntimeError as error:
+        return {"error": str(error)}
+
+
+def test_a_first_compiled_step_failing_on_some_processes_stops_all():
+    per_rank = run_on_ranks(
+        _failing_first_call_body, world_size=2, args=([1], True), timeout=120
+    )
+    for result in per_rank:
+        assert "error" in result, result
+        assert "failed on process 1" in result["error"], result["error"]
+        assert "cannot compile the step" in result["error"], result["error"]
+
+
+def test_a_first_compiled_step_failing_on_every_process_runs_eagerly():
+    per_rank = run_on_ranks(
+        _failing_first_call_body,
+        world_size=2,
+        args=([0, 1], False),
+        timeout=120,
+    )
+    assert all("error" not in result for result in per_rank), per_rank
+    _check("mlp", "dp", per_rank)
+    for result in per_rank:
+        assert len(result["jit_warnings"]) == 1, result["jit_warnings"]
+        assert "cannot compile the step" in result["jit_warnings"][0]

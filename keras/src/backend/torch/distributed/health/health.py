@@ -121,7 +121,7 @@ def guarded_step(kind, all_groups):
     except JobFailedError:
         raise
     except Exception as error:
-        if not _is_transport_error(error):
+        if not is_transport_error(error):
             report_failure(error)
             raise
         raise _job_error(error, f"{kind} step {step}") from None
@@ -158,7 +158,8 @@ def _world_size():
     return 1
 
 
-def _is_transport_error(error):
+def is_transport_error(error):
+    """Whether `error` is a failed collective or store connection."""
     if isinstance(error, (dist.DistError, dist.DistBackendError)):
         return True
     text = str(error)
@@ -207,6 +208,26 @@ def _job_error(error, where):
             f"(process {rank}) stops during {where}: {collective} failed."
         )
     return JobFailedError(f"{message} (Transport error: {detail})")
+
+
+def peer_failures():
+    """`[(rank, what)]` of the other processes that reported an error or a
+    failed collective, without waiting."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return []
+    if "store" not in _state:
+        _state["store"] = connect_store()
+    found = []
+    for other in range(dist.get_world_size()):
+        if other == dist.get_rank():
+            continue
+        reason = _store_get(f"failed/{other}")
+        waiting = _store_get(f"waiting/{other}")
+        if reason is None and waiting is not None:
+            reason = f"a collective failed there during {waiting}"
+        if reason is not None:
+            found.append((other, reason))
+    return found
 
 
 def _peer_reports(rank, size, wait=True):

@@ -2,16 +2,25 @@
 step torch cannot compile runs eagerly (`run_first`)."""
 
 import contextlib
+import datetime
 import functools
+import itertools
+import time
 import warnings
 
 import torch
+import torch.distributed as dist
 
 from keras.src import tree
 from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.core.runtime import DTensor
 from keras.src.backend.torch.distributed.dtensor_gaps import fallback
 from keras.src.backend.torch.distributed.fsdp import fsdp
+from keras.src.backend.torch.distributed.health import health
+
+# Numbers the first compiled calls alike on every process (store keys).
+_first_calls = itertools.count()
+_POLL_SECONDS = 0.2
 
 
 def compile_step(step_function):
@@ -55,8 +64,9 @@ def run(compiled_step_function, model, data):
 
 
 def run_first(compiled_step_function, model, data):
-    """Runs the compiled step; if it fails, restores the variables it may
-    have changed (all but the weights), warns and raises `CompileFailed`."""
+    """Runs the compiled step; if it fails on every process, restores the
+    variables it may have changed (all but the weights), warns and raises
+    `CompileFailed`. Failed on some processes only, it raises on all."""
     state = list(model.non_trainable_variables) + list(model.metrics_variables)
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None and getattr(optimizer, "built", False):
@@ -64,17 +74,58 @@ def run_first(compiled_step_function, model, data):
     state = list({id(v): v for v in state}.values())
     saved = [v.value.detach().clone() for v in state]
     try:
-        return run(compiled_step_function, model, data)
+        outputs = run(compiled_step_function, model, data)
     except Exception as e:  # torch.compile raises errors of many types.
-        if fallback.is_out_of_memory(e):
-            raise  # Not a refusal: the eager step needs no less memory.
-        reason = " ".join(str(e).split())[:240]
-        warn_eager(f"{type(e).__name__}: {reason}")
+        if fallback.is_out_of_memory(e) or health.is_transport_error(e):
+            raise  # Not a refusal: the eager step would fail alike.
+        reason = f"{type(e).__name__}: " + " ".join(str(e).split())[:240]
+        _agree_on_first_call(reason)
+        warn_eager(reason)
         with torch.no_grad():
             for variable, value in zip(state, saved):
                 variable.assign(value)
         model.zero_grad()
         raise CompileFailed() from e
+    _agree_on_first_call(None)
+    return outputs
+
+
+def _agree_on_first_call(reason):
+    """Raises on every process unless all processes' first compiled calls
+    failed or all ran (`reason`: why this one's failed, or `None`): a process
+    running eagerly would pair its collectives with the others' compiled
+    ones. Agreed in the job's store, which cannot pair with a collective
+    another process may still be in; a process that failed in one meanwhile
+    ends the wait."""
+    store = None if runtime.world_size() == 1 else health.connect_store()
+    if store is None:
+        return
+    number, size = next(_first_calls), runtime.world_size()
+    keys = [f"compiled_first/{number}/{rank}" for rank in range(size)]
+    store.set(keys[runtime.rank()], reason or "")
+    deadline = time.monotonic() + health.current_timeout()
+    while True:
+        try:
+            store.wait(keys, datetime.timedelta(seconds=_POLL_SECONDS))
+            break
+        except dist.DistStoreError:  # Not all there yet.
+            failures = health.peer_failures()
+            if failures or time.monotonic() > deadline:
+                where = failures[0] if failures else ("?", "no answer")
+                raise RuntimeError(
+                    "`jit_compile=True`: the first compiled step "
+                    f"{'failed' if reason else 'ran'} on this process, and "
+                    f"process {where[0]} did not do alike ({where[1]})."
+                ) from None
+    reasons = [store.get(key).decode() for key in keys]
+    failed = [rank for rank, text in enumerate(reasons) if text]
+    if failed and len(failed) < size:
+        raise RuntimeError(
+            "`jit_compile=True`: the first compiled step failed on process "
+            f"{failed[0]} ({reasons[failed[0]]}) but ran on process "
+            f"{reasons.index('')}: the processes cannot continue alike. "
+            "Fix the error, or pass `jit_compile=False` to `compile()`."
+        )
 
 
 def warn_eager(reason):
