@@ -75,6 +75,18 @@ def _fit_own_data(num_samples):
     model.fit(x, x[:, :1], batch_size=8, epochs=1, verbose=0)
 
 
+def _fit_own_generator():
+    """Each process fits on its own generator, of unknown length."""
+    import keras
+
+    distributions.use_data_parallel(auto_shard_dataset=False)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.zeros((8, 8), "float32")
+    batches = ((x, x[:, :1]) for _ in range(3))
+    model.fit(batches, epochs=1, verbose=0)
+
+
 def _fit_global_data(num_samples):
     """Each process fits on what should be the same global data."""
     import keras
@@ -138,6 +150,8 @@ def _make_mistake(case, rank, world_size):
         _build_different_models(rank)
     elif case == "different_batch_counts":
         _fit_own_data(num_samples=32 if rank == 0 else 48)
+    elif case == "unknown_batch_counts":
+        _fit_own_generator()
     elif case == "different_global_batch_counts":
         _fit_global_data(num_samples=32 if rank == 0 else 48)
     elif case == "gpu_devices_on_cpu":
@@ -185,6 +199,7 @@ _CASES = {
         "process 0: 4, process 1: 6",
         "steps_per_epoch",
     ],
+    "unknown_batch_counts": ["auto_shard_dataset=False", "steps_per_epoch"],
     "different_global_batch_counts": [
         "process 0: 4, process 1: 6",
         "the same global data",

@@ -34,10 +34,20 @@ def check_same_num_batches(num_batches):
     """Raises on every process if their `num_batches` (or `steps_per_epoch`,
     `None` if unknown) differ: global batches as well as each process' own
     (a dataset whose length each process computes may differ)."""
-    if runtime.world_size() == 1 or runtime.current_distribution() is None:
+    distribution = runtime.current_distribution()
+    if runtime.world_size() == 1 or distribution is None:
         return
     counts = _gather_if_different(str(num_batches))
     if counts is None:
+        if num_batches is None and not distribution.auto_shard_dataset:
+            raise ValueError(
+                "With `auto_shard_dataset=False` each process iterates over "
+                "its own data, whose number of batches is unknown here (a "
+                "generator, or a dataset of unknown cardinality): a process "
+                "whose data ends first would pair its next steps with the "
+                "others' steps. Pass the same `steps_per_epoch` (and "
+                "`validation_steps`) on every process."
+            )
         return
     per_process = ", ".join(f"process {i}: {n}" for i, n in enumerate(counts))
     raise ValueError(
