@@ -185,6 +185,39 @@ def test_every_process_loads_the_step_process_0_finds(tmp_path):
         _assert_states_equal(loaded, saved)
 
 
+def _process_0_fails_body(rank, world_size, directory):
+    import time
+
+    from keras.src.backend.torch.distributed.checkpoints import process_io
+
+    use_data_parallel()
+    model = _model()
+    start, errors = time.monotonic(), []
+    # Process 0 cannot create its temporary file in a missing directory.
+    try:
+        model.save(os.path.join(directory, "missing", "model.keras"))
+    except (OSError, RuntimeError) as error:
+        errors.append(type(error).__name__)
+
+    def fail():
+        raise OSError("disk full")
+
+    try:
+        process_io.run_on_one_process(fail)
+    except (OSError, RuntimeError) as error:
+        errors.append(type(error).__name__)
+    return errors, time.monotonic() - start
+
+
+def test_an_error_of_process_0_writing_is_raised_on_every_process(tmp_path):
+    per_rank = _on_2_ranks(_process_0_fails_body, tmp_path)
+    (errors_0, seconds_0), (errors_1, seconds_1) = per_rank
+    assert errors_0 == ["FileNotFoundError", "OSError"], errors_0
+    assert errors_1 == ["RuntimeError", "RuntimeError"], errors_1
+    # At once, not after a collective's timeout.
+    assert max(seconds_0, seconds_1) < 30, (seconds_0, seconds_1)
+
+
 def test_save_on_2x2_loads_anywhere(tmp_path):
     import keras
 

@@ -17,6 +17,7 @@ import warnings
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from keras.src.backend.torch.distributed.checkpoints import process_io
 from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.health import health
 
@@ -69,8 +70,8 @@ class Checkpointer:
         """Waits for the background save in progress, if any, to finish."""
         pending, self._pending = self._pending, None
         if pending is not None:
-            pending.result()
-            _barrier()
+            # Process 0's future alone also puts the checkpoint in place.
+            process_io.raised_together(pending.result)
 
     def latest_step(self):
         """The latest complete step, or `None`."""
@@ -102,11 +103,13 @@ def save_checkpoint(
     path = os.path.abspath(os.fspath(path))
     partial = _sibling(path, PARTIAL_PREFIX)
     variables = _saved_variables(model, include_optimizer)
-    if runtime.rank() == 0:
+
+    def prepare():
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
         _write_info(partial, model, variables, include_config)
-    _barrier()
+
+    process_io.on_process_0(prepare)
     state = {key: _tensor(v) for key, v in variables.items()}
 
     def finish():
@@ -118,8 +121,7 @@ def save_checkpoint(
     if not background:
         with _single_process_quietly():
             dcp.save(state, checkpoint_id=partial, no_dist=not _distributed())
-        finish()
-        _barrier()
+        process_io.on_process_0(finish)
         return None
     with _single_process_quietly():
         upload = dcp.async_save(
@@ -385,8 +387,3 @@ def _single_process_quietly():
             "ignore", message="torch.distributed is disabled"
         )
         yield
-
-
-def _barrier():
-    if _distributed() and dist.get_world_size() > 1:
-        dist.barrier()

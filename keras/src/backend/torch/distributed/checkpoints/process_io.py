@@ -6,6 +6,7 @@ import tempfile
 
 import torch.distributed as dist
 
+from keras.src.backend.torch.distributed.core import collectives
 from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.health import call_agreement
 
@@ -35,9 +36,11 @@ def save_from_one_process(save_function, model, filepath, *args, **kwargs):
     filepath = os.fspath(filepath)
     directory, name = os.path.split(os.path.abspath(filepath))
     with call_agreement.collective_call("saving a model to one file"):
-        if runtime.rank() == 0:
-            scratch = tempfile.mkdtemp(prefix=f".{name}.", dir=directory)
-        else:
+        # Before the save's gathers: a missing directory raises everywhere.
+        scratch = on_process_0(
+            lambda: tempfile.mkdtemp(prefix=f".{name}.", dir=directory)
+        )
+        if runtime.rank() != 0:
             scratch = tempfile.mkdtemp(prefix="keras-save-")
         try:
             temporary = os.path.join(scratch, name)
@@ -52,11 +55,39 @@ def save_from_one_process(save_function, model, filepath, *args, **kwargs):
 def run_on_one_process(function):
     """Runs `function()` on process 0 only, then waits for it everywhere;
     returns its result on process 0, `None` on the others."""
-    if runtime.world_size() == 1:
-        return function()
-    result = function() if runtime.rank() == 0 else None
-    dist.barrier()
+    return on_process_0(function)
+
+
+def on_process_0(function):
+    """`function()` on process 0 (its result there, `None` elsewhere), every
+    process waiting for it; see `raised_together`."""
+    return raised_together(function if runtime.rank() == 0 else _nothing)
+
+
+def raised_together(function):
+    """`function()`, then a wait for every process; an error of any process
+    is raised on every process, which would otherwise wait in their next
+    collective until it timed out."""
+    result, error = None, None
+    try:
+        result = function()
+    except Exception as e:  # Raised below, here and on every process.
+        error = e
+    failed = error is not None
+    if runtime.world_size() > 1 and collectives.any_process(failed, None):
+        failed = True
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(
+            "Another process failed writing for the job (its log has the "
+            "error); this process stops with it."
+        )
     return result
+
+
+def _nothing():
+    return None
 
 
 def _is_local_file(filepath):
