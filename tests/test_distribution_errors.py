@@ -224,6 +224,26 @@ def test_invalid_configuration_raises_a_clear_value_error(case):
             assert expected in message, (case, expected, message)
 
 
+def _seeded_on_one_body(rank, world_size):
+    import keras
+    from keras import distribution as kd
+    from keras.src.backend.common import global_state
+    from keras.src.utils import rng_utils
+
+    # Process 0 seeds; process 1 does not.
+    global_state.set_global_attribute(rng_utils.GLOBAL_RANDOM_SEED, None)
+    if rank == 0:
+        keras.utils.set_random_seed(3)
+    kd.initialize()
+    return rng_utils.get_random_seed()
+
+
+def test_initialize_gives_a_process_without_a_seed_process_0s():
+    assert run_on_ranks(
+        _seeded_on_one_body, world_size=2, timeout=HANG_TIMEOUT
+    ) == [3, 3]
+
+
 def _valid_initialize_body(rank, world_size):
     from keras import distribution as kd
 

@@ -148,17 +148,28 @@ def initialize_job(job_addresses=None, num_processes=None, process_id=None):
 
 
 def agree_on_seed():
-    """Makes every process use process 0's seed, if none was set, so that
-    unseeded random ops (initializers, dropout) agree across processes."""
+    """Makes every process use process 0's seed where any process set none,
+    so that unseeded random ops (initializers, dropout) agree across
+    processes; processes that all set one keep their generators."""
     from keras.src.utils import rng_utils
 
-    if rng_utils.get_random_seed() is not None or world_size() == 1:
+    if world_size() == 1:
+        return
+    own = rng_utils.get_random_seed()
+    device = comm_device()
+    unseeded = torch.tensor(
+        [int(own is None)], dtype=torch.int32, device=device
+    )
+    dist.all_reduce(unseeded, op=dist.ReduceOp.MAX)
+    if not unseeded.item():
         return
     from keras.src.random import seed_generator
 
-    seed = torch.tensor([seed_generator.make_default_seed()], dtype=torch.int64)
+    seed = seed_generator.make_default_seed() if own is None else own
+    seed = torch.tensor([seed], dtype=torch.int64, device=device)
     dist.broadcast(seed, src=0)
-    rng_utils.set_random_seed(int(seed.item()))
+    if own != int(seed.item()):
+        rng_utils.set_random_seed(int(seed.item()))
 
 
 def sync_torch_rng():
