@@ -23,7 +23,6 @@ import numpy as np
 import pytest
 
 from tests import distributions
-from tests import parity_models as pm
 from tests.harness import run_on_ranks
 
 SEED = 1234
@@ -337,48 +336,6 @@ def test_a_dimension_too_short_for_its_shards_is_replicated():
             # that process alone.
             assert laid_out["min"] == 0.0
             np.testing.assert_array_equal(laid_out["global"], value)
-
-
-def _short_batch_fit(rank=None, world_size=None):
-    """Fits on global batches of 3 and then 1 row, with a max over the batch
-    in the model: on 2 processes the last batch leaves one without rows."""
-    import keras
-    from keras import ops
-
-    distributions.use_setting("dp" if rank is not None else "single")
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((4,))
-    hidden = keras.layers.Dense(3)(inputs)
-    outputs = hidden - ops.max(hidden, axis=0, keepdims=True)
-    model = keras.Model(inputs, outputs)
-    model.compile(optimizer="sgd", loss="mse")
-    x = np.arange(16, dtype="float32").reshape(4, 4) / 16
-    losses = [
-        float(model.train_on_batch(x[:3], x[:3, :3])),
-        float(model.train_on_batch(x[3:], x[3:, :3])),
-    ]
-    return {"losses": losses, "weights": [w.numpy() for w in model.weights]}
-
-
-def _short_batch_body(rank, world_size):
-    from keras.src.backend.torch import distribution_lib
-
-    result = _short_batch_fit(rank, world_size)
-    x = np.zeros((1, 4), "float32")
-    (laid_out,) = distribution_lib.distribute_global_batch(
-        (x,), distribution_lib.current_distribution()
-    )
-    return result, _placements_of(laid_out)
-
-
-def test_a_batch_leaving_a_process_without_rows_is_gathered():
-    # Sharded, the second process' empty part would fail in `max` alone
-    # while the first went on.
-    reference = pm.run_single(_short_batch_fit)
-    per_rank = run_on_ranks(_short_batch_body, world_size=2)
-    for rank, (result, placements) in enumerate(per_rank):
-        pm.assert_close(result, reference, f"rank {rank}")
-        assert placements == _placement_strings(_replicate()), placements
 
 
 def _unit_axis_body(rank, world_size):

@@ -487,3 +487,50 @@ def test_a_coupled_layers_weight_gradient_is_counted_once():
     for grads in run_on_ranks(_replicated_weight_body, world_size=2):
         for kind, grad in grads.items():
             np.testing.assert_allclose(grad, expected[kind], rtol=1e-6)
+
+
+def _short_batch_fit(rank=None, world_size=None):
+    """Fits on global batches of 3 and then 1 row, with a max over the batch
+    in the model: on 2 processes the last batch leaves one without rows."""
+    import numpy as np
+
+    import keras
+    from keras import ops
+    from tests import distributions
+
+    distributions.use_setting("dp" if rank is not None else "single")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(3)(inputs)
+    outputs = hidden - ops.max(hidden, axis=0, keepdims=True)
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.arange(16, dtype="float32").reshape(4, 4) / 16
+    losses = [
+        float(model.train_on_batch(x[:3], x[:3, :3])),
+        float(model.train_on_batch(x[3:], x[3:, :3])),
+    ]
+    return {"losses": losses, "weights": [w.numpy() for w in model.weights]}
+
+
+def _short_batch_body(rank, world_size):
+    import numpy as np
+
+    from keras.src.backend.torch import distribution_lib
+
+    result = _short_batch_fit(rank, world_size)
+    x = np.zeros((1, 4), "float32")
+    (laid_out,) = distribution_lib.distribute_global_batch(
+        (x,), distribution_lib.current_distribution()
+    )
+    return result, [str(p) for p in laid_out.placements]
+
+
+def test_a_batch_leaving_a_process_without_rows_is_gathered():
+    # Sharded, the second process' empty part would fail in `max` alone
+    # while the first went on.
+    reference = pm.run_single(_short_batch_fit)
+    per_rank = run_on_ranks(_short_batch_body, world_size=2)
+    for rank, (result, placements) in enumerate(per_rank):
+        pm.assert_close(result, reference, f"rank {rank}")
+        assert placements == ["R"], placements
