@@ -37,6 +37,17 @@ def _counting_local_calls(function, *args):
     return result, sum(calls)
 
 
+def _counting_body(rank, world_size, fit):
+    return _counting_local_calls(fit, rank, world_size)
+
+
+def _counted_runs(fit):
+    """`fit(rank, world_size)` on 2 ranks as `(result, local calls)` each,
+    and `fit()`'s result in one process."""
+    per_rank = run_on_ranks(_counting_body, world_size=2, args=(fit,))
+    return per_rank, pm.run_single(fit)
+
+
 def _fit_body(rank, world_size, kinds):
     return [_counting_local_calls(pm.fit_run, kind, "dp") for kind in kinds]
 
@@ -148,13 +159,8 @@ def _batch_centered_fit(rank=None, world_size=None):
     return _fit_functional(rank, build, 16, (2,), 8)
 
 
-def _batch_centered_body(rank, world_size):
-    return _counting_local_calls(_batch_centered_fit, rank, world_size)
-
-
 def test_batch_reducing_op_between_layers_runs_on_dtensor():
-    per_rank = run_on_ranks(_batch_centered_body, world_size=2)
-    reference = pm.run_single(_batch_centered_fit)
+    per_rank, reference = _counted_runs(_batch_centered_fit)
     for rank, (result, local_calls) in enumerate(per_rank):
         assert local_calls == 0, local_calls
         pm.assert_close(result, reference, f"rank {rank}")
@@ -172,16 +178,11 @@ def _squeezed_fit(rank=None, world_size=None):
     return _fit_functional(rank, build, 11, (), 4)
 
 
-def _squeezed_body(rank, world_size):
-    return _counting_local_calls(_squeezed_fit, rank, world_size)
-
-
 def test_an_uneven_batch_one_process_leaves_takes_all_through_dtensor():
     # The second process' single row gives a scalar, not its rows: every
     # process agrees to leave the local rows, or the others would wait in
     # collectives it no longer makes.
-    per_rank = run_on_ranks(_squeezed_body, world_size=2)
-    reference = pm.run_single(_squeezed_fit)
+    per_rank, reference = _counted_runs(_squeezed_fit)
     for rank, (result, local_calls) in enumerate(per_rank):
         pm.assert_close(result, reference, f"rank {rank}")
         # Only the first even batch after the probe ran on the rows.
@@ -214,13 +215,8 @@ def _masked_batchnorm_fit(rank=None, world_size=None):
     return {"loss": history.history["loss"], "weights": weights}
 
 
-def _masked_batchnorm_body(rank, world_size):
-    return _counting_local_calls(_masked_batchnorm_fit, rank, world_size)
-
-
 def test_masked_batch_normalization_alone_runs_on_dtensor():
-    per_rank = run_on_ranks(_masked_batchnorm_body, world_size=2)
-    reference = pm.run_single(_masked_batchnorm_fit)
+    per_rank, reference = _counted_runs(_masked_batchnorm_fit)
     for rank, (result, local_calls) in enumerate(per_rank):
         # 2 epochs of 3 train steps, the first the probe's; the rest of the
         # model on the local rows.
