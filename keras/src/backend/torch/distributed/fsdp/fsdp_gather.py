@@ -10,13 +10,13 @@ reduce-scatter. Other gathers and gradients use `redistribute`.
 import math
 
 import torch
-import torch.distributed as dist
 
 from keras.src.backend.torch.distributed.core import layouts
 from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.core.runtime import DTensor
 from keras.src.backend.torch.distributed.core.runtime import Replicate
 from keras.src.backend.torch.distributed.core.runtime import Shard
+from keras.src.backend.torch.distributed.training import gradients
 
 
 def gather(shards, placements, async_op=False):
@@ -242,42 +242,40 @@ class _FlatGather:
 
     def _summed_over_other_dims(self, grads):
         """`grads` with partial sums along other mesh dims (weight replicated
-        there) summed, one all-reduce per dims and dtype."""
+        there) summed, in the step's gradient buckets."""
         grads = list(grads)
-        groups = {}
+        indices, parts = [], []
         for index, (grad, target) in enumerate(zip(grads, self.placements)):
             if not isinstance(grad, DTensor):
                 continue
-            dims = tuple(
-                dim
-                for dim, placement in enumerate(grad.placements)
+            summed = tuple(
+                p
                 if dim != self.mesh_dim
-                and placement.is_partial()
-                and placement.reduce_op == "sum"
+                and p.is_partial()
+                and p.reduce_op == "sum"
                 and target[dim].is_replicate()
-                and self.mesh.size(dim) > 1
+                else Replicate()
+                for dim, p in enumerate(grad.placements)
             )
-            if dims:
-                groups.setdefault((dims, grad.dtype), []).append(index)
-        for (dims, _), indices in groups.items():
-            locals_ = [grads[i].to_local() for i in indices]
-            flat = torch.cat([local.reshape(-1) for local in locals_])
-            for dim in dims:
-                dist.all_reduce(flat, group=self.mesh.get_group(dim))
-            summed = flat.split([local.numel() for local in locals_])
-            for index, local, part in zip(indices, locals_, summed):
-                grad = grads[index]
-                placements = list(grad.placements)
-                for dim in dims:
-                    placements[dim] = Replicate()
-                grads[index] = DTensor.from_local(
-                    part.view(local.shape),
-                    self.mesh,
-                    placements,
-                    run_check=False,
-                    shape=grad.shape,
-                    stride=layouts.contiguous_strides(grad.shape),
-                )
+            if gradients.partial_dims(self.mesh, summed):
+                indices.append(index)
+                parts.append((grad.to_local(), self.mesh, summed))
+        for index, local, (_, _, summed) in zip(
+            indices, gradients.reduce_parts(parts), parts
+        ):
+            grad = grads[index]
+            placements = [
+                Replicate() if p.is_partial() else q
+                for p, q in zip(summed, grad.placements)
+            ]
+            grads[index] = DTensor.from_local(
+                local,
+                self.mesh,
+                placements,
+                run_check=False,
+                shape=grad.shape,
+                stride=layouts.contiguous_strides(grad.shape),
+            )
         return grads
 
 

@@ -2,7 +2,11 @@
 
 Replicated weights' gradients on a sharded batch are `Partial` DTensors, which
 every optimizer op reading them would all-reduce again; here each is reduced
-once, in DDP-like buckets.
+once, in DDP-like buckets. `buckets` and `all_reduced` are the one
+bucketing and packing of every gradient sum: `reduce_parts`' (the step's
+last bucket, an optimizer's `apply`, FSDP's sums over the mesh axes a
+weight is replicated on) and the buckets `step_reduction` launches during
+the backward pass.
 """
 
 import weakref
@@ -81,44 +85,85 @@ def optimizer_buffers(optimizer):
 
 
 def reduce_gradients(gradients, buffers=None, as_local=False):
-    """`gradients` with every `Partial` placement reduced, in buckets shared by
-    values of one mesh and dtype partial over the same axes, whatever their
-    layout elsewhere (averages summed, then divided). Results are views of the
-    flat buffers kept in `buffers` if given, overwritten by the next call;
-    replicated ones are local tensors if `as_local`."""
+    """`gradients` with every `Partial` placement reduced (`reduce_parts`).
+    Results are views of the flat buffers kept in `buffers` if given,
+    overwritten by the next call; replicated ones are local tensors if
+    `as_local`."""
     gradients = list(gradients)
-    groups = {}
-    for i, g in enumerate(gradients):
-        if isinstance(g, DTensor) and any(p.is_partial() for p in g.placements):
-            # By the mesh's value, not its identity (DTensor's sharding
-            # propagation cache hands out an earlier, equal mesh object), and
-            # the axes summed over: processes differing only on those hold
-            # the same part, however it is laid out on the others.
-            axes = tuple(
-                _summed(p) if p.is_partial() else None for p in g.placements
-            )
-            key = (g.device_mesh, axes, g.dtype, g.device)
-            groups.setdefault(key, []).append(i)
-    for key, indices in groups.items():
-        if not partial_dims(gradients[indices[0]]):
-            # Partial only over mesh axes of size one: already whole.
-            for i in indices:
-                g = gradients[i]
-                gradients[i] = reduced_value(g, g.to_local(), as_local)
-            continue
-        flat = flat_buffer(buffers, key, [gradients[i] for i in indices])
-        offset = 0
-        for bucket in buckets(indices, lambda i: nbytes(gradients[i])):
-            values = [gradients[i] for i in bucket]
-            size = sum(g.to_local().numel() for g in values)
-            part = flat[offset : offset + size]
-            offset += size
-            torch.cat([g.to_local().reshape(-1) for g in values], out=part)
-            for group, op in _all_reduces(values[0]):
-                dist.all_reduce(part, op=op, group=group)
-            for i, g in zip(bucket, unpack_bucket(values, part, as_local)):
-                gradients[i] = g
+    indices = [
+        i
+        for i, g in enumerate(gradients)
+        if isinstance(g, DTensor) and any(p.is_partial() for p in g.placements)
+    ]
+    parts = [
+        (g.to_local(), g.device_mesh, tuple(g.placements))
+        for g in (gradients[i] for i in indices)
+    ]
+    for i, local in zip(indices, reduce_parts(parts, buffers)):
+        gradients[i] = reduced_value(gradients[i], local, as_local)
     return gradients
+
+
+def reduce_parts(parts, buffers=None, key_prefix=()):
+    """The local tensors of `parts`, `(local tensor, mesh, placements)` each,
+    summed over their partial mesh axes (averages summed, then divided).
+
+    One bucketing for every reduction: parts of one mesh and dtype, partial
+    over the same axes whatever their layout elsewhere, share buckets, each
+    all-reduced flat. Processes differing only on those axes hold the same
+    part. Meshes are keyed by value, not identity: DTensor's sharding
+    propagation cache hands out an earlier, equal mesh object.
+    """
+    reduced = [None] * len(parts)
+    groups = {}
+    for i, (local, mesh, placements) in enumerate(parts):
+        axes = tuple(_summed(p) if p.is_partial() else None for p in placements)
+        key = (mesh, axes, local.dtype, local.device)
+        groups.setdefault(key, []).append(i)
+    for key, indices in groups.items():
+        _, mesh, placements = parts[indices[0]]
+        reductions = _all_reduces(mesh, placements)
+        sizes = buckets(indices, lambda i: _local_nbytes(parts[i][0]))
+        for number, bucket in enumerate(sizes):
+            locals_ = [parts[i][0] for i in bucket]
+            if reductions:
+                bucket_key = key_prefix + key + (number,)
+                flat, _ = all_reduced(locals_, reductions, buffers, bucket_key)
+                locals_ = views(flat, locals_)
+            for i, local in zip(bucket, locals_):
+                reduced[i] = averaged(local, mesh, parts[i][2])
+    return reduced
+
+
+def all_reduced(locals_, reductions, buffers=None, key=None, async_op=False):
+    """`locals_` packed in one flat buffer (kept in `buffers` under `key` if
+    given) and all-reduced by each `(process group, op)` of `reductions` in
+    turn: `(flat, work)`, `work` the last collective's if `async_op`."""
+    flat = flat_buffer(buffers, key, locals_)
+    torch.cat([x.reshape(-1) for x in locals_], out=flat)
+    work = None
+    for group, op in reductions:
+        work = dist.all_reduce(flat, op=op, group=group, async_op=async_op)
+    return flat, work
+
+
+def views(flat, values):
+    """Views of `flat` shaped as each of `values` (their local parts)."""
+    locals_ = [local_state.local_value(x) for x in values]
+    parts = flat.split([x.numel() for x in locals_])
+    return [part.view(x.shape) for part, x in zip(parts, locals_)]
+
+
+def averaged(local, mesh, placements):
+    """`local`, a sum over `placements`' partial averages, divided in place
+    by the number of parts summed."""
+    divisor = 1
+    for d, p in enumerate(placements):
+        if p.is_partial() and p.reduce_op == "avg":
+            divisor *= mesh.size(d)
+    if divisor > 1:
+        local /= divisor
+    return local
 
 
 def _summed(placement):
@@ -128,20 +173,20 @@ def _summed(placement):
     return placement
 
 
-def partial_dims(value):
-    """The mesh dims `value` is partial over, of more than one process."""
-    mesh = value.device_mesh
+def partial_dims(mesh, placements):
+    """The mesh dims `placements` are partial over, of more than one
+    process."""
     return [
         d
-        for d, p in enumerate(value.placements)
+        for d, p in enumerate(placements)
         if p.is_partial() and mesh.size(d) > 1
     ]
 
 
-def flat_buffer(buffers, key, gradients):
-    """A 1-D buffer for the local values of `gradients`, reused if cached."""
-    size = sum(local_state.local_value(g).numel() for g in gradients)
-    first = gradients[0]
+def flat_buffer(buffers, key, values):
+    """A 1-D buffer for the local values of `values`, reused if cached."""
+    size = sum(local_state.local_value(x).numel() for x in values)
+    first = values[0]
     buffer = None if buffers is None else buffers.get(key)
     if buffer is None or buffer.numel() < size:
         buffer = torch.empty(size, dtype=first.dtype, device=first.device)
@@ -165,12 +210,11 @@ def reduced_value(value, local, as_local):
     )
 
 
-def _all_reduces(value):
-    """`(process group, op)` of each all-reduce summing `value`'s parts: one
-    per partial mesh axis, or one over every process when it is partial by
-    one op on every non-trivial axis of a whole-world mesh."""
-    mesh = value.device_mesh
-    partial = [(d, value.placements[d]) for d in partial_dims(value)]
+def _all_reduces(mesh, placements):
+    """`(process group, op)` of each all-reduce summing parts partial over
+    `placements`: one per partial mesh axis, or one over every process when
+    partial by one op on every non-trivial axis of a whole-world mesh."""
+    partial = [(d, placements[d]) for d in partial_dims(mesh, placements)]
     if (
         len(partial) > 1
         and len(partial) == sum(1 for n in mesh.shape if n > 1)
@@ -186,21 +230,12 @@ def reduce_op(placement):
 
 
 def unpack_bucket(gradients, flat, as_local):
-    """The reduced values of a bucket's `gradients`, views of `flat`; partial
-    averages are divided by the number of parts summed."""
-    reduced, offset = [], 0
-    for g in gradients:
-        local = g.to_local()
-        part = flat[offset : offset + local.numel()].view(local.shape)
-        offset += local.numel()
-        divisor = 1
-        for d, p in enumerate(g.placements):
-            if p.is_partial() and p.reduce_op == "avg":
-                divisor *= g.device_mesh.size(d)
-        if divisor > 1:
-            part /= divisor
-        reduced.append(reduced_value(g, part, as_local))
-    return reduced
+    """The reduced values of a bucket's `gradients` (`DTensor`s), views of
+    `flat`, partial averages divided."""
+    return [
+        reduced_value(g, averaged(local, g.device_mesh, g.placements), as_local)
+        for g, local in zip(gradients, views(flat, gradients))
+    ]
 
 
 def buckets(items, nbytes, first_cap=None):
@@ -219,8 +254,5 @@ def buckets(items, nbytes, first_cap=None):
     return result
 
 
-def nbytes(value):
-    """The bytes of a value's local part."""
-    with torch.no_grad():
-        local = local_state.local_value(value)
+def _local_nbytes(local):
     return local.numel() * local.element_size()

@@ -186,20 +186,19 @@ class OverlappedReduction:
         reduction = self._reduction_of(bucket_index, gradients)
         if reduction is None:
             return  # Left to `reduce_step_gradients`.
-        group, op = reduction
         # A shared weight accumulates again after its bucket completed: wait
         # for and forget the earlier launch, whose buffer this one reuses.
         for entry in [e for e in self.launched if e[0] == bucket_index]:
             entry[3].wait(datetime.timedelta(seconds=health.current_timeout()))
             self.launched.remove(entry)
         first = gradients[0]
-        key = ("overlapped", bucket_index, first.dtype, first.device)
-        flat = gradients_lib.flat_buffer(self.buffers, key, gradients)
-        torch.cat(
-            [local_state.local_value(g).reshape(-1) for g in gradients],
-            out=flat,
+        flat, work = gradients_lib.all_reduced(
+            [local_state.local_value(g) for g in gradients],
+            [reduction],
+            self.buffers,
+            ("overlapped", bucket_index, first.dtype, first.device),
+            async_op=True,
         )
-        work = dist.all_reduce(flat, op=op, group=group, async_op=True)
         self.launched.append((bucket_index, gradients, flat, work))
 
     def _reduction_of(self, bucket_index, gradients):
@@ -220,7 +219,7 @@ class OverlappedReduction:
             for g in gradients
         ):
             return None
-        dims = gradients_lib.partial_dims(first)
+        dims = gradients_lib.partial_dims(first.device_mesh, first.placements)
         if len(dims) != 1:
             return None
         return (
@@ -237,7 +236,7 @@ class OverlappedReduction:
             if isinstance(gradients[0], DTensor):
                 values = gradients_lib.unpack_bucket(gradients, flat, as_local)
             else:
-                values = _views(flat, gradients)
+                values = gradients_lib.views(flat, gradients)
             bucket = self.buckets[bucket_index]
             for v, gradient, value in zip(bucket, gradients, values):
                 reduced[id(v)] = (gradient, value)
@@ -285,34 +284,17 @@ class OverlappedReduction:
     def _reduce_pending(self, pending, result):
         """All-reduces `pending` leaf gradients and the deferred state."""
         deferred, self.deferred = self.deferred, []
-        groups = {}
-        for mesh, local, value in deferred:
-            key = (mesh, value.dtype)
-            groups.setdefault(key, []).append((local, value.to_local()))
-        for i, variable, gradient in pending:
-            key = (variable.value.device_mesh, gradient.dtype)
-            groups.setdefault(key, []).append((i, gradient))
-        for (mesh, dtype), entries in groups.items():
-            values = [value for _, value in entries]
-            if mesh.size() > 1:
-                key = ("leaves", mesh, dtype, values[0].device)
-                flat = gradients_lib.flat_buffer(self.buffers, key, values)
-                torch.cat([x.reshape(-1) for x in values], out=flat)
-                dist.all_reduce(flat, group=mesh.get_group(0))
-                values = _views(flat, values)
-            for (target, _), value in zip(entries, values):
-                if isinstance(target, int):
-                    result[target] = value
-                else:
-                    with torch.no_grad():
-                        target.copy_(value.reshape(target.shape))
-
-
-def _views(flat, values):
-    """Views of `flat` shaped as each of `values` (their local parts)."""
-    views, offset = [], 0
-    for x in values:
-        local = local_state.local_value(x)
-        views.append(flat[offset : offset + local.numel()].view(local.shape))
-        offset += local.numel()
-    return views
+        parts = [
+            (value.to_local(), mesh, tuple(value.placements))
+            for mesh, _, value in deferred
+        ]
+        parts += [
+            (gradient, variable.value.device_mesh, (Partial(),))
+            for _, variable, gradient in pending
+        ]
+        reduced = gradients_lib.reduce_parts(parts, self.buffers, ("leaves",))
+        for (_, local, _), value in zip(deferred, reduced):
+            with torch.no_grad():
+                local.copy_(value.reshape(local.shape))
+        for (i, _, _), value in zip(pending, reduced[len(deferred) :]):
+            result[i] = value
