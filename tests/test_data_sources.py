@@ -346,6 +346,48 @@ def test_error_while_reading_ahead_is_raised_by_fit():
     assert errors[1] is not None and "sample 12 is corrupt" in errors[1]
 
 
+class _FailingPyDataset(_CountingPyDataset):
+    """Fails to read batch 1, which process 1 reads (batch `i` on `i % 2`)."""
+
+    def __getitem__(self, index):
+        if index == 1:
+            raise ValueError("batch 1 is corrupt")
+        return super().__getitem__(index)
+
+
+def _failing_share_body(rank, world_size, workers):
+    import os
+    import time
+
+    # Without the failure's report, process 0 would wait this long.
+    os.environ["KERAS_DISTRIBUTION_TIMEOUT"] = "60"
+    distributions.use_setting("dp")
+    model = pm.build_model("mlp")
+    x, y = pm.make_data("mlp", num_samples=NUM_SAMPLES)
+    dataset = _FailingPyDataset(x, y, BATCH, workers=workers)
+    started = time.monotonic()
+    try:
+        model.fit(dataset, epochs=1, shuffle=False, verbose=0)
+    except (ValueError, RuntimeError) as e:
+        return type(e).__name__, str(e), time.monotonic() - started
+    return None
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_share_that_fails_to_read_stops_every_process(workers):
+    """The reading process raises its dataset's error, the other one an
+    error naming it, at once (in line and through the enqueuer)."""
+    errors = run_on_ranks(
+        _failing_share_body, world_size=2, args=(workers,), timeout=150
+    )
+    assert errors[1] is not None, errors
+    assert errors[1][:2] == ("ValueError", "batch 1 is corrupt"), errors
+    assert errors[0] is not None, errors
+    assert errors[0][0] == "RuntimeError", errors
+    assert "Process 1 failed to read a batch" in errors[0][1], errors
+    assert max(e[2] for e in errors) < 30, errors
+
+
 class _EpochShiftedPyDataset(_CountingPyDataset):
     """Batches that change at each `on_epoch_end` (as a reshuffle would)."""
 

@@ -62,10 +62,12 @@ class PyDatasetShares(data_parts.SharedAdapter):
         reader = self._reader = _ShareReader(self._adapter, order[rank::size])
         try:
             for first in range(0, len(order), size):
-                own = reader.next() if first + rank < len(order) else None
+                own = None
+                if first + rank < len(order):
+                    own = _read(reader.next)
                 for src in range(min(size, len(order) - first)):
                     if src == rank and reader.stale:
-                        own = reader.reread()
+                        own = _read(reader.reread)
                     batch = own if src == rank else None
                     yield self._shared_batch(batch, src)
                     # Resumed: more than Keras' peek at the first batch.
@@ -91,9 +93,12 @@ class PyDatasetShares(data_parts.SharedAdapter):
         return self._global_batch(rows, global_size)
 
     def _scatter_rows(self, batch, src):
-        """Scatters `batch` from `src`; returns own `(rows, global_size)`."""
+        """Scatters `batch` from `src`; returns own `(rows, global_size)`. A
+        `ReadFailure` of `src` is raised on every process."""
         parts = None
-        if batch is not None:
+        if isinstance(batch, ReadFailure):
+            parts = batch
+        elif batch is not None:
             size = data_parts.batch_size(batch)
             parts = [
                 (data_parts.take_rows(batch, *self._rows.of(size, rank)), size)
@@ -163,7 +168,7 @@ class _Window:
         self._taken += 1
         if src != runtime.rank():
             return src, None
-        batch = self._reader.next()
+        batch = _read(self._reader.next)
         self._reader.read_ahead()
         return src, batch
 
@@ -278,16 +283,43 @@ def _process_zero_order(order):
     return agreed.tolist()
 
 
+class ReadFailure:
+    """A batch this process failed to read: the error, raised here once the
+    others know (in the sizes of its scatter, with no collective more)."""
+
+    def __init__(self, error):
+        self.error = error
+
+
+def _read(read):
+    """`read()`, or a `ReadFailure` of the error a user's dataset raised."""
+    try:
+        return read()
+    except Exception as e:  # Raised on every process at its scatter.
+        return ReadFailure(e)
+
+
 def _scatter_objects(objects, src):
-    """Gives process `i` `objects[i]` from process `src`; returns its own."""
+    """Gives process `i` `objects[i]` from process `src`; returns its own.
+    `objects` a `ReadFailure` on `src`: its error is raised there, and on
+    the others one naming `src`."""
     device = runtime.comm_device()
     sizes = torch.zeros(runtime.world_size(), dtype=torch.int64, device=device)
-    if objects is not None:
+    if isinstance(objects, ReadFailure):
+        sizes -= 1
+    elif objects is not None:
         data = [
             pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL) for o in objects
         ]
         sizes = torch.tensor([len(d) for d in data], device=device)
     dist.broadcast(sizes, src=src)
+    if isinstance(objects, ReadFailure):
+        raise objects.error
+    if int(sizes[0]) < 0:
+        raise RuntimeError(
+            f"Process {src} failed to read a batch of the PyDataset (its "
+            "log has the error); this process stops with it."
+        )
     longest = int(sizes.max())
     received = torch.empty(longest, dtype=torch.uint8, device=device)
     parts = None
