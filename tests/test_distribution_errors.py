@@ -244,6 +244,34 @@ def test_initialize_gives_a_process_without_a_seed_process_0s():
     ) == [3, 3]
 
 
+def _collective_choice_on_one_body(rank, world_size):
+    import os
+
+    from keras import distribution as kd
+
+    # Process 1 alone would not gather FSDP weights.
+    if rank == 1:
+        os.environ["KERAS_DISTRIBUTION_GATHER_WEIGHTS"] = "off"
+    os.environ["KERAS_DISTRIBUTION_DEBUG"] = str(rank)  # May differ.
+    try:
+        kd.initialize()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_initialize_refuses_collective_choices_that_differ():
+    messages = run_on_ranks(
+        _collective_choice_on_one_body, world_size=2, timeout=HANG_TIMEOUT
+    )
+    for message in messages:
+        assert message is not None, messages
+        assert "'KERAS_DISTRIBUTION_GATHER_WEIGHTS': ['<unset>', 'off']" in (
+            message
+        ), message
+        assert "DEBUG" not in message, message
+
+
 def _valid_initialize_body(rank, world_size):
     from keras import distribution as kd
 

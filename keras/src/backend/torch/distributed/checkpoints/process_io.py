@@ -10,7 +10,7 @@ from keras.src.backend.torch.distributed.core import collectives
 from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.health import call_agreement
 
-LOG_ALL_PROCESSES_ENV = "KERAS_DISTRIBUTION_LOG_ALL_PROCESSES"
+LOG_ALL_PROCESSES_ENV = runtime.LOG_ALL_PROCESSES_ENV
 
 
 def is_logging_process():

@@ -8,6 +8,7 @@ import gc
 import logging
 import os
 import time
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,15 @@ reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or (
 )
 _GLOO_DRAIN_SECONDS = 0.05
 DEBUG_ENV = "KERAS_DISTRIBUTION_DEBUG"
+LOG_ALL_PROCESSES_ENV = "KERAS_DISTRIBUTION_LOG_ALL_PROCESSES"
+# Choices that may differ between processes; every other
+# `KERAS_DISTRIBUTION_*` variable chooses collectives, so must agree.
+_PER_PROCESS_ENV = (
+    DEBUG_ENV,
+    LOG_ALL_PROCESSES_ENV,
+    health.STEP_TIMEOUT_ENV,
+    health.START_TIMEOUT_ENV,
+)
 
 logger = logging.getLogger("keras.distribution")
 
@@ -144,7 +154,45 @@ def initialize_job(job_addresses=None, num_processes=None, process_id=None):
             f"contradicts num_processes={num_processes}, "
             f"process_id={process_id}."
         )
+    agree_on_environment()
     agree_on_seed()
+
+
+def agree_on_environment():
+    """Raises a `ValueError` on every process unless all set the same
+    `KERAS_DISTRIBUTION_*` variables that choose collectives (a process
+    alone checking replication or gathering weights otherwise would wait
+    for ever in a collective the others never make)."""
+    if world_size() == 1:
+        return
+    choices = sorted(
+        (name, value)
+        for name, value in os.environ.items()
+        if name.startswith("KERAS_DISTRIBUTION_")
+        and name not in _PER_PROCESS_ENV
+    )
+    digest = torch.tensor(
+        [zlib.crc32(repr(choices).encode())],
+        dtype=torch.int64,
+        device=comm_device(),
+    )
+    digests = [torch.empty_like(digest) for _ in range(world_size())]
+    dist.all_gather(digests, digest)
+    if all(torch.equal(d, digests[0]) for d in digests):
+        return
+    every = [None] * world_size()
+    dist.all_gather_object(every, dict(choices))
+    names = sorted({name for own in every for name in own})
+    differing = [n for n in names if len({own.get(n) for own in every}) > 1]
+    values = {
+        name: [own.get(name, "<unset>") for own in every] for name in differing
+    }
+    raise ValueError(
+        "Every process must set the same `KERAS_DISTRIBUTION_*` variables "
+        "that choose collectives. Received, per process "
+        f"(0 to {world_size() - 1}): {values}. Set them alike in the "
+        "environment of every process."
+    )
 
 
 def agree_on_seed():
