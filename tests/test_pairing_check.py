@@ -22,13 +22,21 @@ ROW = "(Replicate(), Shard(dim=0))"
 REPLICATED = "(Replicate(), Replicate())"
 
 
-def _gated_block_model(refuses_zeros=False):
+def _gated_block_model(refuses_zeros=False, refuses_trace_on_1=False):
     """A block with a gated feed-forward layer as wide as the block (a
     tiny Gemma's): gate and up read the stream, down reads their
     product. With `refuses_zeros`, its call raises on an input of zeros
     and cannot run on the meta device (it reads a value), so the check
-    cannot trace it."""
+    cannot trace it. With `refuses_trace_on_1`, its call raises in the
+    check's trace on process 1 alone (code that depends on the process)."""
+    import torch
+
     import keras
+    from keras.src.backend.torch.distributed.tensor_parallel import (
+        pairing_check,
+    )
+
+    refuses_trace = refuses_trace_on_1 and torch.distributed.get_rank() == 1
 
     class GatedBlock(keras.layers.Layer):
         def build(self, input_shape):
@@ -43,6 +51,8 @@ def _gated_block_model(refuses_zeros=False):
         def call(self, x):
             if refuses_zeros and not bool(keras.ops.any(x)):
                 raise ValueError("an input of zeros")
+            if refuses_trace and pairing_check.active_trace() is not None:
+                raise ValueError("traced on process 1")
             h = self.norm(x)
             h = keras.ops.gelu(self.gate(h)) * self.up(h)
             return x + self.down(h)
@@ -110,6 +120,10 @@ def _checked_and_unchecked_body(rank, world_size, model_name):
         "dense_stack": (_dense_stack_model, (DIM,)),
         "untraceable_block": (
             lambda: _gated_block_model(refuses_zeros=True),
+            (4, DIM),
+        ),
+        "untraceable_on_one": (
+            lambda: _gated_block_model(refuses_trace_on_1=True),
             (4, DIM),
         ),
     }[model_name]
@@ -196,9 +210,12 @@ def test_a_functional_stack_of_equal_widths_alternates_column_and_row():
         _assert_fewer_collectives_same_numbers(result)
 
 
-def test_a_block_the_check_cannot_trace_keeps_its_width_pairing():
+@pytest.mark.parametrize("where", ["untraceable_block", "untraceable_on_one"])
+def test_a_block_the_check_cannot_trace_keeps_its_width_pairing(where):
+    """Also where the trace fails on one process alone (its code depends on
+    the process): every process keeps the width pairing."""
     for result in run_on_ranks(
-        _checked_and_unchecked_body, world_size=2, args=("untraceable_block",)
+        _checked_and_unchecked_body, world_size=2, args=(where,), timeout=120
     ):
         checked, unchecked = result["checked"], result["unchecked"]
         assert checked["placements"] == unchecked["placements"]

@@ -17,6 +17,7 @@ from torch.overrides import TorchFunctionMode
 from keras.src import tree
 from keras.src.backend.common.keras_tensor import KerasTensor
 from keras.src.backend.common.stateless_scope import StatelessScope
+from keras.src.backend.torch.distributed.core import collectives
 from keras.src.backend.torch.distributed.core import layouts
 from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.core.runtime import DTensor
@@ -54,14 +55,21 @@ def check_layer(layer, distribution, args, kwargs):
     if not paired:
         return
     trace = _Trace(distribution)
+    failure = None
     try:
         trace.run(layer, args, kwargs)
     except _CallFailed as error:
         # Ops neither meta nor zeros can run (a check of values).
+        failure = str(error)
+    # Every process lays out alike (relaying out is a collective), also
+    # where the block's code fails on some processes only.
+    if runtime.world_size() > 1 and collectives.any_process(failure, None):
+        failure = failure or "it failed on another process"
+    if failure is not None:
         runtime.log_debug(
             "pairings of %s not checked: its trace failed (%s)",
             layer.name,
-            error,
+            failure,
         )
         trace.reads.clear()
     # Unreached kernels keep their width pairing; a model holding the layer
