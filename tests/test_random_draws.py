@@ -10,10 +10,13 @@ and 4 processes and on a (2, 2) mesh gives the same numbers, drawing only
 each process' share.
 """
 
+import random
+
 import numpy as np
 import pytest
 import torch
 
+from keras.src.backend.torch.distributed.core import generator_states
 from keras.src.backend.torch.distributed.core import random_draws
 from tests.harness import run_on_ranks
 
@@ -111,6 +114,42 @@ def test_no_distribution_draws_as_upstream():
     first = keras.random.uniform((4, 3), seed=11)
     generator = torch.Generator().manual_seed(int(11 + 0) & 0xFFFFFFFF)
     assert torch.equal(first.cpu(), torch.rand((4, 3), generator=generator))
+
+
+@pytest.mark.parametrize(
+    "draw",
+    [
+        lambda: np.random.random(),
+        # With no cached Gaussian: draws two uniforms, caches one Gaussian.
+        lambda: np.random.standard_normal(),
+        # 624 words: the position wraps to where it was, the key renewed.
+        lambda: np.random.bytes(624 * 4),
+        lambda: random.random(),
+        lambda: torch.rand(1),
+    ],
+    ids=["numpy", "numpy-normal", "numpy-624-words", "python", "torch"],
+)
+def test_a_global_draw_is_seen_and_undone(draw):
+    """A draw from a global generator between `take` and `advanced` is
+    seen, nothing else is, and `restore` undoes it."""
+    np.random.seed(0)
+    states = generator_states.take()
+    assert not generator_states.advanced(states)
+    draw()
+    assert generator_states.advanced(states)
+    generator_states.restore(states)
+    assert not generator_states.advanced(states)
+
+
+def test_a_cached_gaussian_taken_alone_is_seen():
+    """NumPy's second Gaussian of a pair comes from its cache, leaving the
+    generator's words as they were: seen all the same."""
+    np.random.seed(0)
+    np.random.standard_normal()
+    states = generator_states.take()
+    assert not generator_states.advanced(states)
+    np.random.standard_normal()
+    assert generator_states.advanced(states)
 
 
 def test_draw_plan_follows_the_probe():

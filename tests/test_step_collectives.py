@@ -857,3 +857,54 @@ def test_a_partial_loss_updates_the_tracker_with_its_whole_value():
     # written as this process' share.
     results = run_on_ranks(_partial_metric_update_body, world_size=2)
     assert results == [[12.0, 4.0], [12.0, 4.0]]
+
+
+def _deferred_tracker_update_body(rank, world_size):
+    import torch
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    import keras
+    from keras.src.backend.torch.distributed.core import layouts
+    from keras.src.backend.torch.distributed.core import local_state
+
+    distributions.use_setting("dp")
+    mesh = layouts.as_torch_layout(
+        keras.distribution.distribution().get_data_layout((2,))
+    ).device_mesh
+    tracker = keras.metrics.Mean()
+    # A tracker part way through an epoch: 7 over 3 rows.
+    tracker.total.assign(7.0)
+    tracker.count.assign(3.0)
+    # Process r holds r + 1 of the loss: the loss is 1 + 2 = 3.
+    loss = layouts.dtensor_from_local(
+        torch.tensor(float(rank + 1)), mesh, [Partial()], shape=()
+    )
+    deferred = []
+
+    def defer(local, value):
+        # As the step's last bucket would: reduced, then copied in.
+        if not isinstance(value, torch.distributed.tensor.DTensor):
+            return False
+        deferred.append(tuple(value.placements))
+        local.copy_(value.full_tensor())
+        return True
+
+    with CommDebugMode() as comm:
+        with local_state.local_metric_state(tracker, defer, loss) as value:
+            read = type(value).__name__
+            tracker.update_state(value, sample_weight=4)
+            collectives = comm.get_total_counts()
+    values = [float(v.value.to_local()) for v in tracker.variables]
+    keras.distribution.set_distribution(None)
+    return values, read, collectives, [str(p) for p in deferred]
+
+
+def test_a_deferred_tracker_update_reads_the_local_loss():
+    # Keras' train step's tracker update: the loss' local term read with no
+    # DTensor op nor collective; the total deferred as a partial sum (7 +
+    # 3 * 4 = 19 once reduced), the count (3 + 4, the same on every
+    # process) written back, not summed.
+    results = run_on_ranks(_deferred_tracker_update_body, world_size=2)
+    expected = ([19.0, 7.0], "Tensor", 0, ["(Partial(sum),)"])
+    assert results == [expected, expected]

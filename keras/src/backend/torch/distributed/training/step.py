@@ -247,14 +247,15 @@ def reduce_gradients(model, gradients):
     return step.reduce_gradients(gradients)
 
 
-def local_metric_state(model, metric):
+def local_metric_state(model, metric, value=None):
     """A context running `metric`'s update on its replicated state's local
-    values in a step (else a no-op); in Keras' own train step the tracker's
+    values in a step (else a no-op); yields the value the update reads
+    (`value`, or its local term). In Keras' own train step the tracker's
     partial loss is reduced with the gradients' last bucket."""
     step = local_rows.running_step(model)
     if step is None:
-        return contextlib.nullcontext()
+        return contextlib.nullcontext(value)
     reduction = step._reduction
     return local_state.local_metric_state(
-        metric, None if reduction is None else reduction.defer
+        metric, None if reduction is None else reduction.defer, value
     )
