@@ -47,6 +47,7 @@ ALLOWED_DISTRIBUTION_FRAMES = {
     "training/step.py:metric_predictions",
     "training/step.py:reduce_gradients",
     "training/step.py:local_metric_state",
+    "training/step.py:local_metric_reads",
     "training/layer_call.py:call_layer",
     "training/gradients.py:apply_gradients",
     "core/variables.py:assign",

@@ -908,3 +908,44 @@ def test_a_deferred_tracker_update_reads_the_local_loss():
     results = run_on_ranks(_deferred_tracker_update_body, world_size=2)
     expected = ([19.0, 7.0], "Tensor", 0, ["(Partial(sum),)"])
     assert results == [expected, expected]
+
+
+def _tracker_result_body(rank, world_size):
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    import keras
+
+    distributions.use_setting("dp")
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse")
+    read = []
+    mean_result = keras.metrics.Mean.result
+
+    def result(metric):
+        read.append(type(metric.total.value).__name__)
+        return mean_result(metric)
+
+    keras.metrics.Mean.result = result
+    try:
+        x = np.arange(32, dtype="float32").reshape(8, 4) / 32
+        y = np.ones((8, 2), "float32")
+        logs = model.train_on_batch(x, y, return_dict=True)
+    finally:
+        keras.metrics.Mean.result = mean_result
+    restored = [
+        isinstance(v.value, DTensor) for v in model.metrics[0].variables
+    ]
+    keras.distribution.set_distribution(None)
+    return read, restored, torch.is_tensor(logs["loss"]), float(logs["loss"])
+
+
+def test_the_steps_results_read_the_tracker_on_its_local_values():
+    # The loss tracker's result in Keras' train step reads plain tensors
+    # (no DTensor op), whose variables hold their DTensors again after it.
+    results = run_on_ranks(_tracker_result_body, world_size=2)
+    for read, restored, _, loss in results:
+        assert read == ["Tensor"], read
+        assert restored == [True, True], restored
+        assert loss == results[0][3]

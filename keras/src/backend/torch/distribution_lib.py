@@ -57,6 +57,7 @@ local_loss = step.local_loss
 metric_predictions = step.metric_predictions
 reduce_gradients = step.reduce_gradients
 local_metric_state = step.local_metric_state
+local_metric_reads = step.local_metric_reads
 
 
 def batch_step(model, kind, step_function, eager_step_function):

@@ -56,6 +56,29 @@ def on_local_values(variables, defer=None):
                 local.copy_(local_value(_replicated(new_value)))
 
 
+@contextlib.contextmanager
+def local_reads(variables):
+    """Runs the block with replicated `variables` holding their local
+    tensors, which share their storage: reads skip DTensor's dispatch, and
+    an assignment (in place) writes the variable."""
+    swapped = []
+    for variable in variables:
+        value = variable._value
+        if isinstance(value, DTensor) and not _is_sharded(value):
+            with torch.no_grad():
+                local = value.to_local()
+            swapped.append((variable, value, local))
+            variable._value = local
+    try:
+        yield
+    finally:
+        for variable, value, local in swapped:
+            if variable._value is not local:
+                with torch.no_grad():
+                    local.copy_(variable._value)
+            variable._value = value
+
+
 def _replicated(x):
     """`x` replicated on its mesh if it is a `DTensor`, else `x`."""
     if not _is_sharded(x):

@@ -259,3 +259,12 @@ def local_metric_state(model, metric, value=None):
     return local_state.local_metric_state(
         metric, None if reduction is None else reduction.defer, value
     )
+
+
+def local_metric_reads(model, metric):
+    """A context reading `metric`'s replicated state on its local values in
+    a step (else a no-op): the step's results read the loss tracker,
+    updated before, without DTensor's dispatch."""
+    if local_rows.running_step(model) is None:
+        return contextlib.nullcontext()
+    return local_state.local_reads(metric.variables)
