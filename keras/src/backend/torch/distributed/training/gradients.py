@@ -31,7 +31,10 @@ _GRADIENT_BUFFERS = weakref.WeakKeyDictionary()
 def apply_gradients(apply_function, optimizer, grads, trainable_variables):
     """The optimizer's own `apply_function(grads, variables)` on gradients
     reduced once; on local tensors when all is replicated, skipping DTensor's
-    dispatch. `trainable_variables` `None`: the optimizer's."""
+    dispatch, each variable holding its own (assigned in place, as without a
+    distribution: an optimizer reading a value before assigning it sees the
+    new one, as upstream does). `trainable_variables` `None`: the
+    optimizer's."""
     if runtime.current_distribution() is None:
         return apply_function(grads, trainable_variables)
     grads = reduce_gradients(grads, buffers=optimizer_buffers(optimizer))
@@ -44,7 +47,7 @@ def apply_gradients(apply_function, optimizer, grads, trainable_variables):
         optimizer.built and local_state.all_replicated(state + list(grads))
     ):
         return apply_function(grads, trainable_variables)
-    with torch.no_grad(), local_state.on_local_values(state):
+    with torch.no_grad(), local_state.local_reads(state):
         return apply_function(
             [local_state.local_value(g) for g in grads], trainable_variables
         )
