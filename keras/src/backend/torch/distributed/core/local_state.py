@@ -40,23 +40,6 @@ def local_value(x):
 
 
 @contextlib.contextmanager
-def on_local_values(variables, defer=None):
-    """Runs the block with replicated `variables` as local tensors; new values
-    are copied in at the end unless `defer(local, value)` takes one to write
-    later (returns True)."""
-    local_values = [(v, local_value(v.value)) for v in variables]
-    with stateless_scope(local_values) as scope:
-        yield
-    with torch.no_grad():
-        for variable, local in local_values:
-            new_value = scope.get_current_value(variable)
-            if new_value is local:
-                continue
-            if defer is None or not defer(local, new_value):
-                local.copy_(local_value(_replicated(new_value)))
-
-
-@contextlib.contextmanager
 def local_reads(variables):
     """Runs the block with replicated `variables` holding their local
     tensors, which share their storage: reads skip DTensor's dispatch, and
@@ -106,7 +89,7 @@ def local_metric_state(metric, defer=None, value=None):
         with _on_local_term(metric, states, value, defer) as local:
             yield local
     else:
-        with on_local_values(metric.variables, defer):
+        with local_reads(metric.variables):
             yield value
 
 
