@@ -41,3 +41,29 @@ def test_different_variables_raise_the_same_error_on_every_process():
     assert "different models" in messages[0]
     assert "'seq/dense/kernel' (shape (2, 3)" in messages[0]
     assert "process 1 creates 'seq/dense/kernel' (shape (2, 4)" in (messages[0])
+
+
+def _unreachable_store_body(rank, world_size):
+    from keras.src.backend.torch.distributed.health import call_agreement
+    from keras.src.backend.torch.distributed.health import health
+
+    if rank == 1:
+
+        def refused():
+            raise ConnectionRefusedError("connection refused")
+
+        health._job_store = refused
+    try:
+        call_agreement.start()
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        call_agreement.stop()
+    return None
+
+
+def test_a_process_that_cannot_reach_the_store_raises():
+    # Else it alone would skip the agreement the others wait for in it.
+    results = run_on_ranks(_unreachable_store_body, world_size=2)
+    assert results[0] is None, results
+    assert "cannot reach the job's store (connection refused)" in results[1]

@@ -52,9 +52,9 @@ def start():
         or torch.utils.data.get_worker_info() is not None
     ):
         return
+    store = health.connect_store(required=True)
+    watcher_store = health.connect_store(required=True)
     _state["tried"] = os.getpid()
-    store = health.connect_store()
-    watcher_store = health.connect_store()
     if store is None or watcher_store is None:
         return
     stop_event = threading.Event()

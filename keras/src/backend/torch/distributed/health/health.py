@@ -305,11 +305,20 @@ def _job_store():
     return dist.PrefixStore(f"{_STORE_PREFIX}/{attempt}", store)
 
 
-def connect_store():
-    """A new client of the job's store, or `None` (one process, unreachable)."""
+def connect_store(required=False):
+    """A new client of the job's store, or `None` (one process, no store, or
+    unreachable unless `required`: then it raises, as a process without it
+    would skip an agreement the others wait for in it)."""
     try:
         return _job_store()
     except Exception as error:  # Reports are best effort; steps go on.
+        if required:
+            raise RuntimeError(
+                f"This process cannot reach the job's store ({error}), where "
+                "the processes agree on their collective calls. Check that "
+                "every process reaches MASTER_ADDR:MASTER_PORT (or the "
+                "coordinator given to `keras.distribution.initialize`)."
+            ) from error
         _logger.debug("health: no store: %s", error)
         return None
 

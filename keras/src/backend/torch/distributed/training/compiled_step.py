@@ -97,7 +97,9 @@ def _agree_on_first_call(reason):
     ones. Agreed in the job's store, which cannot pair with a collective
     another process may still be in; a process that failed in one meanwhile
     ends the wait."""
-    store = None if runtime.world_size() == 1 else health.connect_store()
+    store = None
+    if runtime.world_size() > 1:
+        store = health.connect_store(required=True)
     if store is None:
         return
     number, size = next(_first_calls), runtime.world_size()
