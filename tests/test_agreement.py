@@ -47,18 +47,23 @@ def _unreachable_store_body(rank, world_size):
     from keras.src.backend.torch.distributed.health import call_agreement
     from keras.src.backend.torch.distributed.health import health
 
-    if rank == 1:
+    if rank == 0:
+        return None
 
-        def refused():
-            raise ConnectionRefusedError("connection refused")
+    def refused():
+        raise ConnectionRefusedError("connection refused")
 
-        health._job_store = refused
+    # The pool's workers run other tests: what is changed here is restored
+    # (a failed start changes nothing else).
+    job_store, health._job_store = health._job_store, refused
+    tried, call_agreement._state["tried"] = call_agreement._state["tried"], None
     try:
         call_agreement.start()
     except RuntimeError as e:
         return str(e)
     finally:
-        call_agreement.stop()
+        health._job_store = job_store
+        call_agreement._state["tried"] = tried
     return None
 
 
