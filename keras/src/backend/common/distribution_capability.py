@@ -1,5 +1,4 @@
-"""Lookup of `distribution_lib` functions only some backends have (e.g.
-saving from one process); generic code keeps its own behaviour without."""
+"""Lookup of `distribution_lib` functions only some backends have."""
 
 
 def distribution_capability(name):

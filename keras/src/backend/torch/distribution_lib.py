@@ -1,12 +1,9 @@
-"""Utilities for distribution strategy with the PyTorch backend.
+"""The torch backend's distribution interface, which generic Keras code calls.
 
-A Keras `DeviceMesh` maps onto a torch `DeviceMesh` with one device per
-process and a `TensorLayout` onto DTensor placements; a plain tensor stands
-for a global value, as a plain array does in JAX. Generic Keras code calls
-this interface; `keras.src.backend.torch.distributed` does the work.
-"""
+A Keras `DeviceMesh` is a torch `DeviceMesh` with one device per process, a
+`TensorLayout` DTensor placements; a plain tensor is a global value, as a
+plain array is in JAX. `keras.src.backend.torch.distributed` does the work."""
 
-import functools
 import weakref
 
 import numpy as np
@@ -69,18 +66,17 @@ def batch_step(model, kind, step_function, eager_step_function):
         step_function: a function of one batch, possibly compiled.
         eager_step_function: the same function, not compiled.
     """
-
-    def on_first(function):
-        return lambda data: function(data[0])
-
-    eager = on_first(eager_step_function)
+    eager = _on_first(eager_step_function)
     # `==`: a bound method is a new object at each access, equal to others.
-    if step_function == eager_step_function:
-        compiled = eager
-    else:
-        compiled = on_first(step_function)
+    same = step_function == eager_step_function
+    compiled = eager if same else _on_first(step_function)
     distributed = step.DistributedStep(model, kind, compiled, eager)
     return lambda batch: distributed([batch])
+
+
+def _on_first(function):
+    """`function` of one batch as a function of `[batch]`."""
+    return lambda data: function(data[0])
 
 
 def process_data_adapter(adapter):
@@ -101,14 +97,21 @@ def list_devices(device_type=None):
         device_type: `"cpu"` or `"gpu"`. Defaults to `"gpu"` if CUDA is
             available, otherwise `"cpu"`.
     """
-    device_type = _standardize_device_type(device_type)
+    if device_type is None:
+        device_type = "gpu" if torch.cuda.is_available() else "cpu"
+    device_type = device_type.lower()
+    device_type = "gpu" if device_type == "cuda" else device_type
+    if device_type not in ("cpu", "gpu"):
+        raise ValueError(
+            "The torch backend supports device types 'cpu' and 'gpu'. "
+            f"Received: device_type={device_type}"
+        )
     if device_type == "gpu" and not torch.cuda.is_available():
         return []
-    if runtime.world_size() > 1:
-        return runtime.device_names(device_type)
-    if device_type == "gpu":
-        return [f"gpu:{i}" for i in range(torch.cuda.device_count())]
-    return ["cpu:0"]
+    count = runtime.world_size()
+    if count < 2:
+        count = torch.cuda.device_count() if device_type == "gpu" else 1
+    return [f"{device_type}:{i}" for i in range(count)]
 
 
 def get_device_count(device_type=None):
@@ -134,13 +137,9 @@ def initialize(job_addresses=None, num_processes=None, process_id=None):
 
 
 def set_global_distribution(distribution):
-    """Records the distribution passed to `set_distribution`.
-
-    The torch mesh is built where first needed, so an unused distribution may
-    be current in a job its mesh does not match. Every process must call this
-    the first time a distribution is set: it joins the process group if
-    needed and takes process 0's generator state (a collective, once).
-    """
+    """Records the distribution passed to `set_distribution` (its mesh is
+    built where first used). Every process calls this: it joins the job if
+    needed and takes process 0's generator state (a collective, once)."""
     if hasattr(distribution, "device_mesh"):
         runtime.check_torch_version()
         if runtime.world_size() > 1:
@@ -170,12 +169,11 @@ def distribute_tensor(tensor, layout):
     if layout is None:
         return tensor
     layout = layouts.as_torch_layout(layout)
-    return tree.map_structure(
-        functools.partial(_distribute_leaf, layout=layout), tensor
-    )
+    return tree.map_structure(lambda x: _distribute_leaf(x, layout), tensor)
 
 
 def _distribute_leaf(x, layout):
+    """One leaf of `distribute_tensor`."""
     from keras.src.backend.common.variables import Variable
 
     if isinstance(x, Variable):
@@ -218,11 +216,8 @@ def distribute_data_input(
 
 
 def tf_dataset_adapter(dataset, class_weight=None, distribution=None):
-    """The `TFDatasetAdapter` of a `tf.data.Dataset` under `distribution`.
-
-    A dataset whose batch size upstream cannot compute is read as global
-    batches instead of refused.
-    """
+    """The `TFDatasetAdapter` of a `tf.data.Dataset` under `distribution`; one
+    whose batch size upstream cannot compute is read as global batches."""
     from keras.src.backend.torch.distributed.inputs import tf_data
 
     return tf_data.tf_dataset_adapter(dataset, class_weight, distribution)
@@ -234,11 +229,8 @@ def all_gather_variable(variable):
 
 
 def distributed_checkpointer(directory, max_to_keep=None):
-    """The `Checkpointer` of `keras.callbacks.DistributedCheckpoint`.
-
-    Each process writes its own shards with `torch.distributed.checkpoint`,
-    in steps under `directory`, keeping the latest `max_to_keep` (or all).
-    """
+    """The `Checkpointer` of `keras.callbacks.DistributedCheckpoint`: each
+    process writes its shards in steps under `directory`."""
     return _checkpoint().Checkpointer(directory, max_to_keep)
 
 
@@ -248,36 +240,30 @@ def is_distributed_checkpoint(path):
 
 
 def load_checkpoint_weights(model, path):
-    """Loads a `DistributedCheckpoint` (or the latest of a directory of
-    steps at `path`) into the built `model`, in its layouts."""
+    """Loads a `DistributedCheckpoint` (the latest of a directory of steps)
+    into the built `model`, in its layouts."""
     _checkpoint().load_weights(model, path)
 
 
 def load_checkpoint_model(path, custom_objects=None, compile=True, **kwargs):
-    """Rebuilds the model a `DistributedCheckpoint` saved, state restored.
-
-    `path` is a checkpoint or a directory of steps (the latest loads); the
-    other arguments are as in `keras.saving.load_model`.
-    """
+    """Rebuilds the model a `DistributedCheckpoint` (the latest of a directory
+    of steps) saved; the arguments are as in `keras.saving.load_model`."""
     return _checkpoint().load_model(path, custom_objects, compile, **kwargs)
 
 
 def save_sharded_backup(model, weights_path):
-    """Backs up `model` for `BackupAndRestore` as a sharded checkpoint.
-
-    Returns `False` without a distribution: the caller then saves the
-    `.weights.h5` file `weights_path` itself.
-    """
+    """Backs up `model` for `BackupAndRestore` as a sharded checkpoint;
+    `False` without a distribution (the caller saves `weights_path`)."""
     return _checkpoint().save_backup(model, weights_path)
 
 
 def find_sharded_backup(weights_path):
-    """The sharded backup of `save_sharded_backup`, or `None` if none."""
+    """The backup `save_sharded_backup` wrote, or `None`."""
     return _checkpoint().find_backup(weights_path)
 
 
 def _checkpoint():
-    """The checkpoint module, imported when first needed."""
+    """The checkpoint module (DCP), imported when first needed."""
     from keras.src.backend.torch.distributed.checkpoints import checkpoint
 
     return checkpoint
@@ -285,20 +271,4 @@ def _checkpoint():
 
 def _to_backend_layout(tensor_layout):
     """Convert a `TensorLayout` to a `TorchLayout`; `None` stays `None`."""
-    if tensor_layout is None:
-        return None
-    return layouts.to_torch_layout(tensor_layout)
-
-
-def _standardize_device_type(device_type):
-    if device_type is None:
-        return "gpu" if torch.cuda.is_available() else "cpu"
-    device_type = device_type.lower()
-    if device_type == "cuda":
-        return "gpu"
-    if device_type not in ("cpu", "gpu"):
-        raise ValueError(
-            "The torch backend supports device types 'cpu' and 'gpu'. "
-            f"Received: device_type={device_type}"
-        )
-    return device_type
+    return tensor_layout and layouts.to_torch_layout(tensor_layout)

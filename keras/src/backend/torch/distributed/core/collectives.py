@@ -7,12 +7,7 @@ import torch.distributed as dist
 from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.core.runtime import DTensor
 
-_REDUCE_OPS = {
-    "sum": dist.ReduceOp.SUM,
-    "mean": dist.ReduceOp.SUM,
-    "max": dist.ReduceOp.MAX,
-    "min": dist.ReduceOp.MIN,
-}
+_REDUCE_OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
 
 
 def all_reduce(x, op="sum", axis_name="model"):
@@ -29,7 +24,7 @@ def all_reduce(x, op="sum", axis_name="model"):
         )
     group = _axis_group(axis_name)
     result = as_local_tensor(x).clone()
-    dist.all_reduce(result, op=_REDUCE_OPS[op], group=group)
+    dist.all_reduce(result, getattr(dist.ReduceOp, _REDUCE_OPS[op]), group)
     if op == "mean":
         result = result / dist.get_world_size(group)
     return result
@@ -49,9 +44,14 @@ def all_gather(x, axis=0, axis_name="model"):
     group = _axis_group(axis_name)
     x = as_local_tensor(x)
     axis = axis % x.ndim
-    shapes = _all_gather_shapes(x, group)
-    others = {s[:axis] + s[axis + 1 :] for s in shapes}
-    if len(others) > 1:
+    ndims = [n for (n,) in all_gather_ints([x.ndim], group)]
+    if len(set(ndims)) > 1:
+        raise ValueError(
+            f"`all_gather` needs tensors of the same rank on all processes. "
+            f"Received ranks {ndims}."
+        )
+    shapes = [tuple(shape) for shape in all_gather_ints(x.shape, group)]
+    if len({s[:axis] + s[axis + 1 :] for s in shapes}) > 1:
         raise ValueError(
             f"`all_gather` along axis {axis} needs the same size in every "
             f"other dimension on all processes. Received shapes {shapes}."
@@ -66,14 +66,11 @@ def all_gather(x, axis=0, axis_name="model"):
 
 def all_gather_ints(values, group):
     """A list of ints from each process of `group`, in group order."""
-    local = torch.tensor(
-        [int(v) for v in values],
-        dtype=torch.int64,
-        device=runtime.comm_device(),
-    )
+    ints = [int(v) for v in values]
+    local = torch.tensor(ints, dtype=torch.int64, device=runtime.comm_device())
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, local, group=group)
-    return [[int(n) for n in p.tolist()] for p in parts]
+    return [p.tolist() for p in parts]
 
 
 def any_process(flag, group):
@@ -92,18 +89,8 @@ def as_local_tensor(x):
     return torch.as_tensor(x, device=runtime.backend_core().get_device())
 
 
-def _all_gather_shapes(x, group):
-    """The shapes of `x` on the processes of `group` (ranks may differ)."""
-    ndims = [n for (n,) in all_gather_ints([x.ndim], group)]
-    if len(set(ndims)) > 1:
-        raise ValueError(
-            f"`all_gather` needs tensors of the same rank on all processes. "
-            f"Received ranks {ndims}."
-        )
-    return [tuple(shape) for shape in all_gather_ints(x.shape, group)]
-
-
 def _axis_group(axis_name):
+    """The process group of mesh axis `axis_name` of the distribution."""
     distribution = runtime.current_distribution()
     if distribution is None:
         raise ValueError(

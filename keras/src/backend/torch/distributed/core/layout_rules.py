@@ -6,10 +6,6 @@ import re
 import warnings
 import weakref
 
-# Rules for layer outputs ("<layer path>/output") lay out no variable.
-OUTPUT_SUFFIX = "/output"
-NUM_EXAMPLE_PATHS = 5
-
 _checked_models = weakref.WeakKeyDictionary()
 
 
@@ -30,11 +26,12 @@ def matching_rule(layout_map, path):
 
 
 def unmatched_rules(layout_map, paths):
-    """The variable (not `/output`) keys of `layout_map` matching no `paths`."""
+    """The keys of `layout_map` matching no `paths`, but those of layer outputs
+    (`<layer path>/output`), which lay out no variable."""
     return [
         key
         for key in layout_map
-        if not key.endswith(OUTPUT_SUFFIX)
+        if not key.endswith("/output")
         and not any(key == path or re.fullmatch(key, path) for path in paths)
     ]
 
@@ -53,17 +50,13 @@ def check_model(model, distribution):
     paths = [variable.path for variable in model.variables]
     unmatched = unmatched_rules(layout_map, paths)
     if unmatched:
-        warnings.warn(_unmatched_message(model, unmatched, paths), stacklevel=2)
-
-
-def _unmatched_message(model, unmatched, paths):
-    return (
-        f"{len(unmatched)} LayoutMap rule(s) of the ModelParallel "
-        f"distribution match no variable of model '{model.name}': "
-        f"{unmatched}. The variables they were meant for are replicated: "
-        "each process holds a full copy. Rules are matched against "
-        f"variable paths (`re.fullmatch`), such as "
-        f"{paths[:NUM_EXAMPLE_PATHS]}; "
-        "`keras.distribution.sharding_summary(model)` lists every variable "
-        "and the rule that lays it out."
-    )
+        warnings.warn(
+            f"{len(unmatched)} LayoutMap rule(s) of the ModelParallel "
+            f"distribution match no variable of model '{model.name}': "
+            f"{unmatched}. The variables they were meant for are replicated: "
+            "each process holds a full copy. Rules are matched against "
+            f"variable paths (`re.fullmatch`), such as {paths[:5]}; "
+            "`keras.distribution.sharding_summary(model)` lists every "
+            "variable and the rule that lays it out.",
+            stacklevel=2,
+        )

@@ -5,12 +5,12 @@ import collections
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.core.runtime import DTensor
 from keras.src.backend.torch.distributed.core.runtime import Replicate
 from keras.src.backend.torch.distributed.core.runtime import Shard
-from keras.src.backend.torch.distributed.core.runtime import TorchDeviceMesh
 from keras.src.backend.torch.distributed.health import health
 
 TorchLayout = collections.namedtuple(
@@ -38,51 +38,13 @@ def to_torch_device(device_name):
 
 
 def to_torch_mesh(device_mesh):
-    """Converts a Keras `DeviceMesh` to a torch one; joins the job if needed."""
+    """Converts a Keras `DeviceMesh` to a torch one; joins the job if needed.
+
+    Refuses a mesh not holding each process of the job once."""
     runtime.check_torch_version()
-    device_type, ranks = _check_mesh(device_mesh)
-    if not dist.is_initialized():
-        runtime.initialize_job()
-    torch_device_type = "cuda" if device_type == "gpu" else "cpu"
-    shape, names = tuple(device_mesh.shape), tuple(device_mesh.axis_names)
-    key = (torch_device_type, tuple(ranks), shape, names)
-    world, torch_mesh = _torch_meshes.get(key, (None, None))
-    # A mesh belongs to the process group it was made in.
-    if world is not dist.group.WORLD:
-        torch_mesh = TorchDeviceMesh(
-            torch_device_type,
-            torch.tensor(ranks).reshape(shape),
-            mesh_dim_names=names,
-        )
-        _torch_meshes[key] = (dist.group.WORLD, torch_mesh)
-        # The job's own group keeps its bound until the first step.
-        health.bound_groups(
-            g for g in torch_mesh.get_all_groups() if g != dist.group.WORLD
-        )
-        runtime.log_debug(
-            "mesh: shape %s, axes %s, ranks %s", shape, names, ranks
-        )
-    return torch_mesh
-
-
-def all_process_groups():
-    """The job's process group and those of every mesh made in it."""
-    groups = {id(dist.group.WORLD): dist.group.WORLD}
-    for world, torch_mesh in _torch_meshes.values():
-        if world is dist.group.WORLD:
-            for group in torch_mesh.get_all_groups():
-                groups[id(group)] = group
-    return list(groups.values())
-
-
-def _check_mesh(device_mesh):
-    """Checks a mesh holds each process once; returns `(type, ranks)`."""
     devices = device_mesh.devices.flatten().tolist()
-    parsed = [to_torch_device(d) for d in devices]
-    device_types = sorted({device_type for device_type, _ in parsed})
-    ranks = [rank for _, rank in parsed]
-    world_size = runtime.world_size()
-    if len(device_types) > 1:
+    device_types, ranks = zip(*(to_torch_device(d) for d in devices))
+    if len(set(device_types)) > 1:
         raise ValueError(
             f"A device mesh cannot mix device types. Received devices {devices}"
         )
@@ -93,13 +55,14 @@ def _check_mesh(device_mesh):
             "use `keras.distribution.list_devices()` (or 'cpu:<rank>' "
             "names), or run on machines with GPUs."
         )
+    world_size = runtime.world_size()
     if sorted(ranks) != list(range(world_size)):
         raise ValueError(
             f"The device mesh must hold every process of the job exactly "
             f"once, one device per process. The mesh has {len(ranks)} "
             f"devices {devices} (shape {tuple(device_mesh.shape)}), but the "
             f"job has {world_size} process(es), i.e. devices "
-            f"{runtime.device_names(device_types[0])}. Use "
+            f"{[f'{device_types[0]}:{i}' for i in range(world_size)]}. Use "
             "`keras.distribution.list_devices()` for the mesh, or launch "
             f"{len(ranks)} processes (e.g. `torchrun "
             f"--nproc_per_node={len(ranks)} ...`)."
@@ -109,7 +72,34 @@ def _check_mesh(device_mesh):
             f"Mesh axis names must be unique. Received: "
             f"axis_names={device_mesh.axis_names}"
         )
-    return device_types[0], ranks
+    if not dist.is_initialized():
+        runtime.initialize_job()
+    device_type = "cuda" if device_types[0] == "gpu" else "cpu"
+    shape, names = tuple(device_mesh.shape), tuple(device_mesh.axis_names)
+    key = (device_type, ranks, shape, names)
+    world, torch_mesh = _torch_meshes.get(key, (None, None))
+    # A mesh belongs to the process group it was made in.
+    if world is not dist.group.WORLD:
+        grid = torch.tensor(ranks).reshape(shape)
+        torch_mesh = DeviceMesh(device_type, grid, mesh_dim_names=names)
+        _torch_meshes[key] = (dist.group.WORLD, torch_mesh)
+        # The job's own group keeps its bound until the first step.
+        health.bound_groups(
+            g for g in torch_mesh.get_all_groups() if g != dist.group.WORLD
+        )
+        runtime.log_debug(
+            "mesh: shape %s, axes %s, ranks %s", shape, names, list(ranks)
+        )
+    return torch_mesh
+
+
+def all_process_groups():
+    """The job's process group and those of every mesh made in it."""
+    groups = {id(dist.group.WORLD): dist.group.WORLD}
+    for world, torch_mesh in _torch_meshes.values():
+        if world is dist.group.WORLD:
+            groups.update((id(g), g) for g in torch_mesh.get_all_groups())
+    return list(groups.values())
 
 
 def to_torch_layout(tensor_layout):
@@ -125,7 +115,14 @@ def to_torch_layout(tensor_layout):
     for tensor_dim, axes in enumerate(tensor_layout.axes):
         axes = axes if isinstance(axes, (tuple, list)) else (axes,)
         axes = [axis for axis in axes if axis is not None]
-        mesh_dims = [_mesh_dim(a, axis_names, tensor_layout) for a in axes]
+        for axis in axes:
+            if axis not in axis_names:
+                raise ValueError(
+                    f"Unknown mesh axis '{axis}' in the layout axes "
+                    f"{tensor_layout.axes}. The device mesh has axes "
+                    f"{tuple(axis_names)}."
+                )
+        mesh_dims = [axis_names.index(axis) for axis in axes]
         if mesh_dims != sorted(mesh_dims):
             raise ValueError(
                 f"A tensor dimension sharded over several mesh axes must "
@@ -146,16 +143,6 @@ def to_torch_layout(tensor_layout):
         tuple(placements),
         len(tensor_layout.axes),
     )
-
-
-def _mesh_dim(axis_name, axis_names, tensor_layout):
-    if axis_name not in axis_names:
-        raise ValueError(
-            f"Unknown mesh axis '{axis_name}' in the layout axes "
-            f"{tensor_layout.axes}. The device mesh has axes "
-            f"{tuple(axis_names)}."
-        )
-    return axis_names.index(axis_name)
 
 
 def as_torch_layout(layout):
@@ -222,27 +209,23 @@ def local_region(shape, mesh, placements):
     coordinate = mesh.get_coordinate()
     bounds = [(0, size) for size in shape]
     for mesh_dim, placement in enumerate(placements):
-        if not placement.is_shard():
-            continue
-        dim = placement.dim % len(shape)
-        start, stop = bounds[dim]
-        low, high = chunk_bounds(
-            stop - start, mesh.size(mesh_dim), coordinate[mesh_dim]
-        )
-        bounds[dim] = (start + low, start + high)
+        if placement.is_shard():
+            dim = placement.dim % len(shape)
+            start, stop = bounds[dim]
+            low, high = chunk_bounds(
+                stop - start, mesh.size(mesh_dim), coordinate[mesh_dim]
+            )
+            bounds[dim] = (start + low, start + high)
     return tuple(slice(start, stop) for start, stop in bounds)
 
 
 def dtensor_from_local(local, mesh, placements, shape=None, stride=None):
-    """A `DTensor` from this process' `local` piece, without communication.
-
-    Pass the global `shape` when pieces can be uneven (DTensor assumes even
-    ones); `stride` defaults to `shape`'s contiguous one.
-    """
+    """A `DTensor` from this process' `local` piece, without communication;
+    pass the global `shape` when pieces can be uneven (DTensor assumes even
+    ones). `stride` defaults to `shape`'s contiguous one."""
     if shape is not None:
         shape = torch.Size(shape)
-        if stride is None:
-            stride = contiguous_strides(shape)
+        stride = contiguous_strides(shape) if stride is None else stride
     return DTensor.from_local(
         local, mesh, placements, run_check=False, shape=shape, stride=stride
     )
@@ -285,9 +268,5 @@ def drop_unit_shards(mesh, placements):
 
 
 def contiguous_strides(shape):
-    """The strides of a contiguous tensor of `shape`."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
+    """The strides of a contiguous tensor of `shape` (allocating nothing)."""
+    return torch.empty(shape, device="meta").stride()

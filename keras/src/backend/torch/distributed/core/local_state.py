@@ -11,18 +11,17 @@ from keras.src.backend.torch.distributed.core import layouts
 from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.core.runtime import DTensor
 from keras.src.backend.torch.distributed.core.runtime import Partial
-from keras.src.backend.torch.distributed.core.runtime import Replicate
-
-
-def _is_sharded(x):
-    return isinstance(x, DTensor) and not all(
-        p.is_replicate() for p in x.placements
-    )
 
 
 def all_replicated(values):
     """Whether every `DTensor` (or variable value) in `values` is replicated."""
-    return not any(_is_sharded(getattr(x, "value", x)) for x in values)
+    values = [getattr(x, "value", x) for x in values]
+    return all(
+        p.is_replicate()
+        for x in values
+        if isinstance(x, DTensor)
+        for p in x.placements
+    )
 
 
 def stateless_scope(mapping, collect_losses=False):
@@ -47,7 +46,7 @@ def local_reads(variables):
     swapped = []
     for variable in variables:
         value = variable._value
-        if isinstance(value, DTensor) and not _is_sharded(value):
+        if isinstance(value, DTensor) and all_replicated([value]):
             with torch.no_grad():
                 local = value.to_local()
             swapped.append((variable, value, local))
@@ -62,23 +61,11 @@ def local_reads(variables):
             variable._value = value
 
 
-def _replicated(x):
-    """`x` replicated on its mesh if it is a `DTensor`, else `x`."""
-    if not _is_sharded(x):
-        return x
-    mesh = x.device_mesh
-    return x.redistribute(mesh, [Replicate()] * mesh.ndim)
-
-
 @contextlib.contextmanager
 def local_metric_state(metric, defer=None, value=None):
-    """Runs `metric`'s update on its replicated state's local values; yields
-    the value the update reads: `value`, or its local term.
-
-    A sharded or partial input is reduced by DTensor where it meets the
-    state, except a `Mean`'s partial-sum `value` given with `defer`: that is
-    updated on its local term with no `DTensor` op (see `_on_local_term`).
-    Without a distribution or replicated state, runs unchanged."""
+    """Runs `metric`'s update on its replicated state's local values, yielding
+    the value the update reads: `value`, or, for a `Mean`'s partial-sum
+    `value` given with `defer`, its local term (see `_on_local_term`)."""
     if runtime.current_distribution() is None:
         yield value
         return
@@ -94,10 +81,9 @@ def local_metric_state(metric, defer=None, value=None):
 
 
 def _sums_partial_value(metric, states, defer, value):
-    """Whether `metric` is Keras' `Mean` (its update adds the weighted
-    values to `total`, their weights or count to `count`: `total` linear in
-    the values, `count` blind to them) and `value` a partial sum over the
-    1-D mesh of its `states`, to be reduced by `defer`."""
+    """Whether `metric` is Keras' `Mean` (`total` linear in the values,
+    `count` blind to them) and `value` a partial sum over the 1-D mesh of its
+    `states`, to be reduced by `defer`."""
     # Imported here: the backend imports this module.
     from keras.src.metrics import reduction_metrics
 
@@ -123,14 +109,9 @@ def _sums_partial_value(metric, states, defer, value):
 
 @contextlib.contextmanager
 def _on_local_term(metric, states, value, defer):
-    """Runs a `Mean`'s update on partial-sum `value`'s local term with no
-    `DTensor` op; yields that term.
-
-    `total` enters as its share of a partial sum (the replicated value over
-    the mesh's size, as DTensor partitions one meeting a partial sum), so
-    it leaves as a partial sum handed to `defer` (reduced in the step's last
-    bucket) with DTensor's numbers; `count` reads no value and is written
-    back as it is, identical on every process."""
+    """Runs a `Mean`'s update on partial-sum `value`'s local term, yielding it:
+    `total` enters as its share of a partial sum (as DTensor partitions it) and
+    leaves as one, handed to `defer`; `count` reads no value."""
     mesh = value.device_mesh
     local_states = [x.to_local() for x in states]
     with torch.no_grad():
@@ -151,4 +132,6 @@ def _on_local_term(metric, states, value, defer):
                     new_value, mesh, [Partial()], shape=local.shape
                 )
             if not defer(local, new_value):
-                local.copy_(local_value(_replicated(new_value)))
+                if isinstance(new_value, DTensor):
+                    new_value = new_value.full_tensor()
+                local.copy_(new_value)

@@ -1,11 +1,10 @@
 """Random numbers drawn by position, so each process draws only its part.
 
 Under a distribution `uniform`, `normal`, `randint` and `dropout` take element
-`index` as SplitMix64's output function of `key + (index + 1) * _GAMMA`:
-independent of the layout, like JAX's partitionable draws. Initializers (so
-first values match Keras without a distribution) and other draws keep
-upstream's. On local rows a draw of the local row count is those rows of the
-global batch's draw (`DrawPlan`)."""
+`index` as SplitMix64's output function of `key + (index + 1) * _GAMMA`, for
+any layout, like JAX's partitionable draws; initializers (first values as
+without a distribution) and other draws keep upstream's. On local rows a draw
+of the local row count is those rows of the global batch's (`DrawPlan`)."""
 
 import contextlib
 import dataclasses
@@ -25,7 +24,15 @@ _GAMMA = 0x9E3779B97F4A7C15 - (1 << 64)
 _MIX_1 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _MIX_2 = 0x94D049BB133111EB - (1 << 64)
 
-_state = threading.local()
+
+class _State(threading.local):
+    # This thread's draw settings; the class attributes are the defaults.
+    initializing = 0  # The depth of `initializing` blocks.
+    rows = None  # `local_rows_scope`'s `(start, local_rows, global_rows, plan)`
+    keys = None  # `one_key_per_call`'s `[key, keys derived from it]`
+
+
+_state = _State()
 
 
 @dataclasses.dataclass
@@ -52,8 +59,7 @@ class DrawPlan:
             return is_rows
         whole = ("whole", shape) in self.draws
         rows = is_rows and ("rows", shape[1:]) in self.draws
-        if whole == rows:
-            self.broken = True
+        self.broken |= whole == rows
         return rows
 
     def following(self):
@@ -66,43 +72,38 @@ class DrawPlan:
 def by_position():
     """Whether draws go by position (a distribution or local rows), except in
     initializers and symbolic (meta device) calls."""
-    if getattr(_state, "initializing", 0) or (
-        runtime.current_distribution() is None
-        and getattr(_state, "rows", None) is None
+    if _state.initializing or (
+        runtime.current_distribution() is None and _state.rows is None
     ):
         return False
     return runtime.backend_core().get_device() != "meta"
 
 
-@contextlib.contextmanager
 def initializing():
     """Draws in the block use torch's generators (variable initializers)."""
-    _state.initializing = getattr(_state, "initializing", 0) + 1
-    try:
-        yield
-    finally:
-        _state.initializing -= 1
-
-
-@contextlib.contextmanager
-def _rows_scope(rows):
-    previous = getattr(_state, "rows", None)
-    _state.rows = rows
-    try:
-        yield
-    finally:
-        _state.rows = previous
+    return _setting("initializing", _state.initializing + 1)
 
 
 def local_rows_scope(start, local_rows, global_rows, plan):
     """Draws in the block are rows `[start, start + local_rows)` of a batch
     of `global_rows`, as `plan` (a `DrawPlan`) decides per draw."""
-    return _rows_scope((start, local_rows, global_rows, plan))
+    return _setting("rows", (start, local_rows, global_rows, plan))
 
 
 def outside_rows():
     """Draws in the block are not local rows' (a layer run via DTensor)."""
-    return _rows_scope(None)
+    return _setting("rows", None)
+
+
+@contextlib.contextmanager
+def _setting(name, value):
+    """Sets this thread's `_state.<name>` to `value` in the block."""
+    previous = getattr(_state, name)
+    setattr(_state, name, value)
+    try:
+        yield
+    finally:
+        setattr(_state, name, previous)
 
 
 def mix(z):
@@ -124,18 +125,12 @@ def random_bits(key, index):
 
 def positions(global_shape, offsets, local_shape, device):
     """Flat positions in `global_shape` of a `local_shape` box at `offsets`."""
-    ndim = len(global_shape)
     index = torch.zeros((), dtype=torch.int64, device=device)
-    stride = 1
-    for dim in reversed(range(ndim)):
-        view = [1] * ndim
-        view[dim] = local_shape[dim]
-        start = offsets[dim]
-        axis = torch.arange(
-            start, start + local_shape[dim], dtype=torch.int64, device=device
-        )
-        index = index + axis.mul_(stride).view(view)
-        stride *= global_shape[dim]
+    strides = layouts.contiguous_strides(global_shape)
+    for dim, (start, size) in enumerate(zip(offsets, local_shape)):
+        view = [size if d == dim else 1 for d in range(len(local_shape))]
+        axis = torch.arange(start, start + size, device=device)
+        index = index + axis.mul_(strides[dim]).view(view)
     return index.expand(tuple(local_shape)).contiguous()
 
 
@@ -146,27 +141,23 @@ def draw_pairs(key, box, device, pair):
     global_shape, offsets, local_shape = box
     count = math.prod(local_shape)
     # Whole but for its first dimension: one range of positions.
-    if tuple(global_shape[1:]) == tuple(local_shape[1:]) and not any(
-        offsets[1:]
-    ):
+    rows = tuple(global_shape[1:]) == tuple(local_shape[1:])
+    rows = rows and not any(offsets[1:])
+    if rows:
         start = offsets[0] * math.prod(global_shape[1:]) if offsets else 0
-        first, last = start >> 1, (start + count + 1) >> 1
-        bits = random_bits(
-            key, torch.arange(first, last, dtype=torch.int64, device=device)
-        )
-        even, odd = pair(*_halves(bits))
-        both = torch.stack((even, odd), dim=-1).view(-1)
-        return both[start & 1 : (start & 1) + count].view(tuple(local_shape))
-    index = positions(global_shape, offsets, local_shape, device)
-    is_odd = (index & 1).bool()
-    even, odd = pair(*_halves(random_bits(key, index.bitwise_right_shift_(1))))
-    return torch.where(is_odd, odd, even)
-
-
-def _halves(bits):
+        stop = (start + count + 1) >> 1
+        counters = torch.arange(start >> 1, stop, device=device)
+    else:
+        index = positions(global_shape, offsets, local_shape, device)
+        is_odd = (index & 1).bool()
+        counters = index.bitwise_right_shift_(1)
+    bits = random_bits(key, counters)
     low = torch.bitwise_right_shift(bits, 8).bitwise_and_(0xFFFFFF)
-    high = bits.bitwise_right_shift_(40).bitwise_and_(0xFFFFFF)
-    return low, high
+    even, odd = pair(low, bits.bitwise_right_shift_(40).bitwise_and_(0xFFFFFF))
+    if not rows:
+        return torch.where(is_odd, odd, even)
+    both = torch.stack((even, odd), dim=-1).view(-1)
+    return both[start & 1 : (start & 1) + count].view(tuple(local_shape))
 
 
 def unit_uniform(key, box, device, dtype):
@@ -175,21 +166,15 @@ def unit_uniform(key, box, device, dtype):
         index = positions(*box, device)
         bits = random_bits(key, index).bitwise_right_shift_(11)
         return bits.bitwise_and_((1 << 53) - 1).to(torch.float64) * 2.0**-53
-    return draw_pairs(key, box, device, _unit_pair)
-
-
-def _unit_pair(low, high):
-    return low.to(torch.float32) * 2.0**-24, high.to(torch.float32) * 2.0**-24
+    return draw_pairs(
+        key, box, device, lambda *halves: [h.float() * 2.0**-24 for h in halves]
+    )
 
 
 def keep_mask(key, box, device, keep):
     """Booleans by position, each true with probability `keep`."""
     threshold = keep * 2.0**24
-
-    def pair(low, high):
-        return low < threshold, high < threshold
-
-    return draw_pairs(key, box, device, pair)
+    return draw_pairs(key, box, device, lambda *h: [x < threshold for x in h])
 
 
 def standard_normal(key, box, device, dtype):
@@ -215,28 +200,22 @@ def seed_key(seed):
     return mix(seed[0] * _GAMMA + seed[1])
 
 
-@contextlib.contextmanager
 def one_key_per_call():
     """Unseeded draws in the block derive from one key of torch's generator,
     so a repeat of the probe's call draws the same keys with one collective."""
-    if getattr(_state, "keys", None) is not None:
-        yield
-        return
-    _state.keys = [None, 0]
-    try:
-        yield
-    finally:
-        _state.keys = None
+    if _state.keys is not None:
+        return contextlib.nullcontext()
+    return _setting("keys", [None, 0])
 
 
 def unseeded_key():
     """The key of an unseeded draw, from process 0's torch generator
     (processes may seed theirs differently), once per `one_key_per_call`."""
-    keys = getattr(_state, "keys", None)
+    keys = _state.keys
     if keys is not None and keys[0] is not None:
         keys[1] += 1
-        return mix(keys[0] + _wrapped(keys[1] * _GAMMA))
-    rows = getattr(_state, "rows", None)
+        return mix(keys[0] + torch.tensor(keys[1]).mul_(_GAMMA))
+    rows = _state.rows
     if rows is not None:
         rows[3].unseeded += 1
     key = generator_states.torch_key()
@@ -248,16 +227,10 @@ def unseeded_key():
     return mix(key.clone())
 
 
-def _wrapped(value):
-    """A Python integer as the int64 it is modulo 2**64."""
-    value &= (1 << 64) - 1
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
 def _draw_box(shape):
     """`(global_shape, offsets, local_shape)` of a draw of `shape` here."""
     shape = tuple(int(d) for d in shape)
-    rows = getattr(_state, "rows", None)
+    rows = _state.rows
     if rows is None or not rows[3].decide(shape, rows[1]):
         return shape, (0,) * len(shape), shape
     start, _, global_rows, _ = rows
@@ -292,56 +265,38 @@ def dropout(inputs, rate, noise_shape, seed):
     unseeded = seed is None or (
         isinstance(seed, SeedGenerator) and seed._initial_seed is None
     )
-    if unseeded:
-        key = unseeded_key().to(_device_of(inputs))
-    else:
-        key = seed_key(seed)
+    is_dtensor = isinstance(inputs, DTensor)
+    device = (inputs.to_local() if is_dtensor else inputs).device
+    key = unseeded_key().to(device) if unseeded else seed_key(seed)
     shape = tuple(inputs.shape)
     if noise_shape is not None:
         shape = tuple(
             d if n is None else int(n) for d, n in zip(shape, noise_shape)
         )
-    keep = 1.0 - rate
-    if isinstance(inputs, DTensor):
-        scale = _dtensor_scale(inputs, shape, key, keep)
+    if is_dtensor:
+        mesh, placements = inputs.device_mesh, inputs.placements
+        region = layouts.local_region(inputs.shape, mesh, placements)
+        # A broadcast dimension of the mask (noise shape 1) is whole here.
+        region = [slice(0, 1) if n == 1 else r for r, n in zip(region, shape)]
+        starts = [r.start for r in region]
+        box = shape, starts, [r.stop - s for r, s in zip(region, starts)]
     else:
-        mask = keep_mask(key, _draw_box(shape), inputs.device, keep)
-        scale = _scale(mask, inputs.dtype, keep)
+        box = _draw_box(shape)
+    keep = 1.0 - rate
+    scale = keep_mask(key, box, device, keep).to(inputs.dtype).mul_(1 / keep)
+    if is_dtensor:
+        mask_placements = [
+            Replicate()
+            if p.is_partial() or (p.is_shard() and shape[p.dim] == 1)
+            else p
+            for p in placements
+        ]
+        scale = layouts.dtensor_from_local(
+            scale, mesh, mask_placements, shape=shape
+        )
     # One product, as torch's own dropout: its gradient is one product too.
     return inputs * scale
 
 
-def _scale(mask, dtype, keep):
-    """`1 / keep` where `mask` keeps an element, 0 where it drops it."""
-    return mask.to(dtype).mul_(1.0 / keep)
-
-
-def _dtensor_scale(inputs, shape, key, keep):
-    """The scale of `shape` for a `DTensor`'s local part, as a `DTensor`."""
-    mesh, placements = inputs.device_mesh, tuple(inputs.placements)
-    region = layouts.local_region(inputs.shape, mesh, placements)
-    offsets = [r.start for r in region]
-    local_shape = [r.stop - r.start for r in region]
-    # A broadcast dimension of the mask (noise shape 1) is whole everywhere.
-    offsets = [o if n != 1 else 0 for o, n in zip(offsets, shape)]
-    local_shape = [s if n != 1 else 1 for s, n in zip(local_shape, shape)]
-    device = inputs.to_local().device
-    mask = keep_mask(key, (shape, offsets, local_shape), device, keep)
-    mask = _scale(mask, inputs.dtype, keep)
-    mask_placements = [
-        Replicate()
-        if p.is_partial() or (p.is_shard() and shape[p.dim] == 1)
-        else p
-        for p in placements
-    ]
-    return layouts.dtensor_from_local(mask, mesh, mask_placements, shape=shape)
-
-
 def _device():
     return torch.device(runtime.backend_core().get_device())
-
-
-def _device_of(inputs):
-    if isinstance(inputs, DTensor):
-        return inputs.to_local().device
-    return inputs.device

@@ -13,39 +13,24 @@ import zlib
 import torch
 import torch.distributed as dist
 from packaging.version import parse
+from torch.distributed.tensor import DTensor  # noqa: F401
+from torch.distributed.tensor import Partial  # noqa: F401
+from torch.distributed.tensor import Replicate  # noqa: F401
+from torch.distributed.tensor import Shard  # noqa: F401
+from torch.distributed.tensor.experimental import implicit_replication  # noqa: F401
 
 from keras.src.backend.common import global_state
 from keras.src.backend.torch.distributed.health import health
 
-# The one import of DTensor's names, so that Keras still imports where torch
-# has no DTensor (torch < 2.5, or no torch.distributed).
-try:
-    from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor import Partial
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.experimental import implicit_replication
-
-    DTENSOR_AVAILABLE = True
-except ImportError:
-    DTENSOR_AVAILABLE = False
-    TorchDeviceMesh = Partial = Replicate = Shard = None
-    implicit_replication = None
-
-    class DTensor:
-        """Stands in for torch's `DTensor`: no tensor is one."""
-
-
-MIN_TORCH_VERSION = "2.5"
+# DTensor's names above are imported from here by the other modules.
+DTENSOR_AVAILABLE = True
 # The flat-buffer collectives (torch 2.12 renamed them; the old names warn).
-all_gather_flat = getattr(dist, "all_gather_single", None) or (
-    dist.all_gather_into_tensor
+all_gather_flat = getattr(
+    dist, "all_gather_single", dist.all_gather_into_tensor
 )
-reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or (
-    dist.reduce_scatter_tensor
+reduce_scatter_flat = getattr(
+    dist, "reduce_scatter_single", dist.reduce_scatter_tensor
 )
-_GLOO_DRAIN_SECONDS = 0.05
 DEBUG_ENV = "KERAS_DISTRIBUTION_DEBUG"
 LOG_ALL_PROCESSES_ENV = "KERAS_DISTRIBUTION_LOG_ALL_PROCESSES"
 # Choices that may differ between processes; every other
@@ -58,6 +43,8 @@ _PER_PROCESS_ENV = (
 )
 
 logger = logging.getLogger("keras.distribution")
+# Logs on the `keras.distribution` logger (`KERAS_DISTRIBUTION_DEBUG`).
+log_debug = logger.debug
 
 # The last `set_distribution`: Keras' global state is per thread, but hooks
 # also run on threads that never set it (CUDA autograd's backward threads).
@@ -111,29 +98,24 @@ def set_process_distribution(distribution):
 
 def world_size():
     """The number of processes of the job, without any collective."""
-    if dist.is_available() and dist.is_initialized():
+    if dist.is_initialized():
         return dist.get_world_size()
     return int(os.environ.get("WORLD_SIZE", 1))
 
 
 def rank():
     """This process' rank in the job, without any collective."""
-    if dist.is_available() and dist.is_initialized():
+    if dist.is_initialized():
         return dist.get_rank()
     return int(os.environ.get("RANK", 0))
-
-
-def device_names(device_type):
-    """The Keras names of the job's devices, one per process: `"gpu:i"`."""
-    return [f"{device_type}:{i}" for i in range(world_size())]
 
 
 def check_torch_version():
     """Raises if this torch cannot run a distribution."""
     if not DTENSOR_AVAILABLE or parse(torch.__version__).release < (2, 5):
         raise RuntimeError(
-            "Keras distribution with the torch backend needs "
-            f"torch>={MIN_TORCH_VERSION} (with `torch.distributed.tensor`). "
+            "Keras distribution with the torch backend needs torch>=2.5 "
+            "(with `torch.distributed.tensor`). "
             f"Found torch=={torch.__version__}. Upgrade torch, or run "
             "without a distribution."
         )
@@ -160,9 +142,10 @@ def initialize_job(job_addresses=None, num_processes=None, process_id=None):
 
 def agree_on_environment():
     """Raises a `ValueError` on every process unless all set the same
-    `KERAS_DISTRIBUTION_*` variables that choose collectives (a process
-    alone checking replication or gathering weights otherwise would wait
-    for ever in a collective the others never make)."""
+    `KERAS_DISTRIBUTION_*` variables that choose collectives (else a process
+    alone making a collective would wait for ever)."""
+    from keras.src.backend.torch.distributed.core import collectives
+
     if world_size() == 1:
         return
     choices = sorted(
@@ -171,22 +154,14 @@ def agree_on_environment():
         if name.startswith("KERAS_DISTRIBUTION_")
         and name not in _PER_PROCESS_ENV
     )
-    digest = torch.tensor(
-        [zlib.crc32(repr(choices).encode())],
-        dtype=torch.int64,
-        device=comm_device(),
-    )
-    digests = [torch.empty_like(digest) for _ in range(world_size())]
-    dist.all_gather(digests, digest)
-    if all(torch.equal(d, digests[0]) for d in digests):
+    digest = zlib.crc32(repr(choices).encode())
+    if len(set(map(tuple, collectives.all_gather_ints([digest], None)))) == 1:
         return
     every = [None] * world_size()
     dist.all_gather_object(every, dict(choices))
     names = sorted({name for own in every for name in own})
-    differing = [n for n in names if len({own.get(n) for own in every}) > 1]
-    values = {
-        name: [own.get(name, "<unset>") for own in every] for name in differing
-    }
+    values = {n: [own.get(n, "<unset>") for own in every] for n in names}
+    values = {n: v for n, v in values.items() if len(set(v)) > 1}
     raise ValueError(
         "Every process must set the same `KERAS_DISTRIBUTION_*` variables "
         "that choose collectives. Received, per process "
@@ -199,22 +174,17 @@ def agree_on_seed():
     """Makes every process use process 0's seed where any process set none,
     so that unseeded random ops (initializers, dropout) agree across
     processes; processes that all set one keep their generators."""
+    from keras.src.backend.torch.distributed.core import collectives
+    from keras.src.random import seed_generator
     from keras.src.utils import rng_utils
 
     if world_size() == 1:
         return
     own = rng_utils.get_random_seed()
-    device = comm_device()
-    unseeded = torch.tensor(
-        [int(own is None)], dtype=torch.int32, device=device
-    )
-    dist.all_reduce(unseeded, op=dist.ReduceOp.MAX)
-    if not unseeded.item():
+    if not collectives.any_process(own is None, None):
         return
-    from keras.src.random import seed_generator
-
     seed = seed_generator.make_default_seed() if own is None else own
-    seed = torch.tensor([seed], dtype=torch.int64, device=device)
+    seed = torch.tensor([seed], dtype=torch.int64, device=comm_device())
     dist.broadcast(seed, src=0)
     if own != int(seed.item()):
         rng_utils.set_random_seed(int(seed.item()))
@@ -225,28 +195,20 @@ def sync_torch_rng():
     that unseeded dropout draws the same whole-tensor noise everywhere."""
     if world_size() == 1:
         return
-    states = [torch.get_rng_state()]
+    generators = [(torch.get_rng_state, torch.set_rng_state)]
     if torch.cuda.is_available():
-        states.append(torch.cuda.get_rng_state())
-    device = comm_device()
-    states = [state.to(device) for state in states]
-    for state in states:
+        generators.append((torch.cuda.get_rng_state, torch.cuda.set_rng_state))
+    for get_state, set_state in generators:
+        state = get_state().to(comm_device())
         dist.broadcast(state, src=0)
-    torch.set_rng_state(states[0].cpu())
-    if torch.cuda.is_available():
-        torch.cuda.set_rng_state(states[1].cpu())
+        set_state(state.cpu())
 
 
 def comm_device():
     """The device of tensors handed to collectives on the default group."""
-    if dist.get_backend() == "nccl" or "cuda:nccl" in str(dist.get_backend()):
+    if "nccl" in str(dist.get_backend()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def log_debug(message, *args):
-    """Logs on the `keras.distribution` logger (`KERAS_DISTRIBUTION_DEBUG`)."""
-    logger.debug(message, *args)
 
 
 def _resolve_job(job_addresses, num_processes, process_id):
@@ -264,79 +226,68 @@ def _resolve_job(job_addresses, num_processes, process_id):
                 f"(WORLD_SIZE={env_world}, RANK={env_rank}). Leave it unset "
                 "under torchrun, or pass the same value."
             )
-    coordinator = _coordinator(job_addresses, num_processes)
+    coordinator = None
+    if job_addresses:
+        addresses = [a.strip() for a in job_addresses.split(",") if a.strip()]
+        count = len(addresses)
+        if num_processes is not None and 1 < count != int(num_processes):
+            raise ValueError(
+                f"The provided job_addresses {addresses} has {count} jobs, "
+                f"but num_processes is {num_processes}"
+            )
+        if ":" not in addresses[0]:
+            raise ValueError(
+                "job_addresses must be given as 'host:port'. Received: "
+                f"job_addresses='{job_addresses}'"
+            )
+        coordinator = addresses[0]
     if num_processes is None:
-        num_processes = int(env_world) if env_world is not None else 1
+        num_processes = 1 if env_world is None else env_world
     if process_id is None:
-        process_id = int(env_rank) if env_rank is not None else 0
+        process_id = 0 if env_rank is None else env_rank
     num_processes, process_id = int(num_processes), int(process_id)
     if num_processes < 1 or not 0 <= process_id < num_processes:
         raise ValueError(
             "process_id must be in [0, num_processes). Received: "
             f"num_processes={num_processes}, process_id={process_id}"
         )
-    if num_processes > 1 and coordinator is None:
-        missing = [
-            v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ
-        ]
-        if missing:
-            raise ValueError(
-                f"A job of {num_processes} processes needs the coordinator's "
-                "address: pass job_addresses='host:port' (or set "
-                "KERAS_DISTRIBUTION_JOB_ADDRESSES), or launch with torchrun. "
-                f"Missing environment variables: {missing}"
-            )
+    missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if num_processes > 1 and coordinator is None and missing:
+        raise ValueError(
+            f"A job of {num_processes} processes needs the coordinator's "
+            "address: pass job_addresses='host:port' (or set "
+            "KERAS_DISTRIBUTION_JOB_ADDRESSES), or launch with torchrun. "
+            f"Missing environment variables: {missing}"
+        )
     return coordinator, num_processes, process_id
 
 
-def _coordinator(job_addresses, num_processes):
-    """The `host:port` of the first of `job_addresses`, or `None`."""
-    if not job_addresses:
-        return None
-    addresses = [a.strip() for a in job_addresses.split(",") if a.strip()]
-    if num_processes is not None and len(addresses) > 1:
-        if len(addresses) != int(num_processes):
-            raise ValueError(
-                f"The provided job_addresses {addresses} has "
-                f"{len(addresses)} jobs, but num_processes is "
-                f"{num_processes}"
-            )
-    if ":" not in addresses[0]:
-        raise ValueError(
-            "job_addresses must be given as 'host:port'. Received: "
-            f"job_addresses='{job_addresses}'"
-        )
-    return addresses[0]
-
-
 def _init_process_group(coordinator, num_processes, process_id):
+    """Creates the job's default process group (NCCL and gloo on CUDA)."""
     timeout = datetime.timedelta(seconds=health.start_timeout())
+    how = dict(backend="gloo", world_size=num_processes, rank=process_id)
     if torch.cuda.is_available():
         torch.cuda.set_device(_local_gpu(process_id))
-        backend = "cpu:gloo,cuda:nccl"
-    else:
-        backend = "gloo"
-    kwargs = dict(
-        backend=backend,
-        world_size=num_processes,
-        rank=process_id,
-        timeout=timeout,
-    )
+        how["backend"] = "cpu:gloo,cuda:nccl"
     if num_processes == 1 and coordinator is None:
-        kwargs["store"] = dist.HashStore()
+        how["store"] = dist.HashStore()
     elif coordinator is not None:
-        kwargs["init_method"] = f"tcp://{coordinator}"
+        how["init_method"] = f"tcp://{coordinator}"
     elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        kwargs["store"] = _launcher_store(timeout)
+        # torchrun's store, keyed by attempt: restarts keep it, and `env://`
+        # would find the last attempt's dead processes.
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        how["store"] = dist.PrefixStore(f"keras/attempt_{attempt}", store)
     else:
-        kwargs["init_method"] = "env://"
-    dist.init_process_group(**kwargs)
+        how["init_method"] = "env://"
+    dist.init_process_group(timeout=timeout, **how)
     # Process groups torn down at interpreter shutdown can abort the process.
     atexit.register(_destroy_process_group)
     health.install(coordinator)
-    log_debug(
-        "process group: backend %s, world size %d", backend, num_processes
-    )
+    message = "process group: backend %(backend)s, world size %(world_size)d"
+    log_debug(message, how)
 
 
 def _local_gpu(process_id):
@@ -360,50 +311,35 @@ def _local_gpu(process_id):
     return local_rank
 
 
-def _launcher_store(timeout):
-    """torchrun's store, keyed by attempt: restarts keep it, and `env://`
-    would find the last attempt's dead processes."""
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        is_master=False,
-        timeout=timeout,
-    )
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"keras/attempt_{attempt}", store)
-
-
 def _destroy_process_group():
     if dist.is_initialized():
         dist.destroy_process_group()
         gc.collect()  # Free groups held by reference cycles before shutdown.
         # Gloo threads of groups a live mesh holds abort the process if they
         # drop a tensor at shutdown (pytorch#190489): let them finish first.
-        time.sleep(_GLOO_DRAIN_SECONDS)
+        time.sleep(0.05)
 
 
-class _RankFilter(logging.Filter):
-    """Adds the process rank (never by a collective) to log records."""
-
-    def filter(self, record):
-        record.rank = rank()
-        return True
+def _with_rank(record):
+    """Adds the process rank (never by a collective) to a log record."""
+    record.rank = rank()
+    return True
 
 
-def _configure_logger():
-    if os.environ.get(DEBUG_ENV, "0") in ("", "0", "false", "False"):
-        return
-    handler = logging.StreamHandler()
-    handler.addFilter(_RankFilter())
-    handler.setFormatter(
+if os.environ.get(DEBUG_ENV, "0") not in ("", "0", "false", "False"):
+    _handler = logging.StreamHandler()
+    _handler.addFilter(_with_rank)
+    _handler.setFormatter(
         logging.Formatter("[rank %(rank)s] %(name)s: %(message)s")
     )
-    logger.addHandler(handler)
+    logger.addHandler(_handler)
     logger.setLevel(logging.DEBUG)
     logger.propagate = False
 
-
-_configure_logger()
+GATHERED_ALL_TO_ALL_NOTICE = (
+    "CPU process group does not support alltoall yet, falling back with "
+    "allgather + chunk!"
+)
 
 
 class _GatheredAllToAllFilter(logging.Filter):
@@ -414,10 +350,6 @@ class _GatheredAllToAllFilter(logging.Filter):
         return record.msg != GATHERED_ALL_TO_ALL_NOTICE
 
 
-GATHERED_ALL_TO_ALL_NOTICE = (
-    "CPU process group does not support alltoall yet, falling back with "
-    "allgather + chunk!"
-)
 logging.getLogger("torch.distributed.tensor._collective_utils").addFilter(
     _GatheredAllToAllFilter()
 )

@@ -9,8 +9,6 @@ from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.core.runtime import DTensor
 from keras.src.backend.torch.distributed.dtensor_gaps import fallback
 
-NO_RULE = "(no rule)"
-
 
 def mesh_info(device_mesh=None):
     """Describes a device mesh and this process' place in it.
@@ -31,26 +29,20 @@ def mesh_info(device_mesh=None):
                 "`keras.distribution.set_distribution(...)` first."
             )
         device_mesh = distribution.device_mesh
+    # Read from device names (`"gpu:i"` is rank `i`), not the torch mesh:
+    # building that is a collective.
+    ranks = np.vectorize(lambda d: layouts.to_torch_device(d)[1])(
+        device_mesh.devices
+    )
+    found = np.argwhere(ranks == runtime.rank())
     return {
         "shape": tuple(device_mesh.shape),
         "axis_names": tuple(device_mesh.axis_names),
         "devices": device_mesh.devices.tolist(),
         "process_id": runtime.rank(),
         "num_processes": runtime.world_size(),
-        "coordinate": _coordinate(device_mesh),
+        "coordinate": tuple(int(i) for i in found[0]) if len(found) else None,
     }
-
-
-def _coordinate(device_mesh):
-    """This process' index along each mesh axis, or `None`, read from device
-    names (`"gpu:i"` is rank `i`): building the torch mesh is a collective."""
-    ranks = np.vectorize(lambda d: layouts.to_torch_device(d)[1])(
-        device_mesh.devices
-    )
-    found = np.argwhere(ranks == runtime.rank())
-    if len(found) == 0:
-        return None
-    return tuple(int(i) for i in found[0])
 
 
 def sharding_summary(model, print_fn=None):
@@ -71,74 +63,63 @@ def sharding_summary(model, print_fn=None):
     distribution = runtime.current_distribution()
     layout_map = layout_rules.layout_map_of(distribution)
     reason_of = getattr(distribution, "layout_reason", None)
-    rows = [_variable_row(v, layout_map, reason_of) for v in model.variables]
+    rows = []
+    for variable in model.variables:
+        value = variable.value
+        local = value.to_local() if isinstance(value, DTensor) else value
+        rule = None
+        if layout_map is not None:
+            rule = layout_rules.matching_rule(layout_map, variable.path)
+        if rule is None and reason_of is not None:
+            rule = reason_of(variable.path)
+        placements = getattr(value, "placements", ("R",))
+        rows.append(
+            {
+                "path": variable.path,
+                "dtype": str(variable.dtype),
+                "global_shape": tuple(value.shape),
+                "placements": tuple(str(p) for p in placements),
+                "local_shape": tuple(local.shape),
+                "local_bytes": local.numel() * local.element_size(),
+                "layout_rule": rule,
+            }
+        )
     if print_fn is not None:
         print_fn(_format_rows(rows))
     return rows
 
 
-def _variable_row(variable, layout_map, reason_of=None):
-    value = variable.value
-    local = value.to_local() if isinstance(value, DTensor) else value
-    placements = tuple(str(p) for p in getattr(value, "placements", ("R",)))
-    rule = None
-    if layout_map is not None:
-        rule = layout_rules.matching_rule(layout_map, variable.path)
-    if rule is None and reason_of is not None:
-        rule = reason_of(variable.path)
-    return {
-        "path": variable.path,
-        "dtype": str(variable.dtype),
-        "global_shape": tuple(value.shape),
-        "placements": placements,
-        "local_shape": tuple(local.shape),
-        "local_bytes": local.numel() * local.element_size(),
-        "layout_rule": rule,
-    }
-
-
 def _format_rows(rows):
+    """The table `sharding_summary` prints, each line naming this process."""
     prefix = f"[rank {runtime.rank()}] "
-    header = (
-        "path",
-        "global shape",
-        "placements",
-        "local shape",
-        "bytes",
-        "layout rule",
-    )
-    table = [header] + [
-        (
+    header = "path|global shape|placements|local shape|bytes|layout rule"
+    table = [header.split("|")] + [
+        [
             r["path"],
             str(r["global_shape"]),
             ", ".join(r["placements"]),
             str(r["local_shape"]),
             str(r["local_bytes"]),
-            NO_RULE if r["layout_rule"] is None else r["layout_rule"],
-        )
+            "(no rule)" if r["layout_rule"] is None else r["layout_rule"],
+        ]
         for r in rows
     ]
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    widths = [max(len(row[i]) for row in table) for i in range(6)]
     lines = [
-        prefix
-        + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
         for row in table
     ]
-    total = sum(r["local_bytes"] for r in rows)
-    lines.append(f"{prefix}total bytes on this process: {total}")
-    lines.extend(prefix + line for line in _fallback_lines())
-    return "\n".join(lines)
-
-
-def _fallback_lines():
-    """The ops DTensor refused so far, each computed on global values."""
+    lines.append(
+        f"total bytes on this process: {sum(r['local_bytes'] for r in rows)}"
+    )
     counts = fallback.fallback_counts()
-    if not counts:
-        return []
-    lines = ["ops computed on global values (DTensor refused their layout):"]
-    for name, count in sorted(counts.items()):
+    if counts:
         lines.append(
-            f"  {name}: {count.calls} calls, {count.gathered_bytes} bytes "
-            f"gathered ({count.reason})"
+            "ops computed on global values (DTensor refused their layout):"
         )
-    return lines
+    lines.extend(
+        f"  {name}: {count.calls} calls, {count.gathered_bytes} bytes "
+        f"gathered ({count.reason})"
+        for name, count in sorted(counts.items())
+    )
+    return "\n".join(prefix + line for line in lines)

@@ -14,10 +14,8 @@ BROADCAST_PIECE_BYTES = 1024 * 1024
 
 
 def initialize_variable(variable):
-    """The parameter a new `variable` holds, laid out by the distribution.
-
-    Called at the end of `Variable._initialize`; outside a distribution (or on
-    the meta device) the plain value is kept."""
+    """The parameter a new `variable` holds, laid out by the distribution (at
+    the end of `Variable._initialize`); else, or on meta, its plain value."""
     distribution = runtime.current_distribution()
     value = variable._value
     if distribution is None or value.is_meta or isinstance(value, DTensor):
@@ -49,11 +47,9 @@ def initialize_variable(variable):
 
 
 def distribute_variable(value, layout):
-    """A `DTensor` of the full `value` laid out as `layout`.
-
-    Process 0's value is broadcast (so differently seeded initializers agree) in
-    pieces, each process keeping its part: unlike a scatter, none holds more
-    than its full value, its shard and one piece."""
+    """A `DTensor` of process 0's `value` (so differently seeded initializers
+    agree) laid out as `layout`, broadcast in pieces: unlike a scatter, no
+    process holds more than its full value, its shard and one piece."""
     layout = layouts.as_torch_layout(layout)
     layouts.check_rank(value, layout, "variable")
     value = value.detach()
@@ -64,30 +60,23 @@ def distribute_variable(value, layout):
         value = value.to(mesh.device_type)
     region = layouts.local_region(value.shape, mesh, placements)
     local = _broadcast_region(value, region)
-    return layouts.dtensor_from_local(
-        local, mesh, placements, shape=value.shape
-    )
+    return layouts.dtensor_from_local(local, mesh, placements, value.shape)
 
 
 def _broadcast_region(value, region):
     """Broadcasts process 0's `value`; returns `value[region]` of it."""
-    local = value.new_empty([s.stop - s.start for s in region])
     if value.ndim == 0:
-        local.copy_(value)
-        dist.broadcast(local, src=0)
-        return local
+        return _broadcast_region(value.reshape(1), (slice(0, 1),)).reshape(())
+    local = value.new_empty([s.stop - s.start for s in region])
     if value.numel() == 0:
         return local
     is_source = dist.get_rank() == 0
     value = value.contiguous() if is_source else value
     rows = value.shape[0]
-    row_bytes = value[0].numel() * value.element_size()
-    rows_per_piece = max(1, BROADCAST_PIECE_BYTES // max(row_bytes, 1))
+    row_bytes = value.numel() // rows * value.element_size()
+    rows_per_piece = max(1, BROADCAST_PIECE_BYTES // row_bytes)
     rows_kept, columns_kept = region[0], region[1:]
-    whole_rows = all(
-        s.start == 0 and s.stop == n
-        for s, n in zip(columns_kept, value.shape[1:])
-    )
+    whole_rows = columns_kept == tuple(slice(0, n) for n in value.shape[1:])
     scratch = None
     for start in range(0, rows, rows_per_piece):
         stop = min(start + rows_per_piece, rows)
@@ -117,32 +106,30 @@ def match_layout(value, reference):
     if isinstance(value, DTensor):
         return value.redistribute(mesh, placements)
     value = torch.as_tensor(value, device=reference.device)
-    # A plain value is the same on every process: each cuts its own shard.
-    region = layouts.local_region(value.shape, mesh, placements)
-    return layouts.dtensor_from_local(
-        value[region], mesh, placements, shape=value.shape
-    )
+    local = _local_part(value, reference)
+    return layouts.dtensor_from_local(local, mesh, placements, value.shape)
 
 
 def assign(target, value):
-    """Copies `value` (a `DTensor`, or the global value) into `target`.
-
-    State without gradients is written through its local tensor, skipping
-    DTensor's dispatch; a weight requiring grad goes through DTensor, whose
-    version counter autograd and `fsdp_call` check."""
+    """Copies `value` (a `DTensor`, or the global value) into `target`: state
+    without gradients via its local tensor (no DTensor dispatch), a weight via
+    DTensor, whose version counter autograd and `fsdp_call` check."""
     if not isinstance(target, DTensor):
         target.copy_(to_global_value(value))
-        return
-    if target.requires_grad:
+    elif target.requires_grad:
         target.copy_(match_layout(value, target))
-        return
-    mesh, placements = target.device_mesh, target.placements
-    if isinstance(value, DTensor):
-        local = value.redistribute(mesh, placements).to_local()
     else:
-        value = torch.as_tensor(value, device=target.device)
-        local = value[layouts.local_region(value.shape, mesh, placements)]
-    target.to_local().copy_(local)
+        target.to_local().copy_(_local_part(value, target))
+
+
+def _local_part(value, reference):
+    """This process' part of `value` laid out like the `DTensor` `reference`
+    (a plain `value` is the same on every process: each cuts its own)."""
+    mesh, placements = reference.device_mesh, reference.placements
+    if isinstance(value, DTensor):
+        return value.redistribute(mesh, placements).to_local()
+    value = torch.as_tensor(value, device=reference.device)
+    return value[layouts.local_region(value.shape, mesh, placements)]
 
 
 def operand_like(value, reference):
@@ -166,14 +153,11 @@ def to_global_value(x):
         return x
     if all(p.is_replicate() for p in x.placements):
         return x.to_local()
-    with call_agreement.collective_call(_read_description(x)):
-        return x.full_tensor()
-
-
-def _read_description(x):
     path = getattr(x, "keras_variable_path", None)
     what = f"variable '{path}'" if path else f"a tensor of shape {x.shape}"
-    return f"a read of the global value of {what}, laid out as {x.placements}"
+    read = f"a read of the global value of {what}, laid out as {x.placements}"
+    with call_agreement.collective_call(read):
+        return x.full_tensor()
 
 
 def rebind_module_parameter(module, name, parameter):
