@@ -94,11 +94,9 @@ class DistributedCheckpoint(MonitorCallback):
     def on_train_batch_end(self, batch, logs=None):
         if self.save_freq == "epoch":
             return
-        if self._last_batch_seen is None or batch <= self._last_batch_seen:
-            seen = batch + 1  # A new epoch.
-        else:
-            seen = batch - self._last_batch_seen
-        self._last_batch_seen = batch
+        last, self._last_batch_seen = self._last_batch_seen, batch
+        # Past the last batch seen, or of a new epoch.
+        seen = batch - last if last is not None and batch > last else batch + 1
         self._total_batches_seen += seen
         self._batches_seen_since_last_saving += seen
         if self._batches_seen_since_last_saving >= self.save_freq:
@@ -139,8 +137,5 @@ class DistributedCheckpoint(MonitorCallback):
                 f"to {self.directory}"
             )
         self._checkpointer.save(
-            self.model,
-            step,
-            weights_only=self.save_weights_only,
-            background=self.save_on_background,
+            self.model, step, self.save_weights_only, self.save_on_background
         )

@@ -1,10 +1,7 @@
-"""Sharded checkpoints on `torch.distributed.checkpoint` (DCP).
-
-A checkpoint is DCP's files plus `keras_checkpoint.json` (variables, config).
-Each process writes its shards and loads what its layout needs, so it loads
-under any mesh or world size. Saves go to `.partial-<step>/`, renamed once
-DCP's metadata (written last) exists: an interrupted save never looks complete.
-"""
+"""Sharded checkpoints: `torch.distributed.checkpoint` (DCP) files, which each
+process writes and loads its shards of (so under any mesh or world size), plus
+`keras_checkpoint.json` (variables, config). Saves go to `.partial-<step>/`,
+renamed once complete: an interrupted save never looks complete."""
 
 import concurrent.futures
 import contextlib
@@ -25,9 +22,10 @@ INFO_FILE = "keras_checkpoint.json"
 METADATA_FILE = ".metadata"
 FORMAT = "keras.DistributedCheckpoint"
 PARTIAL_PREFIX = ".partial-"
-REPLACED_PREFIX = ".replaced-"
 
-# (the default group it was made for, the group of background saves)
+# The process group of background saves (not the default group: their
+# collectives would interleave with the step's), and the default group it
+# was made for.
 _background_group = (None, None)
 
 
@@ -50,20 +48,15 @@ class Checkpointer:
                 f"directory={self.directory}"
             )
         self.max_to_keep = max_to_keep
-        self._pending = None
+        self._pending = None  # The future of a background save.
 
     def save(self, model, step, weights_only=False, background=False):
         """Saves `model` as step `step`; every process must call it."""
         self.wait()
-        # A future if `background`, else `None`.
+        path = os.path.join(self.directory, str(int(step)))
+        full = not weights_only  # The optimizer's state and the config too.
         self._pending = save_checkpoint(
-            model,
-            os.path.join(self.directory, str(int(step))),
-            include_optimizer=not weights_only,
-            include_config=not weights_only,
-            background=background,
-            process_group=background_group() if background else None,
-            on_complete=self._prune,
+            model, path, full, full, background, self._prune
         )
 
     def wait(self):
@@ -73,18 +66,11 @@ class Checkpointer:
             # Process 0's future alone also puts the checkpoint in place.
             process_io.raised_together(pending.result)
 
-    def latest_step(self):
-        """The latest complete step, or `None`."""
-        steps = complete_steps(self.directory)
-        return steps[-1] if steps else None
-
     def _prune(self):
-        if self.max_to_keep is None:
-            return
-        for step in complete_steps(self.directory)[: -self.max_to_keep]:
-            shutil.rmtree(
-                os.path.join(self.directory, str(step)), ignore_errors=True
-            )
+        if self.max_to_keep is not None:
+            for step in complete_steps(self.directory)[: -self.max_to_keep]:
+                path = os.path.join(self.directory, str(step))
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def save_checkpoint(
@@ -93,60 +79,83 @@ def save_checkpoint(
     include_optimizer=True,
     include_config=True,
     background=False,
-    process_group=None,
     on_complete=None,
 ):
     """Writes `model` to `path` atomically (replacing it); all processes call.
 
     `background` returns once the values are staged: a future done (or raising)
     once the checkpoint is in place on process 0, where `on_complete` runs."""
+    from keras.src.saving import saving_lib
+
+    global _background_group
+    no_dist, group = not _distributed(), None
+    if background and not no_dist:
+        group, world = _background_group
+        if world is not dist.group.WORLD:
+            # Background saves may run long: the longer (start) bound.
+            timeout = datetime.timedelta(seconds=health.start_timeout())
+            group = dist.new_group(backend="gloo", timeout=timeout)
+            _background_group = (group, dist.group.WORLD)
     path = os.path.abspath(os.fspath(path))
     partial = _sibling(path, PARTIAL_PREFIX)
-    variables = _saved_variables(model, include_optimizer)
+    groups = {"model": _model_variables(model), "optimizer": []}
+    optimizer = getattr(model, "optimizer", None)
+    if include_optimizer and optimizer is not None and optimizer.built:
+        groups["optimizer"] = list(optimizer.variables)
 
     def prepare():
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
-        _write_info(partial, model, variables, include_config)
-
-    process_io.on_process_0(prepare)
-    state = {key: _tensor(v) for key, v in variables.items()}
+        info = {"format": FORMAT}
+        for name, variables in groups.items():
+            info[name] = [
+                {"path": v.path, "shape": list(v.shape), "dtype": str(v.dtype)}
+                for v in variables
+            ]
+        info["optimizer"], info["config"] = info["optimizer"] or None, None
+        if include_config:
+            info["config"], _ = saving_lib._serialize_model_as_json(model)
+        with open(os.path.join(partial, INFO_FILE), "w") as f:
+            json.dump(info, f)
 
     def finish():
         if runtime.rank() == 0:
-            _replace(partial, path)
+            # os.replace cannot replace a non-empty directory: old aside.
+            replaced = _sibling(path, ".replaced-")
+            if os.path.exists(path):
+                shutil.rmtree(replaced, ignore_errors=True)
+                os.replace(path, replaced)
+            os.replace(partial, path)
+            shutil.rmtree(replaced, ignore_errors=True)
             if on_complete is not None:
                 on_complete()
 
-    if not background:
-        with _single_process_quietly():
-            dcp.save(state, checkpoint_id=partial, no_dist=not _distributed())
-        process_io.on_process_0(finish)
-        return None
+    process_io.run_on_one_process(prepare)
+    # DCP saves and loads shards in place: no process holds a whole variable.
+    state = {
+        f"{name}/{i}": v.value.detach()
+        for name, variables in groups.items()
+        for i, v in enumerate(variables)
+    }
     with _single_process_quietly():
+        if not background:
+            dcp.save(state, checkpoint_id=partial, no_dist=no_dist)
+            return process_io.run_on_one_process(finish)
         upload = dcp.async_save(
-            state,
-            checkpoint_id=partial,
-            process_group=process_group,
-            no_dist=not _distributed(),
+            state, checkpoint_id=partial, process_group=group, no_dist=no_dist
         )
-    return _then(upload, finish)
+    done = concurrent.futures.Future()
 
+    def callback(future):
+        try:
+            future.result()
+            finish()
+            done.set_result(None)
+        except BaseException as e:  # Re-raised by `done.result()`.
+            done.set_exception(e)
 
-def background_group():
-    """The process group of background saves' collectives (not the default
-    group: they would interleave with the step's), or `None`; created
-    collectively on first call."""
-    global _background_group
-    if not _distributed():
-        return None
-    world, group = _background_group
-    if world is not dist.group.WORLD:
-        # Background saves may run long: the longer (start) bound.
-        timeout = datetime.timedelta(seconds=health.start_timeout())
-        group = dist.new_group(backend="gloo", timeout=timeout)
-        _background_group = (dist.group.WORLD, group)
-    return group
+    upload.add_done_callback(callback)
+    return done
 
 
 def is_checkpoint(path):
@@ -224,10 +233,24 @@ def load_weights(model, path):
             optimizer.build(model.trainable_variables)
         groups["optimizer"] = list(optimizer.variables)
     state = {}
+    # Checked on every process before the collective load: all raise alike.
     for group, variables in groups.items():
-        _check_variables(group, info[group], variables, path)
-        for i, variable in enumerate(variables):
-            state[f"{group}/{i}"] = _tensor(variable)
+        saved = info[group]
+        if len(saved) != len(variables):
+            raise ValueError(
+                f"The checkpoint at {path} has {len(saved)} {group} "
+                f"variables; the model has {len(variables)}. Load it into a "
+                "model of the same architecture (and the same optimizer)."
+            )
+        for i, (entry, variable) in enumerate(zip(saved, variables)):
+            if tuple(entry["shape"]) != tuple(variable.shape):
+                raise ValueError(
+                    f"The checkpoint's variable '{entry['path']}' has shape "
+                    f"{tuple(entry['shape'])}; the model's variable "
+                    f"'{variable.path}' has shape {tuple(variable.shape)}. "
+                    "Load it into a model of the same architecture."
+                )
+            state[f"{group}/{i}"] = variable.value.detach()
     with _single_process_quietly():
         dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
 
@@ -287,58 +310,6 @@ def _model_variables(model):
     return list(model.trainable_variables) + list(model.non_trainable_variables)
 
 
-def _saved_variables(model, include_optimizer):
-    variables = {f"model/{i}": v for i, v in enumerate(_model_variables(model))}
-    optimizer = getattr(model, "optimizer", None)
-    if include_optimizer and optimizer is not None and optimizer.built:
-        for i, v in enumerate(optimizer.variables):
-            variables[f"optimizer/{i}"] = v
-    return variables
-
-
-def _tensor(variable):
-    # DCP saves and loads shards in place: no process holds a whole variable.
-    return variable.value.detach()
-
-
-def _write_info(directory, model, variables, include_config):
-    from keras.src.saving import saving_lib
-
-    groups = {"model": [], "optimizer": []}
-    for key, v in variables.items():
-        groups[key.split("/")[0]].append(
-            {"path": v.path, "shape": list(v.shape), "dtype": str(v.dtype)}
-        )
-    info = {
-        "format": FORMAT,
-        "model": groups["model"],
-        "optimizer": groups["optimizer"] or None,
-        "config": None,
-    }
-    if include_config:
-        info["config"], _ = saving_lib._serialize_model_as_json(model)
-    with open(os.path.join(directory, INFO_FILE), "w") as f:
-        json.dump(info, f)
-
-
-def _check_variables(group, saved, variables, path):
-    # Runs on every process before the collective load: all raise alike.
-    if len(saved) != len(variables):
-        raise ValueError(
-            f"The checkpoint at {path} has {len(saved)} {group} variables; "
-            f"the model has {len(variables)}. Load it into a model of the "
-            "same architecture (and the same optimizer)."
-        )
-    for entry, variable in zip(saved, variables):
-        if tuple(entry["shape"]) != tuple(variable.shape):
-            raise ValueError(
-                f"The checkpoint's variable '{entry['path']}' has shape "
-                f"{tuple(entry['shape'])}; the model's variable "
-                f"'{variable.path}' has shape {tuple(variable.shape)}. "
-                "Load it into a model of the same architecture."
-            )
-
-
 def _is_complete(path):
     names = (METADATA_FILE, INFO_FILE)
     return all(os.path.isfile(os.path.join(path, n)) for n in names)
@@ -347,32 +318,6 @@ def _is_complete(path):
 def _sibling(path, prefix):
     directory, name = os.path.split(path)
     return os.path.join(directory, prefix + name)
-
-
-def _replace(partial, path):
-    # os.replace cannot replace a non-empty directory: move the old aside.
-    replaced = _sibling(path, REPLACED_PREFIX)
-    if os.path.exists(path):
-        shutil.rmtree(replaced, ignore_errors=True)
-        os.replace(path, replaced)
-    os.replace(partial, path)
-    shutil.rmtree(replaced, ignore_errors=True)
-
-
-def _then(upload, finish):
-    """A future done after `upload` and then `finish()` (on its thread)."""
-    done = concurrent.futures.Future()
-
-    def callback(future):
-        try:
-            future.result()
-            finish()
-            done.set_result(None)
-        except BaseException as e:  # Re-raised by `done.result()`.
-            done.set_exception(e)
-
-    upload.add_done_callback(callback)
-    return done
 
 
 def _distributed():

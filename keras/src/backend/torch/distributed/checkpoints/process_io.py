@@ -10,15 +10,14 @@ from keras.src.backend.torch.distributed.core import collectives
 from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.health import call_agreement
 
-LOG_ALL_PROCESSES_ENV = runtime.LOG_ALL_PROCESSES_ENV
-
 
 def is_logging_process():
     """Whether this process prints progress bars and callback messages:
     process 0 only, unless `KERAS_DISTRIBUTION_LOG_ALL_PROCESSES=1`."""
-    if os.environ.get(LOG_ALL_PROCESSES_ENV) == "1":
-        return True
-    return runtime.rank() == 0
+    return (
+        os.environ.get(runtime.LOG_ALL_PROCESSES_ENV) == "1"
+        or runtime.rank() == 0
+    )
 
 
 def async_callbacks_supported():
@@ -31,13 +30,17 @@ def save_from_one_process(save_function, model, filepath, *args, **kwargs):
     """Runs `save_function(model, filepath, *args, **kwargs)` on every process
     (gathering sharded variables is a collective); process 0's temporary file
     is renamed over `filepath` (never seen partial). Returns once in place."""
-    if runtime.world_size() == 1 or not _is_local_file(filepath):
+    try:
+        local = "://" not in str(os.fspath(filepath))
+    except TypeError:  # A file object.
+        local = False
+    if runtime.world_size() == 1 or not local:
         return save_function(model, filepath, *args, **kwargs)
     filepath = os.fspath(filepath)
     directory, name = os.path.split(os.path.abspath(filepath))
     with call_agreement.collective_call("saving a model to one file"):
         # Before the save's gathers: a missing directory raises everywhere.
-        scratch = on_process_0(
+        scratch = run_on_one_process(
             lambda: tempfile.mkdtemp(prefix=f".{name}.", dir=directory)
         )
         if runtime.rank() != 0:
@@ -55,13 +58,7 @@ def save_from_one_process(save_function, model, filepath, *args, **kwargs):
 def run_on_one_process(function):
     """Runs `function()` on process 0 only, then waits for it everywhere;
     returns its result on process 0, `None` on the others."""
-    return on_process_0(function)
-
-
-def on_process_0(function):
-    """`function()` on process 0 (its result there, `None` elsewhere), every
-    process waiting for it; see `raised_together`."""
-    return raised_together(function if runtime.rank() == 0 else _nothing)
+    return raised_together(function if runtime.rank() == 0 else lambda: None)
 
 
 def raised_together(function):
@@ -73,9 +70,9 @@ def raised_together(function):
         result = function()
     except Exception as e:  # Raised below, here and on every process.
         error = e
-    failed = error is not None
-    if runtime.world_size() > 1 and collectives.any_process(failed, None):
-        failed = True
+    failed = runtime.world_size() > 1 and collectives.any_process(
+        error is not None, None
+    )
     if error is not None:
         raise error
     if failed:
@@ -84,15 +81,3 @@ def raised_together(function):
             "error); this process stops with it."
         )
     return result
-
-
-def _nothing():
-    return None
-
-
-def _is_local_file(filepath):
-    try:
-        path = os.fspath(filepath)
-    except TypeError:  # A file object.
-        return False
-    return "://" not in str(path)

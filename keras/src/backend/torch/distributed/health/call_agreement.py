@@ -21,21 +21,11 @@ from keras.src.backend.torch.distributed.health import agreement
 from keras.src.backend.torch.distributed.health import health
 
 _WATCH_SECONDS = 0.05
-_POLL_MAX_SECONDS = 0.02
-_WAIT_FOR_ANNOUNCEMENT = datetime.timedelta(days=1)
 _KEY = "call/{}"
 
 _lock = threading.Lock()
-_state = {
-    "count": 0,
-    "depth": 0,
-    "store": None,
-    "pid": None,
-    # The process that tried to start (a forked process has another pid).
-    "tried": None,
-    "watcher": None,
-    "stop": None,
-}
+# "tried": the process that tried to start (a forked one has another pid).
+_state = dict.fromkeys(("count", "depth", "store", "pid", "tried", "watcher"))
 
 
 class CallMismatchError(ValueError):
@@ -94,7 +84,13 @@ def collective_call(description):
     (else `CallMismatchError`, or `health.JobFailedError` after the timeout);
     not for nested calls, nor in a step or its tracing."""
     start()
-    if not _announces():
+    if not (
+        _state["pid"] == os.getpid()
+        and _state["depth"] == 0
+        and health.running_step() is None
+        and not torch.compiler.is_compiling()
+        and threading.current_thread() is threading.main_thread()
+    ):
         yield
         return
     _agree(description)
@@ -127,16 +123,6 @@ def _iterating_method():
     return "the start of iterating over a dataset"
 
 
-def _announces():
-    return (
-        _state["pid"] == os.getpid()
-        and _state["depth"] == 0
-        and health.running_step() is None
-        and not torch.compiler.is_compiling()
-        and threading.current_thread() is threading.main_thread()
-    )
-
-
 def _agree(description):
     """Announces `description` and waits for every process' announcement."""
     store, rank, size = _state["store"], dist.get_rank(), dist.get_world_size()
@@ -148,14 +134,38 @@ def _agree(description):
     pause = 0.001
     while True:
         calls = {r: call for r, (_, call) in _entries(store, number).items()}
-        if any(call != description for call in calls.values()):
-            raise _mismatch(description, rank, calls)
+        others = sorted(r for r, call in calls.items() if call != description)
+        if others:
+            same = sorted(r for r in calls if r not in others)
+            instead = "; ".join(f"process {r}: {calls[r]}" for r in others)
+            raise CallMismatchError(
+                f"{health.name_processes(same).capitalize()} made a "
+                f"collective call that {health.name_processes(others)} did "
+                f"not make in the same order: {description}. Instead, "
+                f"{instead}. This process is process {rank}. Every process "
+                "of the job must make this call, in the same order (e.g. "
+                "`weights = model.get_weights()` on every process, then use "
+                "`weights` on process 0 only). To look at this process' own "
+                "part of a sharded variable without a collective, read "
+                "`variable.value.to_local()` (a `DTensor` method)."
+            )
         if len(calls) == size:
             break
         if time.monotonic() > deadline:
-            raise _not_announced(description, rank, size, calls)
+            missing = [r for r in range(size) if r not in calls]
+            missing = health.name_processes(missing)
+            raise health.JobFailedError(
+                f"Process {rank} waited more than {health.current_timeout():g}"
+                f" s for {missing} to make the same collective call: "
+                f"{description}. "
+                f"{health.name_processes(sorted(calls)).capitalize()} made "
+                f"it; {missing} did not (other work or collectives, or "
+                "stuck). Every process must make this call in the same "
+                "order; if they legitimately take longer to reach it, raise "
+                f"{health.STEP_TIMEOUT_ENV}."
+            )
         time.sleep(pause)
-        pause = min(2 * pause, _POLL_MAX_SECONDS)
+        pause = min(2 * pause, 0.02)
     if rank == 0 and number > 2:
         # All announced `number`: nobody reads `number - 2` any more.
         store.delete_key(_KEY.format(number - 2))
@@ -172,45 +182,12 @@ def _entries(store, number):
     entries = {}
     for line in store.get(_KEY.format(number)).decode().splitlines():
         rank, counts, description = line.split("\t", 2)
-        counts = dict(c.split("=") for c in counts.split(",") if c)
-        counts = {kind: int(n) for kind, n in counts.items()}
+        counts = [c.split("=") for c in counts.split(",") if c]
         # A process announces once per number; the first line stands.
-        entries.setdefault(int(rank), (counts, description))
+        entries.setdefault(
+            int(rank), ({k: int(n) for k, n in counts}, description)
+        )
     return entries
-
-
-def _mismatch(description, rank, calls):
-    others = sorted(r for r, call in calls.items() if call != description)
-    same = sorted(r for r, call in calls.items() if call == description)
-    instead = "; ".join(f"process {r}: {calls[r]}" for r in others)
-    return CallMismatchError(
-        f"{_processes(same).capitalize()} made a collective call that "
-        f"{_processes(others)} did not make in the same order: "
-        f"{description}. Instead, {instead}. This process is process "
-        f"{rank}. Every process of the job must make this call, in the "
-        "same order (e.g. `weights = model.get_weights()` on every process, "
-        "then use `weights` on process 0 only). To look at this process' "
-        "own part of a sharded variable without a collective, read "
-        "`variable.value.to_local()` (a `DTensor` method)."
-    )
-
-
-def _not_announced(description, rank, size, calls):
-    missing = [r for r in range(size) if r not in calls]
-    return health.JobFailedError(
-        f"Process {rank} waited more than {health.current_timeout():g} s "
-        f"for {_processes(missing)} to make the same collective call: "
-        f"{description}. {_processes(sorted(calls)).capitalize()} made it; "
-        f"{_processes(missing)} did not (other work or collectives, or "
-        "stuck). Every process must make this call in the same order; if "
-        "they legitimately take longer to reach it, raise "
-        f"{health.STEP_TIMEOUT_ENV}."
-    )
-
-
-def _processes(ranks):
-    names = ", ".join(str(r) for r in ranks)
-    return f"process {names}" if len(ranks) == 1 else f"processes {names}"
 
 
 def _watch(store, stop_event):
@@ -223,7 +200,7 @@ def _watch(store, stop_event):
                 return
             number = _state["count"] + 1
         try:
-            store.wait([_KEY.format(number)], _WAIT_FOR_ANNOUNCEMENT)
+            store.wait([_KEY.format(number)], datetime.timedelta(days=1))
         except dist.DistStoreError:
             # The store's host has ended (the job is over), or a day passed.
             if stop_event.wait(_WATCH_SECONDS):
@@ -241,12 +218,8 @@ def _rule_out(store, number):
     """Announces this process' step under `number` if it rules the call out:
     the caller has not run it, so the two would wait for each other."""
     counts = health.step_counts()
-    for their_counts, _ in _entries(store, number).values():
-        ahead = [
-            kind
-            for kind, count in counts.items()
-            if count > their_counts.get(kind, 0)
-        ]
+    for theirs, _ in _entries(store, number).values():
+        ahead = [k for k, n in counts.items() if n > theirs.get(k, 0)]
         if ahead:
             kind = ahead[0]
             what = "runs" if health.running_step() == kind else "ran"

@@ -1,10 +1,7 @@
-"""Bounded collectives, and clear errors when a process of the job fails.
-
-Collectives are bounded by `start_timeout()` until the first step completes,
+"""Collectives bounded by `start_timeout()` until the first step completes,
 then by `step_timeout()`. A process whose own code raises writes why to the
 job's store; one whose collective then fails raises `JobFailedError` naming
-the step, the collective and the processes that failed or did not arrive.
-"""
+the step, the collective and the processes that failed or did not arrive."""
 
 import contextlib
 import datetime
@@ -19,24 +16,10 @@ import torch.distributed as dist
 
 STEP_TIMEOUT_ENV = "KERAS_DISTRIBUTION_TIMEOUT"
 START_TIMEOUT_ENV = "KERAS_DISTRIBUTION_START_TIMEOUT"
-# Seconds: CPU steps are slower and CPU hosts more often shared.
-DEFAULT_STEP_TIMEOUT = {"gloo": 300, "nccl": 120}
-# The start waits longer: one process may load data or compile meanwhile.
-START_TIMEOUT_FACTOR = 5
 # A failed process' wait for the others' reports; the bound on store access.
 REPORT_GRACE_SECONDS = 5.0
-STORE_TIMEOUT_SECONDS = 5.0
 
-_STORE_PREFIX = "keras_distribution_health"
-_COLLECTIVE_FILES = ("distributed_c10d.py", "_functional_collectives.py")
-
-_state = {
-    "started": False,
-    "steps": {},
-    "running": None,
-    "coordinator": None,
-    "written": [],
-}
+_state = dict(started=False, steps={}, running=None, written=[])
 # Not `runtime.log_debug`: the runtime imports this module.
 _logger = logging.getLogger("keras.distribution")
 
@@ -45,29 +28,11 @@ class JobFailedError(RuntimeError):
     """A collective failed because another process failed, left or hung."""
 
 
-def step_timeout():
-    """Seconds a collective may wait once the first step has completed."""
-    value = os.environ.get(STEP_TIMEOUT_ENV)
-    if value is not None:
-        return _positive_seconds(STEP_TIMEOUT_ENV, value)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    return float(DEFAULT_STEP_TIMEOUT[backend])
-
-
-def start_timeout():
-    """Seconds a collective may wait before the first step has completed."""
-    value = os.environ.get(START_TIMEOUT_ENV)
-    if value is not None:
-        return _positive_seconds(START_TIMEOUT_ENV, value)
-    return START_TIMEOUT_FACTOR * step_timeout()
-
-
-def current_timeout():
-    """The bound of collectives issued now: start or step timeout."""
-    return step_timeout() if _state["started"] else start_timeout()
-
-
-def _positive_seconds(name, value):
+def _seconds(name, default):
+    """Environment variable `name` as positive seconds, else `default()`."""
+    value = os.environ.get(name)
+    if value is None:
+        return default()
     try:
         seconds = float(value)
     except ValueError:
@@ -78,6 +43,25 @@ def _positive_seconds(name, value):
             f"{name}={value!r}"
         )
     return seconds
+
+
+def step_timeout():
+    """Seconds a collective may wait once the first step has completed (more
+    on CPU: its steps are slower and its hosts more often shared)."""
+    return _seconds(
+        STEP_TIMEOUT_ENV, lambda: 120.0 if torch.cuda.is_available() else 300.0
+    )
+
+
+def start_timeout():
+    """Seconds a collective may wait before the first step has completed:
+    longer, as one process may load data or compile meanwhile."""
+    return _seconds(START_TIMEOUT_ENV, lambda: 5 * step_timeout())
+
+
+def current_timeout():
+    """The bound of collectives issued now: start or step timeout."""
+    return step_timeout() if _state["started"] else start_timeout()
 
 
 def bound_groups(groups):
@@ -107,14 +91,15 @@ def install(coordinator=None):
 def guarded_step(kind, all_groups):
     """Runs a `kind` step, a failed collective raising `JobFailedError`; after
     the first completed step, bounds `all_groups()` by `step_timeout()`."""
-    steps = _state["steps"]
-    steps[kind] = step = steps.get(kind, 0) + 1
-    if "store" not in _state:
-        # Once: a job without a reachable store still runs, unreported.
-        _state["store"] = connect_store()
-    if _state["written"]:
-        # A caught earlier failure's stale report must not blame a later one.
-        _clear_own_reports()
+    _state["steps"][kind] = step = _state["steps"].get(kind, 0) + 1
+    _store()
+    # A caught earlier failure's stale report must not blame a later one.
+    written, _state["written"] = _state["written"], []
+    for key in written:
+        try:
+            _state["store"].delete_key(key)
+        except Exception as error:  # The store's host may be the one gone.
+            _logger.debug("health: cannot delete %s: %s", key, error)
     _state["running"] = kind
     try:
         yield
@@ -160,34 +145,46 @@ def _world_size():
 
 def is_transport_error(error):
     """Whether `error` is a failed collective or store connection."""
-    if isinstance(error, (dist.DistError, dist.DistBackendError)):
-        return True
-    text = str(error)
-    return isinstance(error, RuntimeError) and (
-        "gloo" in text or "Timed out" in text or "Connection" in text
+    return isinstance(error, dist.DistError) or (
+        isinstance(error, RuntimeError)
+        and any(s in str(error) for s in ("gloo", "Timed out", "Connection"))
     )
+
+
+def name_processes(ranks):
+    """`"process 1"` or `"processes 1, 2"`."""
+    names = ", ".join(str(r) for r in ranks)
+    return f"process {names}" if len(ranks) == 1 else f"processes {names}"
 
 
 def _job_error(error, where):
     """The `JobFailedError` for a collective that failed during `where`."""
     rank, size = dist.get_rank(), dist.get_world_size()
     _store_set(f"waiting/{rank}", where)
-    failed, silent = _peer_reports(rank, size, wait=False)
+    failed, silent = _peer_reports(wait=False)
     if not failed and silent:
         # A launcher may end this process during the wait below (torchrun's
         # agent, once another node failed): its log names the suspects now.
-        plural = "es" if len(silent) > 1 else ""
         print(
             f"keras.distribution: a collective failed during {where} on "
-            f"process {rank}; no report yet from process{plural} "
-            f"{', '.join(map(str, silent))} of {size}, which may have failed "
-            f"or left (waiting up to {REPORT_GRACE_SECONDS:g} s).",
+            f"process {rank}; no report yet from {name_processes(silent)} of "
+            f"{size}, which may have failed or left (waiting up to "
+            f"{REPORT_GRACE_SECONDS:g} s).",
             file=sys.stderr,
             flush=True,
         )
-        failed, silent = _peer_reports(rank, size)
+        failed, silent = _peer_reports()
     collective = _collective_in(error.__traceback__)
     detail = " ".join(str(error).split())[:300]
+    if silent:
+        silent_text = (
+            f"{name_processes(silent).capitalize()} of {size} "
+            f"{'did not arrive' if 'Timed out' in detail else 'failed or left'}"
+            f" (no answer within {REPORT_GRACE_SECONDS:g} s: stopped, stuck "
+            f"or gone); read {'their' if len(silent) > 1 else 'its'} log."
+        )
+    else:
+        silent_text = "Every other process also waits in a collective."
     if failed:
         process, reason = failed[0]
         message = (
@@ -196,16 +193,21 @@ def _job_error(error, where):
             f"Read the log of process {process} for its traceback."
         )
     elif "Timed out" in detail:
+        setting = STEP_TIMEOUT_ENV
+        if not _state["started"]:
+            setting = (
+                f"{START_TIMEOUT_ENV}: the first step has not completed yet"
+            )
         message = (
             f"{where.capitalize()} timed out: {collective} waited more than "
-            f"{current_timeout():g} s for the other processes "
-            f"({_timeout_setting()}). {_describe_silent(silent, size)} "
-            f"If it can legitimately take longer, raise that bound."
+            f"{current_timeout():g} s for the other processes ({setting}). "
+            f"{silent_text} If it can legitimately take longer, raise that "
+            "bound."
         )
     else:
         message = (
-            f"{_describe_silent(silent, size, left=True)} This process "
-            f"(process {rank}) stops during {where}: {collective} failed."
+            f"{silent_text} This process (process {rank}) stops during "
+            f"{where}: {collective} failed."
         )
     return JobFailedError(f"{message} (Transport error: {detail})")
 
@@ -213,76 +215,58 @@ def _job_error(error, where):
 def peer_failures():
     """`[(rank, what)]` of the other processes that reported an error or a
     failed collective, without waiting."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if _world_size() == 1:
         return []
-    if "store" not in _state:
-        _state["store"] = connect_store()
-    found = []
-    for other in range(dist.get_world_size()):
-        if other == dist.get_rank():
-            continue
-        reason = _store_get(f"failed/{other}")
-        waiting = _store_get(f"waiting/{other}")
-        if reason is None and waiting is not None:
-            reason = f"a collective failed there during {waiting}"
-        if reason is not None:
-            found.append((other, reason))
-    return found
+    _store()
+    return [
+        (r, f"a collective failed there during {waiting}" if e is None else e)
+        for r, (e, waiting) in _reports().items()
+        if e is not None or waiting is not None
+    ]
 
 
-def _peer_reports(rank, size, wait=True):
+def _peer_reports(wait=True):
     """`([(rank, error)], [silent rank])`, after a short wait if `wait`."""
     deadline = time.monotonic() + min(REPORT_GRACE_SECONDS, step_timeout())
-    others = [r for r in range(size) if r != rank]
     while True:
-        failed, silent = [], []
-        for other in others:
-            reason = _store_get(f"failed/{other}")
-            if reason is not None:
-                failed.append((other, reason))
-            elif _store_get(f"waiting/{other}") is None:
-                silent.append(other)
+        reports = _reports()
+        failed = [(r, e) for r, (e, _) in reports.items() if e is not None]
+        silent = [r for r, report in reports.items() if report == (None, None)]
         if not wait or failed or not silent or time.monotonic() > deadline:
             return failed, silent
         time.sleep(0.2)
 
 
-def _describe_silent(silent, size, left=False):
-    if not silent:
-        return "Every other process also waits in a collective."
-    names = ", ".join(str(r) for r in silent)
-    plural = "es" if len(silent) > 1 else ""
-    what = "failed or left" if left else "did not arrive"
-    return (
-        f"Process{plural} {names} of {size} {what} (no answer within "
-        f"{REPORT_GRACE_SECONDS:g} s: stopped, stuck or gone); read "
-        f"{'their' if plural else 'its'} log."
-    )
-
-
-def _timeout_setting():
-    if _state["started"]:
-        return STEP_TIMEOUT_ENV
-    return f"{START_TIMEOUT_ENV}: the first step has not completed yet"
+def _reports():
+    """`{rank: (its error, the step its collective failed in)}` of the other
+    processes, `None` where not reported."""
+    others = [r for r in range(dist.get_world_size()) if r != dist.get_rank()]
+    return {
+        r: (_store_get(f"failed/{r}"), _store_get(f"waiting/{r}"))
+        for r in others
+    }
 
 
 def _collective_in(error_traceback):
     """Names the collective in a traceback, and the Keras code that ran it."""
-    frames = traceback.extract_tb(error_traceback)
     collective, caller = None, None
-    for frame in frames:
+    for frame in traceback.extract_tb(error_traceback):
         filename = frame.filename.replace(os.sep, "/")
-        if filename.endswith(_COLLECTIVE_FILES) and collective is None:
+        if filename.endswith(
+            ("distributed_c10d.py", "_functional_collectives.py")
+        ):
             collective = frame.name
-        elif "/keras/src/" in filename and collective is None:
+            break
+        if "/keras/src/" in filename:
             caller = f"{filename.split('/keras/src/')[-1]}:{frame.lineno}"
     if collective is None:
         return "a collective"
-    if collective.startswith("wait"):
-        # DTensor's collectives run asynchronously; a use waits for them.
-        where = f" (waited for at keras/src/{caller})" if caller else ""
+    # DTensor's collectives run asynchronously; a use waits for them.
+    waited = collective.startswith("wait")
+    how = "waited for at" if waited else "called from"
+    where = f" ({how} keras/src/{caller})" if caller else ""
+    if waited:
         return f"an asynchronous DTensor collective{where}"
-    where = f" (called from keras/src/{caller})" if caller else ""
     return f"the collective `{collective}`{where}"
 
 
@@ -290,19 +274,14 @@ def _job_store():
     """A client of the job's rendezvous store, or `None` without one."""
     host = os.environ.get("MASTER_ADDR")
     port = os.environ.get("MASTER_PORT")
-    coordinator = _state["coordinator"]
-    if coordinator is not None:
-        host, _, port = coordinator.rpartition(":")
+    if _state.get("coordinator") is not None:
+        host, _, port = _state["coordinator"].rpartition(":")
     if not host or not port or _world_size() == 1:
         return None
-    store = dist.TCPStore(
-        host,
-        int(port),
-        is_master=False,
-        timeout=datetime.timedelta(seconds=STORE_TIMEOUT_SECONDS),
-    )
+    timeout = datetime.timedelta(seconds=REPORT_GRACE_SECONDS)
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"{_STORE_PREFIX}/{attempt}", store)
+    return dist.PrefixStore(f"keras_distribution_health/{attempt}", store)
 
 
 def connect_store(required=False):
@@ -323,33 +302,28 @@ def connect_store(required=False):
         return None
 
 
-def _store_set(key, value):
+def _store():
+    """This process' client of the job's store, connected on first use (a
+    job without a reachable store still runs, unreported)."""
     if "store" not in _state:
         _state["store"] = connect_store()
-    store = _state["store"]
+    return _state["store"]
+
+
+def _store_set(key, value):
     try:
-        if store is not None:
-            store.set(key, value)
+        if _store() is not None:
+            _state["store"].set(key, value)
             _state["written"].append(key)
     except Exception as error:  # The store's host may be the one gone.
         _logger.debug("health: cannot write %s: %s", key, error)
 
 
-def _clear_own_reports():
-    written, _state["written"] = _state["written"], []
-    for key in written:
-        try:
-            _state["store"].delete_key(key)
-        except Exception as error:  # The store's host may be the one gone.
-            _logger.debug("health: cannot delete %s: %s", key, error)
-
-
 def _store_get(key):
-    store = _state.get("store")
     try:
-        if store is None or not store.check([key]):
+        if _store() is None or not _state["store"].check([key]):
             return None
-        return store.get(key).decode(errors="replace")
+        return _state["store"].get(key).decode(errors="replace")
     except Exception as error:  # The store's host may be the one gone.
         _logger.debug("health: cannot read %s: %s", key, error)
         return None

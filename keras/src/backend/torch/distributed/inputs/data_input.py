@@ -10,8 +10,6 @@ from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.core.runtime import DTensor
 
 _DATA_LAYOUTS = weakref.WeakKeyDictionary()
-# Bounds the cache for batches of varying lengths.
-_MAX_DATA_LAYOUTS = 64
 
 
 def distribute_global_batch(data, distribution):
@@ -22,8 +20,13 @@ def distribute_global_batch(data, distribution):
         return data
     batch_size = int(leaves[0].shape[0])
     if distribution.auto_shard_dataset:
+        # This process' rows of the global batch.
+        mesh = distribution.device_mesh.backend_mesh
+        dim = mesh.mesh_dim_names.index(distribution.batch_dim_name)
         global_batch_size = batch_size
-        start, stop = _batch_rows(global_batch_size, distribution)
+        start, stop = layouts.chunk_bounds(
+            batch_size, mesh.size(dim), mesh.get_coordinate()[dim]
+        )
     else:
         global_batch_size, start, stop = None, 0, batch_size
 
@@ -35,11 +38,12 @@ def distribute_global_batch(data, distribution):
                 "All inputs of a batch must have the same batch size. "
                 f"Received sizes {batch_size} and {int(x.shape[0])}."
             )
+        layout = _data_layout(distribution, tuple(x.shape))
         return distribute_data_input(
             x[start:stop],
-            _data_layout(distribution, tuple(x.shape)),
+            layout,
             distribution.batch_dim_name,
-            global_batch_size=global_batch_size,
+            global_batch_size,
         )
 
     return _map_structure(put, data)
@@ -48,13 +52,13 @@ def distribute_global_batch(data, distribution):
 def _data_layout(distribution, shape):
     """`distribution.get_data_layout(shape)`, as a `TorchLayout`."""
     known = _DATA_LAYOUTS.setdefault(distribution, {})
-    layout = known.get(shape)
-    if layout is None:
-        if len(known) >= _MAX_DATA_LAYOUTS:
+    if shape not in known:
+        if len(known) >= 64:  # Bounds the cache for batches of many lengths.
             known.clear()
-        layout = layouts.as_torch_layout(distribution.get_data_layout(shape))
-        known[shape] = layout
-    return layout
+        known[shape] = layouts.as_torch_layout(
+            distribution.get_data_layout(shape)
+        )
+    return known[shape]
 
 
 def _flatten(data):
@@ -90,10 +94,7 @@ def distribute_data_input(
     if not leaves:
         return per_process_batch
     if global_batch_size is None:
-        local_size = int(_leading_dim(leaves[0]))
-        sizes = _gather_part_sizes(local_size, layout, batch_dim_name)
-        global_batch_size = sum(sizes)
-        _check_part_sizes(sizes, global_batch_size)
+        global_batch_size = _global_size(leaves[0], layout, batch_dim_name)
     mesh = layout.device_mesh
     placements = layouts.drop_unit_shards(mesh, layout.placements)
 
@@ -118,33 +119,36 @@ def distribute_data_input(
     return _map_structure(put, per_process_batch)
 
 
-def _batch_rows(global_batch_size, distribution):
-    """Rows `[start, stop)` of the global batch this process holds."""
-    mesh = distribution.device_mesh.backend_mesh
-    batch_dim = mesh.mesh_dim_names.index(distribution.batch_dim_name)
-    return layouts.chunk_bounds(
-        global_batch_size,
-        mesh.size(batch_dim),
-        mesh.get_coordinate()[batch_dim],
-    )
+def global_batch(rows, global_size, distribution):
+    """The global batch of `global_size` from this process' `rows`."""
+
+    def put(x):
+        if not _is_batch_array(x):
+            return x
+        shape = (global_size,) + tuple(x.shape[1:])
+        layout = distribution.get_data_layout(shape)
+        return distribute_data_input(
+            x, layout, distribution.batch_dim_name, global_size
+        )
+
+    return tree.map_structure(put, rows)
 
 
-def _gather_part_sizes(local_size, layout, batch_dim_name):
-    """Sizes of the batch parts of the processes along `batch_dim_name`."""
+def _global_size(x, layout, batch_dim_name):
+    """The global batch size of parts like `x` of the processes along
+    `batch_dim_name`, checked to be parts `torch.chunk` would split."""
+    local_size = int(x.shape[0] if hasattr(x, "shape") else len(x))
     mesh = layout.device_mesh
     if batch_dim_name not in (mesh.mesh_dim_names or ()):
         raise ValueError(
             f"The batch axis '{batch_dim_name}' is not an axis of the device "
             f"mesh {mesh.mesh_dim_names}."
         )
-    if mesh.size(mesh.mesh_dim_names.index(batch_dim_name)) == 1:
-        return [local_size]
-    group = mesh.get_group(batch_dim_name)
-    return [n for (n,) in collectives.all_gather_ints([local_size], group)]
-
-
-def _check_part_sizes(sizes, global_batch_size):
-    n = len(sizes)
+    sizes = [local_size]
+    if mesh.size(mesh.mesh_dim_names.index(batch_dim_name)) > 1:
+        group = mesh.get_group(batch_dim_name)
+        sizes = [n for (n,) in collectives.all_gather_ints(sizes, group)]
+    global_batch_size, n = sum(sizes), len(sizes)
     bounds = [layouts.chunk_bounds(global_batch_size, n, i) for i in range(n)]
     expected = [stop - start for start, stop in bounds]
     if sizes != expected:
@@ -155,10 +159,7 @@ def _check_part_sizes(sizes, global_batch_size):
             f"({expected}), i.e. equal parts except a smaller last one. "
             "Give every process the same batch size."
         )
-
-
-def _leading_dim(x):
-    return x.shape[0] if hasattr(x, "shape") else len(x)
+    return global_batch_size
 
 
 def _is_batch_array(x):

@@ -6,12 +6,16 @@ import numpy as np
 from keras.src import tree
 from keras.src.backend.torch.distributed.core import layouts
 from keras.src.backend.torch.distributed.core import runtime
-from keras.src.backend.torch.distributed.inputs import data_input
 from keras.src.trainers.data_adapters.data_adapter import DataAdapter
 
 
 class SharedAdapter(DataAdapter):
     """Delegates to the adapter Keras made; subclasses yield the batches."""
+
+    num_batches = property(lambda self: self._adapter.num_batches)
+    batch_size = property(lambda self: self._adapter.batch_size)
+    has_partial_batch = property(lambda self: self._adapter.has_partial_batch)
+    partial_batch_size = property(lambda self: self._adapter.partial_batch_size)
 
     def __init__(self, adapter, distribution):
         self._adapter = adapter
@@ -27,43 +31,11 @@ class SharedAdapter(DataAdapter):
     def get_tf_dataset(self):
         return self._adapter.get_tf_dataset()
 
-    @property
-    def num_batches(self):
-        return self._adapter.num_batches
-
-    @property
-    def batch_size(self):
-        return self._adapter.batch_size
-
-    @property
-    def has_partial_batch(self):
-        return self._adapter.has_partial_batch
-
-    @property
-    def partial_batch_size(self):
-        return self._adapter.partial_batch_size
-
     def on_epoch_begin(self):
         self._adapter.on_epoch_begin()
 
     def on_epoch_end(self):
         self._adapter.on_epoch_end()
-
-    def _global_batch(self, rows, global_size):
-        """This process' `rows` of a global batch, as `DTensor`s."""
-
-        def put(x):
-            if not data_input._is_batch_array(x):
-                return x
-            shape = (global_size,) + tuple(x.shape[1:])
-            return data_input.distribute_data_input(
-                x,
-                self._distribution.get_data_layout(shape),
-                self._distribution.batch_dim_name,
-                global_batch_size=global_size,
-            )
-
-        return tree.map_structure(put, rows)
 
 
 class BatchRows:
@@ -73,11 +45,10 @@ class BatchRows:
         mesh = distribution.device_mesh.backend_mesh
         batch_dim = mesh.mesh_dim_names.index(distribution.batch_dim_name)
         self.num_parts = mesh.size(batch_dim)
-        ranks = mesh.mesh
         # The batch-axis coordinate of every rank of the job.
         self.parts = {
-            int(ranks[index]): index[batch_dim]
-            for index in np.ndindex(*ranks.shape)
+            int(mesh.mesh[index]): index[batch_dim]
+            for index in np.ndindex(*mesh.mesh.shape)
         }
 
     def of(self, global_size, rank=None):
@@ -86,29 +57,11 @@ class BatchRows:
         return layouts.chunk_bounds(global_size, self.num_parts, part)
 
 
-class Batches:
-    """An iterable whose every iteration is a fresh pass of `batches()`."""
-
-    def __init__(self, batches):
-        self._batches_fn = batches
-
-    def __iter__(self):
-        return self._batches_fn()
-
-
-def to_tensor(x):
-    if x is None:
-        return None
-    return runtime.backend_core().convert_to_tensor(x)
-
-
 def take_rows(batch, start, stop):
     def take(x):
         if x is None or np.ndim(x) == 0:
             return x
-        if not hasattr(x, "shape"):
-            x = np.asarray(x)
-        return x[start:stop]
+        return (x if hasattr(x, "shape") else np.asarray(x))[start:stop]
 
     return tree.map_structure(take, batch)
 

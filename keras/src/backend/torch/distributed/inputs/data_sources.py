@@ -23,16 +23,12 @@ def process_data_adapter(adapter):
         or runtime.world_size() == 1
     ):
         return adapter
-    if isinstance(adapter, TorchDataLoaderAdapter) and _is_batched_map_loader(
-        adapter.get_torch_dataloader()
-    ):
-        return loader_rows.DataLoaderRows(adapter, distribution)
+    if isinstance(adapter, TorchDataLoaderAdapter):
+        loader = adapter.get_torch_dataloader()
+        if loader.batch_sampler is not None and not isinstance(
+            loader.dataset, torch.utils.data.IterableDataset
+        ):
+            return loader_rows.DataLoaderRows(adapter, distribution)
     if isinstance(adapter, PyDatasetAdapter) and adapter.num_batches:
         return pydataset_shares.PyDatasetShares(adapter, distribution)
     return adapter
-
-
-def _is_batched_map_loader(loader):
-    return loader.batch_sampler is not None and not isinstance(
-        loader.dataset, torch.utils.data.IterableDataset
-    )

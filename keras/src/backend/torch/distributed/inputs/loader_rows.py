@@ -2,13 +2,13 @@
 batches of indices and fetches only its rows, with the loader's workers."""
 
 import collections
-import queue
-import threading
+import concurrent.futures
 import zlib
 
 import torch
 
 from keras.src.backend.torch.distributed.core.collectives import all_gather_ints
+from keras.src.backend.torch.distributed.inputs import data_input
 from keras.src.backend.torch.distributed.inputs import data_parts
 
 
@@ -19,12 +19,26 @@ class DataLoaderRows(data_parts.SharedAdapter):
         super().__init__(adapter, distribution)
         loader = adapter.get_torch_dataloader()
         self._sampler = _ProcessRowsSampler(loader.batch_sampler, self._rows)
-        self._loader = _loader_with_sampler(loader, self._sampler)
+        # Like `loader`, batching with the sampler, in order.
+        self._loader = torch.utils.data.DataLoader(
+            loader.dataset,
+            batch_sampler=self._sampler,
+            num_workers=loader.num_workers,
+            collate_fn=loader.collate_fn,
+            pin_memory=loader.pin_memory,
+            timeout=loader.timeout,
+            worker_init_fn=loader.worker_init_fn,
+            multiprocessing_context=loader.multiprocessing_context,
+            generator=loader.generator,
+            prefetch_factor=loader.prefetch_factor,
+            persistent_workers=loader.persistent_workers,
+            pin_memory_device=loader.pin_memory_device,
+        )
 
     def get_torch_dataloader(self):
-        return data_parts.Batches(self._batches)
+        return self  # Iterable: every iteration is a fresh pass.
 
-    def _batches(self):
+    def __iter__(self):
         # Created here, as `iter(loader)` would: it draws the workers' seed.
         batches = iter(self._loader)
         # No workers: read ahead on a thread, as each step waits for all rows.
@@ -38,11 +52,17 @@ class DataLoaderRows(data_parts.SharedAdapter):
             for rows in reader:
                 global_size, local_size, indices, digest = drawn.popleft()
                 if first:
-                    _check_same_order(indices, [_length(self._sampler), digest])
+                    try:
+                        length = len(self._sampler)
+                    except TypeError:
+                        length = -1
+                    _check_same_order(indices, [length, digest])
                 if local_size == 0:
                     rows = data_parts.take_rows(rows, 0, 0)
                 data_parts.check_rows(rows, local_size)
-                yield self._global_batch(rows, global_size)
+                yield data_input.global_batch(
+                    rows, global_size, self._distribution
+                )
                 if first:
                     # Resumed: more than Keras' peek at the first batch.
                     reader.start()
@@ -80,13 +100,6 @@ class _ProcessRowsSampler(torch.utils.data.Sampler):
             yield indices[start:stop] if stop > start else indices[:1]
 
 
-def _length(sampler):
-    try:
-        return len(sampler)
-    except TypeError:
-        return -1
-
-
 def _check_same_order(drawn, digest):
     """Raises unless every process drew the same batches."""
     digests = all_gather_ints(digest, None)
@@ -102,78 +115,32 @@ def _check_same_order(drawn, digest):
         )
 
 
-def _loader_with_sampler(loader, batch_sampler):
-    """A `DataLoader` like `loader`, batching with `batch_sampler` in order."""
-    return torch.utils.data.DataLoader(
-        loader.dataset,
-        batch_sampler=batch_sampler,
-        num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory,
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context,
-        generator=loader.generator,
-        prefetch_factor=loader.prefetch_factor,
-        persistent_workers=loader.persistent_workers,
-        pin_memory_device=loader.pin_memory_device,
-    )
-
-
 class _ReadAhead:
-    """Reads an iterator ahead on a thread once `start()`ed, in line before
-    (so Keras' peek at the first batch reads no more); errors raise in `next`.
-    """
+    """Reads an iterator up to 3 items ahead on a thread once `start()`ed, in
+    line before (so Keras' peek at the first batch reads no more)."""
 
-    def __init__(self, iterator, enabled, depth=2):
+    def __init__(self, iterator, enabled):
         self._iterator = iterator
         self._enabled = enabled
-        self._items = queue.Queue(maxsize=depth)
-        self._stopping = threading.Event()
-        self._thread = None
+        self._pool = None
+        self._ahead = collections.deque()
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        if self._thread is None:
+        if self._pool is None:
             return next(self._iterator)
-        item = self._items.get()
-        if isinstance(item, _Raised):
-            raise item.error
-        return item
+        self._ahead.append(self._pool.submit(next, self._iterator))
+        return self._ahead.popleft().result()
 
     def start(self):
-        if self._enabled and self._thread is None:
-            self._thread = threading.Thread(target=self._read, daemon=True)
-            self._thread.start()
+        if self._enabled and self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1)
+            for _ in range(3):
+                self._ahead.append(self._pool.submit(next, self._iterator))
 
     def close(self):
         """Stops reading; returns once the thread no longer reads."""
-        if self._thread is not None:
-            self._stopping.set()
-            self._thread.join()
-
-    def _read(self):
-        try:
-            for item in self._iterator:
-                if not self._put(item):
-                    return
-            self._put(_Raised(StopIteration()))
-        except BaseException as e:
-            self._put(_Raised(e))
-
-    def _put(self, item):
-        # Polls only while the queue is full, to see `close()`.
-        while not self._stopping.is_set():
-            try:
-                self._items.put(item, timeout=0.05)
-            except queue.Full:
-                continue
-            return True
-        return False
-
-
-class _Raised:
-    def __init__(self, error):
-        self.error = error
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)

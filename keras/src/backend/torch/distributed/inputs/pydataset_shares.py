@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from keras.src import tree
 from keras.src.backend.torch.distributed.core import runtime
+from keras.src.backend.torch.distributed.inputs import data_input
 from keras.src.backend.torch.distributed.inputs import data_parts
 from keras.src.trainers.data_adapters import data_adapter_utils
 from keras.src.trainers.data_adapters.py_dataset_adapter import OrderedEnqueuer
@@ -29,9 +30,7 @@ class PyDatasetShares(data_parts.SharedAdapter):
         self._reader = None
         # Ended epochs (the shuffle seed); this object takes `on_epoch_end`.
         self._epoch = getattr(adapter, "_epoch", None)
-        self._queue = None
-        if adapter.enqueuer is not None:
-            self._queue = _QueuedBatches(adapter)
+        self._queue = adapter.enqueuer and _QueuedBatches(adapter)
 
     def get_torch_dataloader(self):
         # Wrapped as `PyDatasetAdapter` does, so passes draw torch's RNG alike.
@@ -62,9 +61,7 @@ class PyDatasetShares(data_parts.SharedAdapter):
         reader = self._reader = _ShareReader(self._adapter, order[rank::size])
         try:
             for first in range(0, len(order), size):
-                own = None
-                if first + rank < len(order):
-                    own = _read(reader.next)
+                own = _read(reader.next) if first + rank < len(order) else None
                 for src in range(min(size, len(order) - first)):
                     if src == rank and reader.stale:
                         own = _read(reader.reread)
@@ -89,16 +86,15 @@ class PyDatasetShares(data_parts.SharedAdapter):
     def _shared_batch(self, batch, src):
         """The global batch `batch`, read on process `src`, as `DTensor`s."""
         rows, global_size = self._scatter_rows(batch, src)
-        rows = tree.map_structure(data_parts.to_tensor, rows)
-        return self._global_batch(rows, global_size)
+        convert = runtime.backend_core().convert_to_tensor
+        rows = tree.map_structure(convert, rows, none_is_leaf=False)
+        return data_input.global_batch(rows, global_size, self._distribution)
 
     def _scatter_rows(self, batch, src):
         """Scatters `batch` from `src`; returns own `(rows, global_size)`. A
         `ReadFailure` of `src` is raised on every process."""
-        parts = None
-        if isinstance(batch, ReadFailure):
-            parts = batch
-        elif batch is not None:
+        parts = batch
+        if batch is not None and not isinstance(batch, ReadFailure):
             size = data_parts.batch_size(batch)
             parts = [
                 (data_parts.take_rows(batch, *self._rows.of(size, rank)), size)
@@ -108,57 +104,50 @@ class PyDatasetShares(data_parts.SharedAdapter):
 
 
 class _QueuedBatches:
-    """Keras' `OrderedEnqueuer`'s batches, read in shares; `stop()` keeps what
-    the enqueuer would have read ahead (its queue plus the batch its thread
-    was putting) for `next()` to return first."""
+    """Keras' `OrderedEnqueuer`'s batches, read in shares: between its start
+    and stop (a window), batch `j` on process `(turn + j) % N`, turns going on
+    across windows; `stop()` keeps what the enqueuer would have read ahead
+    (its queue plus the batch its thread was putting) for `next()`."""
 
     def __init__(self, adapter):
         self._adapter = adapter
         queue_size = adapter.py_dataset.max_queue_size
         self._kept_at_stop = queue_size + 1 if queue_size > 0 else None
         self._kept = collections.deque()
-        self._window = None
-        # Turns continue across windows.
+        self._order = None  # The open window's batches.
         self._turn = 0
 
     def start(self, epoch):
         """Opens a window unless one is open, as the enqueuer's `start`."""
-        if self._window is not None:
+        if self._order is not None:
             return
-        order = _pass_order(self._adapter, epoch)
-        self._window = _Window(self._adapter, order, self._turn)
-        self._turn += len(order)
+        self._order, self._taken = _pass_order(self._adapter, epoch), 0
+        rank, size = runtime.rank(), runtime.world_size()
+        own = self._order[(rank - self._turn) % size :: size]
+        self._reader = _ShareReader(self._adapter, own)
 
     def stop(self):
-        if self._window is None:
+        """Closes the window, first reading what the enqueuer read ahead (all
+        if its queue is unbounded), before the dataset's `on_epoch_end`."""
+        if self._order is None:
             return
-        self._kept.extend(self._window.close(self._kept_at_stop))
-        self._window = None
+        left = len(self._order) - self._taken
+        count = min(left, self._kept_at_stop or left)
+        self._kept.extend([self._next() for _ in range(count)])
+        self._reader.close()
+        self._turn += len(self._order)
+        self._order = None
 
     def next(self):
         """Returns `(src, batch)`; `batch` is None off process `src`."""
-        if self._window is None:
+        if self._order is None:
             raise ValueError(
                 "Iterator called after `on_epoch_end` or before "
                 "`on_epoch_begin`."
             )
-        if self._kept:
-            return self._kept.popleft()
-        return self._window.next()
+        return self._kept.popleft() if self._kept else self._next()
 
-
-class _Window:
-    """Batches between enqueuer start and stop: `j` on `(turn + j) % N`."""
-
-    def __init__(self, adapter, order, turn):
-        self._order = order
-        self._turn = turn
-        self._taken = 0
-        rank, size = runtime.rank(), runtime.world_size()
-        own = order[(rank - turn) % size :: size]
-        self._reader = _ShareReader(adapter, own)
-
-    def next(self):
+    def _next(self):
         if self._taken == len(self._order):
             # Keras' enqueuer would wait for a batch forever.
             raise ValueError(
@@ -172,15 +161,6 @@ class _Window:
         self._reader.read_ahead()
         return src, batch
 
-    def close(self, limit):
-        """Stops; returns what the enqueuer read ahead (`limit`, None: all),
-        read now, before the dataset's `on_epoch_end`, as the enqueuer did."""
-        left = len(self._order) - self._taken
-        count = left if limit is None else min(left, limit)
-        kept = [self.next() for _ in range(count)]
-        self._reader.close()
-        return kept
-
 
 def _pass_order(adapter, epoch):
     """A pass' batch order as Keras draws it, on every process: from
@@ -191,7 +171,9 @@ def _pass_order(adapter, epoch):
         return order
     if epoch is None:
         random.shuffle(order)
-        return _process_zero_order(order)
+        agreed = torch.tensor(order, device=runtime.comm_device())
+        dist.broadcast(agreed, src=0)
+        return agreed.tolist()
     random.Random(epoch).shuffle(order)
     return order
 
@@ -211,17 +193,14 @@ class _ShareReader:
         self.stale = False
 
     def next(self):
-        index = self._indices[self._read]
         self._read += 1
+        if self._batches is None:
+            return self.reread()
         self.stale = False
-        if self._batches is not None:
-            batch = next(self._batches)
-        else:
-            batch = self._dataset[index]
-        return self._adapter._standardize_batch(batch)
+        return self._adapter._standardize_batch(next(self._batches))
 
     def reread(self):
-        """Reads the last batch `next()` returned again, in line."""
+        """Reads the last batch `next()` returned (again), in line."""
         self.stale = False
         batch = self._dataset[self._indices[self._read - 1]]
         return self._adapter._standardize_batch(batch)
@@ -242,7 +221,11 @@ class _ShareReader:
             use_multiprocessing=self._dataset.use_multiprocessing,
             max_queue_size=self._dataset.max_queue_size,
         )
-        start_enqueuer(self._enqueuer)
+        # Any epoch: it never shuffles shares.
+        if "epoch" in inspect.signature(self._enqueuer.start).parameters:
+            self._enqueuer.start(epoch=0)
+        else:
+            self._enqueuer.start()
         self._batches = self._enqueuer.get()
 
     def close(self):
@@ -274,15 +257,6 @@ class _Share(PyDataset):
         return self._dataset[self._indices[index]]
 
 
-def _process_zero_order(order):
-    """Process 0's `order` of the batches, on every process."""
-    agreed = torch.tensor(
-        order, dtype=torch.int64, device=runtime.comm_device()
-    )
-    dist.broadcast(agreed, src=0)
-    return agreed.tolist()
-
-
 class ReadFailure:
     """A batch this process failed to read: the error, raised here once the
     others know (in the sizes of its scatter, with no collective more)."""
@@ -301,19 +275,18 @@ def _read(read):
 
 def _scatter_objects(objects, src):
     """Gives process `i` `objects[i]` from process `src`; returns its own.
-    `objects` a `ReadFailure` on `src`: its error is raised there, and on
-    the others one naming `src`."""
+    `objects` a `ReadFailure` on `src`: its error is raised there, and on the
+    others one naming `src`."""
     device = runtime.comm_device()
+    failed = isinstance(objects, ReadFailure)
     sizes = torch.zeros(runtime.world_size(), dtype=torch.int64, device=device)
-    if isinstance(objects, ReadFailure):
+    if failed:
         sizes -= 1
     elif objects is not None:
-        data = [
-            pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL) for o in objects
-        ]
+        data = [pickle.dumps(o, pickle.HIGHEST_PROTOCOL) for o in objects]
         sizes = torch.tensor([len(d) for d in data], device=device)
     dist.broadcast(sizes, src=src)
-    if isinstance(objects, ReadFailure):
+    if failed:
         raise objects.error
     if int(sizes[0]) < 0:
         raise RuntimeError(
@@ -322,23 +295,12 @@ def _scatter_objects(objects, src):
         )
     longest = int(sizes.max())
     received = torch.empty(longest, dtype=torch.uint8, device=device)
-    parts = None
-    if objects is not None:
-        parts = [_padded_bytes(d, longest, device) for d in data]
+    parts = objects and [
+        torch.frombuffer(
+            bytearray(d.ljust(longest, b"\0")), dtype=torch.uint8
+        ).to(device)
+        for d in data
+    ]
     dist.scatter(received, parts, src=src)
     own = received[: int(sizes[runtime.rank()])].cpu().numpy()
     return pickle.loads(own.tobytes())
-
-
-def _padded_bytes(data, length, device):
-    padded = torch.zeros(length, dtype=torch.uint8)
-    padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return padded.to(device)
-
-
-def start_enqueuer(enqueuer):
-    """Starts an `OrderedEnqueuer` (any epoch: it never shuffles shares)."""
-    if "epoch" in inspect.signature(enqueuer.start).parameters:
-        enqueuer.start(epoch=0)
-    else:
-        enqueuer.start()

@@ -1,11 +1,8 @@
-"""`tf.data` input under a multi-process distribution.
-
-Upstream refuses a dataset whose batch size it cannot compute. One of a static
-batch size split evenly by the batch-axis processes is sharded upstream's way;
-any other is read whole by every process, which keeps its rows, so it must yield
-the same batches everywhere (seed its shuffle). Imported lazily: the data
-adapters need the backend.
-"""
+"""`tf.data` input under a multi-process distribution (imported lazily: the
+data adapters need the backend). A dataset of a static batch size split evenly
+by the batch-axis processes is sharded upstream's way; any other is read whole
+by every process, which keeps its rows, so it must yield the same batches
+everywhere (seed its shuffle), where upstream would refuse it."""
 
 from keras.src import tree
 from keras.src.backend.torch.distributed.core import runtime
@@ -16,7 +13,10 @@ from keras.src.trainers.data_adapters.tf_dataset_adapter import TFDatasetAdapter
 def tf_dataset_adapter(dataset, class_weight=None, distribution=None):
     """The `TFDatasetAdapter` of `dataset`; sharded, it yields global
     `DTensor` batches assembled from this process' parts."""
-    if not _shards_data(distribution):
+    if not (
+        getattr(distribution, "_is_multi_process", False)
+        and getattr(distribution, "auto_shard_dataset", False)
+    ):
         return TFDatasetAdapter(
             dataset, class_weight=class_weight, distribution=distribution
         )
@@ -27,14 +27,6 @@ def tf_dataset_adapter(dataset, class_weight=None, distribution=None):
         return adapter
     runtime.log_debug("tf.data input: sharded, global batch %d", batch_size)
     return _ProcessPartsAdapter(dataset, class_weight, distribution, batch_size)
-
-
-def _shards_data(distribution):
-    return (
-        distribution is not None
-        and getattr(distribution, "_is_multi_process", False)
-        and getattr(distribution, "auto_shard_dataset", False)
-    )
 
 
 def _shardable_batch_size(dataset, distribution):
@@ -76,40 +68,15 @@ class _ProcessPartsAdapter(TFDatasetAdapter):
         self._distribution = distribution
         self._global_batch_size = batch_size
 
-    def get_torch_dataloader(self):
-        return _GlobalBatches(
-            super().get_torch_dataloader(),
-            self._distribution,
-            self._global_batch_size,
-        )
-
     @property
     def batch_size(self):
         return self._global_batch_size
 
-
-class _GlobalBatches:
-    """Assembles the global batch from each batch of this process' part."""
-
-    def __init__(self, parts, distribution, global_batch_size):
-        self._parts = parts
-        self._distribution = distribution
-        self._global_batch_size = global_batch_size
+    def get_torch_dataloader(self):
+        return self  # Iterable: every iteration is a fresh pass.
 
     def __iter__(self):
-        for part in self._parts:
-            yield tree.map_structure(self._assemble, part)
-
-    def __len__(self):
-        return len(self._parts)
-
-    def _assemble(self, x):
-        if not hasattr(x, "shape") or len(x.shape) == 0:
-            return x
-        shape = (self._global_batch_size,) + tuple(x.shape[1:])
-        return data_input.distribute_data_input(
-            x,
-            self._distribution.get_data_layout(shape),
-            self._distribution.batch_dim_name,
-            global_batch_size=self._global_batch_size,
-        )
+        for part in super().get_torch_dataloader():
+            yield data_input.global_batch(
+                part, self._global_batch_size, self._distribution
+            )
