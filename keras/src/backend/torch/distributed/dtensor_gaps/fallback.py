@@ -1,13 +1,7 @@
-"""Ops DTensor refuses, computed on global values instead.
-
-DTensor raises where it has no sharding strategy for an op or refuses its
-placements (`unbind` of a sharded dim, an in-place op on a partial sum);
-JAX's GSPMD computes every op on every sharding. A torch dispatch mode around
-layer calls and steps computes refused ops on gathered operands
-(`global_values`); unlike `register_sharding`, it sees every op as it runs,
-backward included. DTensor refuses from global shapes and placements, so every
-process falls back alike and the gathers pair up.
-"""
+"""Ops DTensor refuses (no sharding strategy, refused placements), computed
+on global values by a dispatch mode around layer calls and steps: unlike
+`register_sharding` it sees every op, backward included. DTensor refuses
+alike on every process, so the gathers pair up."""
 
 import contextlib
 import functools
@@ -29,23 +23,10 @@ from keras.src.backend.torch.distributed.dtensor_gaps import refused_on_rows
 from keras.src.backend.torch.distributed.dtensor_gaps import sharded_positions
 
 _LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default
-# Reductions that return positions: a shard's `argmax` is a position in the
-# shard, which no collective of the shards' results makes global.
-_POSITION_REDUCTIONS = (
-    torch.ops.aten.argmax.default,
-    torch.ops.aten.argmin.default,
-)
-
-
-# What DTensor raises when it cannot compute an op on these placements (an
-# `IndexError`: its planner padding a sharded dim, torch 2.11).
-_REFUSALS = (
-    NotImplementedError,
-    RuntimeError,
-    ValueError,
-    AssertionError,
-    IndexError,
-)
+_ARGMAX, _ARGMIN = torch.ops.aten.argmax.default, torch.ops.aten.argmin.default
+# What DTensor raises when it cannot compute an op on these placements
+# (`IndexError`: its planner padding a sharded dim, torch 2.11).
+_REFUSALS = (RuntimeError, ValueError, AssertionError, IndexError)
 _DTENSOR_PACKAGE = os.path.join("torch", "distributed", "tensor", "")
 # The CPU allocator's out-of-memory message (a plain `RuntimeError`).
 _CPU_OUT_OF_MEMORY = "DefaultCPUAllocator: can't allocate memory"
@@ -72,53 +53,40 @@ _LOCAL_SCALAR = (
 
 @contextlib.contextmanager
 def dtensor_fallback(lazy=False):
-    """Computes ops DTensor refuses on global values, in this thread;
-    nothing more when nested nor under `torch.compile` (no dispatch modes).
-
-    With `lazy` (a step that may run on local rows) the modes, which cost
-    every op, go on at the first nested entry or when the yielded function
-    is called, and stay on to the step's end for backward.
-    """
-    entered = getattr(_state, "lazy_step", None)
-    if _active() or torch.compiler.is_compiling():
+    """Computes ops DTensor refuses on global values, in this thread; nothing
+    more when nested or under `torch.compile`. With `lazy` (a step that may run
+    on local rows) the modes, which cost every op, go on only at a nested entry
+    or a call of the yielded function, then stay on to the outermost exit."""
+    entered = getattr(_state, "step_modes", None)
+    if entered or torch.compiler.is_compiling():
         yield _on_already
     elif entered is not None:
         _enter_modes(entered)
         yield _on_already
-    elif lazy:
-        _state.lazy_step = entered = []
+    else:
+        _state.step_modes = entered = []
         try:
+            if not lazy:
+                _enter_modes(entered)
             yield functools.partial(_enter_modes, entered)
         finally:
-            _state.lazy_step = None
+            _state.step_modes = None
             for mode in reversed(entered):
                 mode.__exit__(None, None, None)
-    else:
-        _state.active = True
-        try:
-            with _FunctionFallbackMode(), _FallbackMode():
-                yield _on_already
-        finally:
-            _state.active = False
 
 
 def _on_already():
-    """The mode is on already: nothing to turn on."""
+    """The modes are on already: nothing to turn on."""
 
 
 def _enter_modes(entered):
-    """Enters the modes for the rest of a lazy step, once."""
+    """Enters the modes for the rest of the outermost `dtensor_fallback`,
+    once."""
     if entered or torch.compiler.is_compiling():
         return
     for mode in (_FunctionFallbackMode(), _FallbackMode()):
         mode.__enter__()
         entered.append(mode)
-
-
-def _active():
-    return getattr(_state, "active", False) or bool(
-        getattr(_state, "lazy_step", None)
-    )
 
 
 class _FallbackMode(TorchDispatchMode):
@@ -128,47 +96,37 @@ class _FallbackMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if not any(issubclass(t, DTensor) for t in types):
             return func(*args, **kwargs)
+        fall_back = functools.partial(
+            global_values.on_global_values, func, args, kwargs
+        )
         if func is _LOCAL_SCALAR_DENSE and not all(
             p.is_replicate() for p in args[0].placements
         ):
-            # `item()`, `bool()`: DTensor reads the local value, wrong on a
-            # partial sum, failing on processes without a part.
-            return global_values.on_global_values(
-                func, args, kwargs, _LOCAL_SCALAR, str(func)
-            )
-        if func in _POSITION_REDUCTIONS and _reduces_a_split_dim(args, kwargs):
-            # torch 2.15 labels each shard's positions a shard of the result.
+            return fall_back(_LOCAL_SCALAR, str(func))
+        if func in (_ARGMAX, _ARGMIN) and _reduces_a_split_dim(args, kwargs):
             result = sharded_positions.positions(func, args, kwargs)
             if result is not None:
                 return result
-            return global_values.on_global_values(
-                func, args, kwargs, _SPLIT_POSITIONS, str(func)
-            )
+            return fall_back(_SPLIT_POSITIONS, str(func))
         result = linear_partials.on_partial_sums(func, args, kwargs)
         if result is not None:
             return result
         mutated = global_values.mutated_operands(func, args, kwargs)
         if any(not isinstance(x, DTensor) for x in mutated):
             # `plain += dtensor`: DTensor writes, then refuses to return it.
-            return global_values.on_global_values(
-                func, args, kwargs, None, str(func), mutated
-            )
+            return fall_back(None, str(func), mutated)
         try:
             outputs = func(*args, **kwargs)
-        except torch.distributed.DistError:
-            raise
         except _REFUSALS as e:
-            if not is_refusal(e):
+            if isinstance(e, torch.distributed.DistError) or not is_refusal(e):
                 raise
             refusal = e
         else:
             if mutated:
                 return outputs
+            name = f"{func} (strided shard)"
             return global_values.map_leaves(
-                functools.partial(
-                    _without_strided_shards, name=f"{func} (strided shard)"
-                ),
-                outputs,
+                lambda x: _without_strided_shards(x, name), outputs
             )
         if torch.Tag.inplace_view in func.tags:
             raise _InPlaceViewRefused(
@@ -176,13 +134,10 @@ class _FallbackMode(TorchDispatchMode):
                 "DTensor cannot do on these placements."
             ) from refusal
         if not mutated:
-            # Per-sample along a batch-sharded operand: on local rows.
             outputs = refused_on_rows.on_local_rows(func, args, kwargs, refusal)
             if outputs is not None:
                 return outputs
-        return global_values.on_global_values(
-            func, args, kwargs, refusal, str(func), mutated
-        )
+        return fall_back(refusal, str(func), mutated)
 
 
 def is_refusal(error):
@@ -239,18 +194,15 @@ def _without_strided_shards(x, name):
     strided shard: DTensor plans every later op on it with a slow search."""
     if not isinstance(x, DTensor):
         return x
-    placements = x.placements
-    if all(_is_plain(p) for p in placements):
+    placements = [
+        p if p.is_shard() or p.is_replicate() or p.is_partial() else Replicate()
+        for p in x.placements
+    ]
+    if placements == list(x.placements):
         return x
-    gathered = x.redistribute(
-        x.device_mesh, [p if _is_plain(p) else Replicate() for p in placements]
-    )
-    global_values.count(
-        name,
-        _STRIDED_SHARD,
-        [],
-        (gathered.to_local().numel() - x.to_local().numel()) * x.element_size(),
-    )
+    gathered = x.redistribute(x.device_mesh, placements)
+    received = gathered.to_local().numel() - x.to_local().numel()
+    global_values.count(name, _STRIDED_SHARD, [], received * x.element_size())
     return gathered
 
 
@@ -259,19 +211,9 @@ def _reduces_a_split_dim(args, kwargs):
     dimension of `x` (all of them when `dim` is None)."""
     x = args[0]
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    if dim is not None:
+        dim %= max(x.ndim, 1)
     return any(
-        p.is_partial()
-        or (
-            p.is_shard()
-            and (dim is None or p.dim % x.ndim == dim % max(x.ndim, 1))
-        )
+        p.is_partial() or (p.is_shard() and dim in (None, p.dim % x.ndim))
         for p in x.placements
-    )
-
-
-def _is_plain(placement):
-    return (
-        placement.is_shard()
-        or placement.is_replicate()
-        or placement.is_partial()
     )

@@ -1,8 +1,6 @@
 """Ops linear in an operand, run on each term of its partial sums with no
-collective. DTensor reduces partial sums first for the backward of `softmax`
-and `log_softmax`, for `scatter` (a mixture-of-experts router's gradient),
-and for a partial sum plus a shard over the same axis (`_sum_with_shards`).
-"""
+collective, where DTensor reduces them first: the backward of `softmax` and
+`log_softmax`, `scatter`, and a partial sum plus a shard over one axis."""
 
 import torch
 
@@ -20,35 +18,31 @@ _LINEAR_OPERANDS = {
     _aten._softmax_backward_data.default: ((0,), 2),
     # grad_input = grad - exp(output) * sum(grad, dim)
     _aten._log_softmax_backward_data.default: ((0,), 2),
-    # `self` where `index` does not point, `src` where it does: the backward
-    # of `topk`, `max`, `sort`.
+    # `self` where `index` does not point, `src` where it does (backward of
+    # `topk`, `max`, `sort`).
     _aten.scatter.src: ((0, 3), 1),
+    # Partial sum + shard (`_sum_with_shards`); + a replicated value stays
+    # DTensor's (reduced first).
+    _aten.add.Tensor: None,
 }
-# Partial sum + shard; + a replicated value stays DTensor's (reduced first).
-_ADD = _aten.add.Tensor
-
-# Given an index twice, these keep one value, which must be the same on each
-# process: CPU writes in index order, CUDA only with deterministic algorithms.
-_ONE_OF_DUPLICATES = (_aten.scatter.src,)
 
 
 def on_partial_sums(func, args, kwargs):
     """Aten op `func` on its partial-sum operands' terms, as a partial sum;
     `None` where `func` is not listed or its operands do not allow it."""
     # Called for every op on `DTensor`s: the cheap lookup first.
-    entry = _LINEAR_OPERANDS.get(func)
-    if entry is None and func is not _ADD:
+    if func not in _LINEAR_OPERANDS or kwargs or torch.compiler.is_compiling():
         return None
-    if kwargs or torch.compiler.is_compiling():
-        return None
-    if func is _ADD:
+    if func is _aten.add.Tensor:
         return _sum_with_shards(args)
-    linear, dim_position = entry
-    in_order = args[0].device.type == "cpu"
-    if func in _ONE_OF_DUPLICATES and not (
-        in_order or torch.are_deterministic_algorithms_enabled()
+    # `scatter` keeps one of an index's values, alike on every process on CPU
+    # (in index order), on CUDA only with deterministic algorithms.
+    if func is _aten.scatter.src and not (
+        args[0].device.type == "cpu"
+        or torch.are_deterministic_algorithms_enabled()
     ):
         return None
+    linear, dim_position = _LINEAR_OPERANDS[func]
     operands = [(i, x) for i, x in enumerate(args) if isinstance(x, DTensor)]
     if not all(isinstance(args[i], DTensor) for i in linear):
         return None
@@ -70,19 +64,27 @@ def on_partial_sums(func, args, kwargs):
         return None
     local_args = list(args)
     for i, x in operands:
-        local = _laid_out_as(x, placements, partial_axes).to_local()
-        if i in linear:
-            local = _as_term(local, x.placements, partial_axes, mesh)
-        local_args[i] = local
-    result = func(*local_args)
+        target = [
+            x.placements[axis] if axis in partial_axes else p
+            for axis, p in enumerate(placements)
+        ]
+        x = layouts.redistribute(x, x.device_mesh, target)
+        local_args[i] = x.to_local()
+        # A replicated operand's term of a partial sum: zeros off first ranks.
+        if i in linear and any(
+            x.placements[axis].is_replicate() and mesh.get_local_rank(axis)
+            for axis in partial_axes
+        ):
+            local_args[i] = torch.zeros_like(local_args[i])
     return layouts.dtensor_from_local(
-        result, mesh, placements, shape=args[linear[0]].shape
+        func(*local_args), mesh, placements, shape=args[linear[0]].shape
     )
 
 
 def _result_placements(operands, linear, partial_axes, dim, ndim):
     """The result's placements, or `None` if the op can't run on locals."""
     placements = []
+    reference = operands[0][1]
     for axis in range(ndim):
         if axis in partial_axes:
             if not all(
@@ -99,37 +101,18 @@ def _result_placements(operands, linear, partial_axes, dim, ndim):
         if not shards:
             placements.append(Replicate())
             continue
-        shard = shards.pop()
-        reference = operands[0][1]
+        (shard,) = shards
         # Not a strided shard: its chunks are not `torch.chunk`'s.
         if type(shard) is not Shard or shard.dim % reference.ndim == dim:
             return None
-        for _, x in operands:
-            if x.ndim != reference.ndim or (
-                x.shape[shard.dim] != reference.shape[shard.dim]
-            ):
-                return None
+        if any(
+            x.ndim != reference.ndim
+            or x.shape[shard.dim] != reference.shape[shard.dim]
+            for _, x in operands
+        ):
+            return None
         placements.append(shard)
     return placements
-
-
-def _laid_out_as(x, placements, partial_axes):
-    """`x` split as `placements` off `partial_axes` (a local chunk)."""
-    target = [
-        p if axis not in partial_axes else x.placements[axis]
-        for axis, p in enumerate(placements)
-    ]
-    if target == list(x.placements):
-        return x
-    return x.redistribute(x.device_mesh, target)
-
-
-def _as_term(local, placements, partial_axes, mesh):
-    """A replicated operand's term of a partial sum: zeros off first ranks."""
-    for axis in partial_axes:
-        if placements[axis].is_replicate() and mesh.get_local_rank(axis):
-            return torch.zeros_like(local)
-    return local
 
 
 def _sum_with_shards(args):
@@ -148,13 +131,13 @@ def _sum_with_shards(args):
     for axis in range(mesh.ndim):
         pa, pb = a.placements[axis], b.placements[axis]
         if pa.is_partial() or pb.is_partial():
-            for x in (a, b):
-                # Not an average: a shard's chunk in zeros is its term of
-                # a sum, of an average a fraction.
-                if not (
-                    x.placements[axis] == Partial("sum") or _sole_split(x, axis)
-                ):
-                    return None
+            # Not an average: a shard's chunk in zeros is its term of a sum,
+            # of an average a fraction.
+            if not all(
+                x.placements[axis] == Partial("sum") or _sole_split(x, axis)
+                for x in (a, b)
+            ):
+                return None
             split = split or not (pa.is_partial() and pb.is_partial())
             placements.append(Partial("sum"))
         elif pa == pb:
@@ -182,17 +165,12 @@ def _sole_split(x, axis):
 def _shard_as_term(x, placements, mesh):
     """`x`'s local term of a partial sum: a shard on a partial axis in 0s."""
     local = x.to_local()
-    for axis, target in enumerate(placements):
-        p = x.placements[axis]
-        if not (target.is_partial() and p.is_shard()):
-            continue
-        dim = p.dim % x.ndim
-        shape = list(local.shape)
-        shape[dim] = x.shape[dim]
-        start, stop = layouts.chunk_bounds(
-            x.shape[dim], mesh.size(axis), mesh.get_local_rank(axis)
-        )
-        term = local.new_zeros(shape)
-        term.narrow(dim, start, stop - start).copy_(local)
-        local = term
+    for axis, (target, p) in enumerate(zip(placements, x.placements)):
+        if target.is_partial() and p.is_shard():
+            dim = p.dim % x.ndim
+            start, stop = layouts.chunk_bounds(
+                x.shape[dim], mesh.size(axis), mesh.get_local_rank(axis)
+            )
+            padding = [0, 0] * (x.ndim - 1 - dim) + [start, x.shape[dim] - stop]
+            local = torch.nn.functional.pad(local, padding)
     return local

@@ -1,6 +1,6 @@
 """Ops DTensor alone would not compute as one process does: it convolves a
-sharded kernel wrongly and mis-reduces a sharded lookup with sharded indices.
-"""
+sharded kernel wrongly, refuses some reshapes, mis-reduces a sharded lookup
+with sharded indices and reduces a partial sum `divide_no_nan` divides."""
 
 import torch
 
@@ -54,14 +54,16 @@ def take_operands(x, indices):
 
 
 def divide_no_nan_local(numerator, divisor):
-    """`divide_no_nan` on each process' values, placed like `numerator`: a
-    partial one stays partial (DTensor's `where` would reduce it). `None`
-    unless `numerator` is partial (sum or avg) or replicated, and `divisor`
-    constant, plain or replicated on its mesh."""
+    """`divide_no_nan` on each process' values, a partial (sum, avg) or
+    replicated `numerator` staying so (DTensor's `where` would reduce it);
+    `None` unless so and `divisor` is constant, plain or replicated."""
     if not isinstance(numerator, DTensor) or divisor.requires_grad:
         return None
     placements = numerator.placements
-    if not all(_is_linear_partial(p) or p.is_replicate() for p in placements):
+    if not all(
+        p.is_replicate() or (p.is_partial() and p.reduce_op in ("sum", "avg"))
+        for p in placements
+    ):
         return None
     if isinstance(divisor, DTensor):
         if divisor.device_mesh != numerator.device_mesh or not all(
@@ -70,17 +72,10 @@ def divide_no_nan_local(numerator, divisor):
             return None
         divisor = divisor.to_local()
     # Each share's gradient is the whole quotient's gradient.
-    part = numerator.to_local(
-        grad_placements=[
-            Replicate() if p.is_partial() else p for p in placements
-        ]
-    )
+    grad = [Replicate() if p.is_partial() else p for p in placements]
+    part = numerator.to_local(grad_placements=grad)
     safe_divisor = torch.where(divisor == 0, torch.ones_like(divisor), divisor)
     quotient = torch.where(divisor == 0, 0, torch.divide(part, safe_divisor))
     return DTensor.from_local(
         quotient, numerator.device_mesh, placements, run_check=False
     )
-
-
-def _is_linear_partial(placement):
-    return placement.is_partial() and placement.reduce_op in ("sum", "avg")

@@ -1,10 +1,8 @@
-"""Ops DTensor refuses, computed on each process' rows where per-sample
-(a recurrent layer's fused cell, some pooling and resampling kernels), not
-on gathered global values. The first meeting of a signature computes the op
-both ways, and the processes agree whether it runs on the local rows.
-"""
+"""Refused ops computed on each process' rows where per-sample (a fused RNN
+cell, some pooling kernels): a signature's first meeting computes the op both
+ways, and the processes agree whether it runs on the local rows."""
 
-import dataclasses
+import collections
 import threading
 
 import torch
@@ -21,9 +19,6 @@ from keras.src.backend.torch.distributed.dtensor_gaps import global_values
 _per_sample = {}
 _lock = threading.Lock()
 ON_ROWS = "computed on each process' rows (per-sample)"
-# Results equal to float32 rounding: the same kernel on fewer rows.
-RTOL = 1e-5
-ATOL = 1e-6
 
 
 def forget():
@@ -34,8 +29,8 @@ def forget():
 
 def on_local_rows(func, args, kwargs, refusal):
     """The results of `func` (refused by DTensor with `refusal`) computed on
-    each process' rows as batch-sharded `DTensor`s, or `None` where the op
-    does not split by rows."""
+    each process' rows as batch-sharded `DTensor`s (on global values at a
+    signature's first meeting), or `None` where the op is not per-sample."""
     split = _batch_split(args, kwargs)
     if split is None:
         return None
@@ -46,85 +41,89 @@ def on_local_rows(func, args, kwargs, refusal):
         return None
     if known:
         return _computed_on_rows(func, args, kwargs, split, counted=True)[0]
-    return _first_meeting(func, args, kwargs, refusal, split, signature)
+    outputs = global_values.on_global_values(
+        func, args, kwargs, refusal, str(func)
+    )
+    try:
+        local = _computed_on_rows(func, args, kwargs, split)[1]
+    except (RuntimeError, ValueError, IndexError) as error:
+        # A kernel refusing the local rows' shape: not per-sample here.
+        if isinstance(error, torch.OutOfMemoryError):
+            raise
+        runtime.log_debug("%s on the local rows: %s", func, error)
+        local = None
+    # Every process redistributes alike, whatever its `local`: the
+    # collectives pair up.
+    results = global_values.leaves(outputs)
+    own = [
+        x.redistribute(split.mesh, split.by_rows).to_local()
+        for x in results
+        if isinstance(x, DTensor)
+    ]
+    differs = not (
+        local is not None
+        and len(own) == len(results) == len(local)
+        and all(_same(a, b) for a, b in zip(own, local))
+    )
+    # Every process of the mesh takes the same path from now on.
+    for group in (split.mesh.get_group(d) for d in range(split.mesh.ndim)):
+        differs = collectives.any_process(differs, group)
+    with _lock:
+        _per_sample[signature] = not differs
+    return outputs
 
 
-@dataclasses.dataclass(frozen=True)
-class _Split:
-    """How an op's operands split by rows over one mesh dimension; `rows`:
-    the `id` of each operand split by rows."""
-
-    mesh: object
-    mesh_dim: int
-    global_rows: int
-    rows: frozenset
-
-    def placements(self, by_rows):
-        """An operand's placements: its rows if `by_rows`, else whole."""
-        placements = [Replicate()] * self.mesh.ndim
-        if by_rows:
-            placements[self.mesh_dim] = Shard(0)
-        return placements
-
-    @property
-    def local_rows(self):
-        start, stop = layouts.chunk_bounds(
-            self.global_rows,
-            self.mesh.size(self.mesh_dim),
-            self.mesh.get_local_rank(self.mesh_dim),
-        )
-        return stop - start
+# How an op's operands split by rows over one mesh dimension: `rows`, their
+# `id`s; `local_rows`, this process' count; `by_rows`, their placements.
+_Split = collections.namedtuple(
+    "_Split", "mesh mesh_dim global_rows local_rows rows by_rows"
+)
 
 
 def _batch_split(args, kwargs):
     """The `_Split` of the operands, or `None`: `DTensor`s sharded on axis 0
     over one mesh dimension with equal row counts (a row or more each), any
     other operand whole over it."""
-    operands = [
-        x
-        for x in global_values.leaves((args, kwargs))
-        if isinstance(x, DTensor)
-    ]
+    operands = global_values.leaves((args, kwargs))
+    operands = [x for x in operands if isinstance(x, DTensor)]
     mesh = operands[0].device_mesh
+
+    def by_rows(x, mesh_dim):
+        p = x.placements[mesh_dim]
+        return x.ndim > 0 and type(p) is Shard and p.dim % x.ndim == 0
+
     mesh_dims = {
-        d
-        for x in operands
-        for d, p in enumerate(x.placements)
-        if type(p) is Shard and p.dim % max(x.ndim, 1) == 0 and x.ndim > 0
+        d for x in operands for d in range(len(x.placements)) if by_rows(x, d)
     }
-    if len(mesh_dims) != 1:
+    if len(mesh_dims) != 1 or any(x.device_mesh != mesh for x in operands):
         return None
     (mesh_dim,) = mesh_dims
-    rows, global_rows = [], None
-    for x in operands:
-        if x.device_mesh != mesh:
-            return None
-        placement = x.placements[mesh_dim]
-        if placement.is_replicate():
-            continue
-        if not (type(placement) is Shard and placement.dim % x.ndim == 0):
-            return None
-        if global_rows not in (None, x.shape[0]):
-            return None
-        global_rows = x.shape[0]
-        rows.append(id(x))
-    parts = mesh.size(mesh_dim)
+    split = [x for x in operands if not x.placements[mesh_dim].is_replicate()]
+    if not all(by_rows(x, mesh_dim) for x in split) or (
+        len({x.shape[0] for x in split}) != 1
+    ):
+        return None
+    global_rows, parts = split[0].shape[0], mesh.size(mesh_dim)
     start, stop = layouts.chunk_bounds(global_rows, parts, parts - 1)
     if stop <= start:
         return None  # A process without rows: its kernels may refuse them.
     # A whole operand of as many rows (a gradient made whole by a sum over
     # the batch) is taken by rows too.
-    rows += [
-        id(x)
-        for x in operands
-        if x.placements[mesh_dim].is_replicate()
-        and x.ndim > 0
-        and x.shape[0] == global_rows
-    ]
-    return _Split(mesh, mesh_dim, global_rows, frozenset(rows))
+    rows = [id(x) for x in operands if x.ndim > 0 and x.shape[0] == global_rows]
+    start, stop = layouts.chunk_bounds(
+        global_rows, parts, mesh.get_local_rank(mesh_dim)
+    )
+    placements = [Replicate()] * mesh.ndim
+    placements[mesh_dim] = Shard(0)
+    return _Split(
+        mesh, mesh_dim, global_rows, stop - start, frozenset(rows), placements
+    )
 
 
 def _signature(func, args, kwargs, split):
+    """What decides whether `func` is per-sample: operands' kinds, shapes
+    without the rows, placements, dtypes, and whether the rows split evenly."""
+
     def key(x):
         if isinstance(x, DTensor):
             shape = tuple(x.shape)
@@ -152,7 +151,8 @@ def _computed_on_rows(func, args, kwargs, split, counted=False):
         nonlocal gathered_bytes
         if not isinstance(x, DTensor):
             return x
-        target = split.placements(id(x) in split.rows)
+        whole = [Replicate()] * split.mesh.ndim
+        target = split.by_rows if id(x) in split.rows else whole
         value = x.detach().redistribute(split.mesh, target)
         received = value.to_local().numel() - x.to_local().numel()
         gathered_bytes += max(0, received) * x.element_size()
@@ -160,71 +160,31 @@ def _computed_on_rows(func, args, kwargs, split, counted=False):
 
     local_args, local_kwargs = global_values.map_leaves(on_rows, (args, kwargs))
     outputs = func(*local_args, **local_kwargs)
-    local_rows = split.local_rows
     results = global_values.leaves(outputs)
     if not all(
-        isinstance(x, torch.Tensor) and x.ndim > 0 and x.shape[0] == local_rows
+        isinstance(x, torch.Tensor)
+        and x.ndim > 0
+        and x.shape[0] == split.local_rows
         for x in results
     ):
         return None, None
     if counted:
         global_values.count(str(func), ON_ROWS, [], gathered_bytes)
-    placements = split.placements(True)
 
     def as_dtensor(x):
         shape = (split.global_rows,) + tuple(x.shape[1:])
         return layouts.dtensor_from_local(
-            x.contiguous(), split.mesh, placements, shape
+            x.contiguous(), split.mesh, split.by_rows, shape
         )
 
     return global_values.map_leaves(as_dtensor, outputs), results
 
 
-def _first_meeting(func, args, kwargs, refusal, split, signature):
-    """Computes `func` on global values; records if it is per-sample."""
-    outputs = global_values.on_global_values(
-        func, args, kwargs, refusal, str(func)
-    )
-    try:
-        on_rows, local = _computed_on_rows(func, args, kwargs, split)
-    except (RuntimeError, ValueError, IndexError) as error:
-        # A kernel refusing the local rows' shape: not per-sample here.
-        if isinstance(error, torch.OutOfMemoryError):
-            raise
-        runtime.log_debug("%s on the local rows: %s", func, error)
-        local = None
-    agrees = _own_rows_agree(outputs, local, split)
-    # Every process of the mesh takes the same path from now on.
-    differs = not agrees
-    for mesh_dim in range(split.mesh.ndim):
-        group = split.mesh.get_group(mesh_dim)
-        differs = collectives.any_process(differs, group)
-    with _lock:
-        _per_sample[signature] = not differs
-    return outputs
-
-
-def _own_rows_agree(outputs, local, split):
-    """Whether `local` (`None` if the rows' call failed) holds this process'
-    rows of each result. Every process redistributes the same results
-    whatever its own `local`, so that their collectives pair up."""
-    results = global_values.leaves(outputs)
-    placements = split.placements(True)
-    own = [
-        x.redistribute(split.mesh, placements).to_local()
-        for x in results
-        if isinstance(x, DTensor)
-    ]
-    return (
-        local is not None
-        and len(own) == len(results) == len(local)
-        and all(_same(a, b) for a, b in zip(own, local))
-    )
-
-
 def _same(a, b):
+    """Whether `a` equals `b`, floats to float32 rounding (the same kernel
+    on fewer rows)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    if not (a.is_floating_point() or a.is_complex()):
-        return torch.equal(a, b)
-    return torch.allclose(a, b, rtol=RTOL, atol=ATOL, equal_nan=True)
+    if a.is_floating_point() or a.is_complex():
+        return torch.allclose(a, b, rtol=1e-5, atol=1e-6, equal_nan=True)
+    return torch.equal(a, b)

@@ -1,9 +1,6 @@
-"""Argmax and argmin over a sharded dimension, from each shard's best.
-
-DTensor takes `argmax(x, dim)` over a sharded `dim` per shard or refuses it;
-rather than gather `x`, shards all-gather their extreme and its position and
-take the first extreme (NaN counting as one), as torch does.
-"""
+"""Argmax and argmin over a sharded dimension, which DTensor takes per shard
+or refuses: shards all-gather their extreme and its position and take the
+first extreme (NaN counting as one), as torch does."""
 
 import torch
 
@@ -13,21 +10,31 @@ from keras.src.backend.torch.distributed.core.runtime import DTensor
 from keras.src.backend.torch.distributed.core.runtime import Replicate
 from keras.src.backend.torch.distributed.core.runtime import Shard
 
-_ARGMAX = torch.ops.aten.argmax.default
-
 
 def positions(func, args, kwargs):
     """`func` (`aten.argmax`/`argmin`) of `x` over a `dim` one mesh dim splits,
     replicated over it; `None` without `dim`, for a partial or non-float `x`,
-    or `dim` split several ways or into empty parts (alike on all processes).
-    """
+    or `dim` split several ways or into empty parts (alike on all processes)."""
     x = args[0]
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
     keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
-    mesh_dim = _splitting_mesh_dim(x, dim)
-    if mesh_dim is None:
+    if (
+        dim is None
+        or x.ndim == 0
+        or not x.dtype.is_floating_point
+        or not isinstance(x, DTensor)
+        or not all(p.is_replicate() or type(p) is Shard for p in x.placements)
+    ):
         return None
     dim %= x.ndim
+    splitting = [
+        mesh_dim
+        for mesh_dim, p in enumerate(x.placements)
+        if p.is_shard() and p.dim % x.ndim == dim
+    ]
+    if len(splitting) != 1:
+        return None
+    (mesh_dim,) = splitting
     mesh = x.device_mesh
     num_parts = mesh.size(mesh_dim)
     start, stop = layouts.chunk_bounds(x.shape[dim], num_parts, num_parts - 1)
@@ -35,21 +42,18 @@ def positions(func, args, kwargs):
         return None
     part = mesh.get_local_rank(mesh_dim)
     offset = layouts.chunk_bounds(x.shape[dim], num_parts, part)[0]
-    extreme = torch.max if func is _ARGMAX else torch.min
+    extreme, position = (torch.min, torch.argmin)
+    if func is torch.ops.aten.argmax.default:
+        extreme, position = (torch.max, torch.argmax)
     values, indices = extreme(x.to_local(), dim=dim, keepdim=True)
-    candidate = torch.stack(
-        # float64 holds every float value and any position below 2**53.
-        [values.to(torch.float64), (indices + offset).to(torch.float64)]
-    )
-    gathered = candidate.new_empty(num_parts * candidate.numel())
+    # float64 holds every float value and any position below 2**53.
+    candidate = torch.stack([values.double(), (indices + offset).double()])
+    gathered = candidate.new_empty((num_parts,) + tuple(candidate.shape))
     runtime.all_gather_flat(
-        gathered, candidate.reshape(-1), group=mesh.get_group(mesh_dim)
+        gathered.view(-1), candidate.reshape(-1), group=mesh.get_group(mesh_dim)
     )
-    gathered = gathered.view((num_parts,) + tuple(candidate.shape))
     # Parts are in order along `dim`: the first extreme is the lowest.
-    best = (torch.argmax if func is _ARGMAX else torch.argmin)(
-        gathered[:, 0], dim=0, keepdim=True
-    )
+    best = position(gathered[:, 0], dim=0, keepdim=True)
     local = torch.gather(gathered[:, 1], 0, best)[0].to(torch.int64)
     shape = list(x.shape)
     shape[dim] = 1
@@ -63,24 +67,3 @@ def positions(func, args, kwargs):
             for p in placements
         ]
     return layouts.dtensor_from_local(local, mesh, placements, shape=shape)
-
-
-def _splitting_mesh_dim(x, dim):
-    """The one mesh dimension that splits `dim` of `x`, or `None`."""
-    if (
-        dim is None
-        or x.ndim == 0
-        or not x.dtype.is_floating_point
-        or not isinstance(x, DTensor)
-    ):
-        return None
-    dim %= x.ndim
-    splitting = []
-    for mesh_dim, placement in enumerate(x.placements):
-        if placement.is_partial() or not (
-            placement.is_replicate() or type(placement) is Shard
-        ):
-            return None
-        if placement.is_shard() and placement.dim % x.ndim == dim:
-            splitting.append(mesh_dim)
-    return splitting[0] if len(splitting) == 1 else None

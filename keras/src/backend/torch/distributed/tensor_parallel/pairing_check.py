@@ -1,11 +1,8 @@
-"""The auto plan's column and row pairs, checked against what layers read.
-
-Width pairing cannot tell a kernel reading another's output from one reading
-the block's stream when both are as wide. So at a layer's first symbolic call
-a block is traced on stand-ins (`_Trace`), or a functional model's graph walked
-back, and a kernel that reads otherwise is laid out again. Untraceable ones
-keep their width pairing, which costs collectives, never correctness.
-"""
+"""The auto plan's column and row pairs, checked against what layers read:
+width pairing cannot tell a kernel reading another's output from one reading
+the block's stream when both are as wide. A block is traced on stand-ins (a
+functional model's graph walked back) at its first symbolic call, and a
+kernel that reads otherwise is laid out again."""
 
 import contextlib
 import threading
@@ -23,6 +20,7 @@ from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.core.runtime import DTensor
 from keras.src.backend.torch.distributed.core.runtime import Replicate
 from keras.src.backend.torch.distributed.dtensor_gaps import fallback
+from keras.src.backend.torch.distributed.dtensor_gaps import global_values
 
 # Small: a block the meta device cannot run is run on zeros.
 UNKNOWN_DIMENSION = 8
@@ -47,11 +45,9 @@ def check_layer(layer, distribution, args, kwargs):
         reads = bool(inputs) and _graph_reads_column(inputs[0], distribution)
         _check(layer, distribution, reads)
         return
-    roles = (
-        (inner, distribution.paired_role(inner))
-        for inner in layer._flatten_layers(include_self=False)
-    )
-    paired = [(inner, role) for inner, role in roles if role is not None]
+    inners = layer._flatten_layers(include_self=False)
+    paired = [(inner, distribution.paired_role(inner)) for inner in inners]
+    paired = [(inner, role) for inner, role in paired if role is not None]
     if not paired:
         return
     trace = _Trace(distribution)
@@ -59,49 +55,42 @@ def check_layer(layer, distribution, args, kwargs):
     try:
         trace.run(layer, args, kwargs)
     except _CallFailed as error:
-        # Ops neither meta nor zeros can run (a check of values).
         failure = str(error)
     # Every process lays out alike (relaying out is a collective), also
     # where the block's code fails on some processes only.
     if runtime.world_size() > 1 and collectives.any_process(failure, None):
         failure = failure or "it failed on another process"
     if failure is not None:
-        runtime.log_debug(
-            "pairings of %s not checked: its trace failed (%s)",
-            layer.name,
-            failure,
-        )
+        message = "pairings of %s not checked: its trace failed (%s)"
+        runtime.log_debug(message, layer.name, failure)
         trace.reads.clear()
     # Unreached kernels keep their width pairing; a model holding the layer
     # does not trace it again.
     for inner, role in paired:
-        reads = trace.reads.get(inner, role == ROW)
-        _check(inner, distribution, reads)
+        _check(inner, distribution, trace.reads.get(inner, role == ROW))
 
 
 def _check(layer, distribution, reads_column_output):
+    """Moves the kernels of `layer` its pairing check lays out again, each
+    keeping its parameter object."""
     for variable, layout in distribution.check_pairing(
         layer, reads_column_output
     ):
-        _relayout(variable, layout)
+        value = variable._value
+        if isinstance(value, DTensor):
+            torch_layout = layouts.as_torch_layout(layout)
+            mesh = torch_layout.device_mesh
+            with torch.no_grad():
+                whole = [Replicate()] * mesh.ndim
+                moved = value.detach().redistribute(mesh, whole)
+                moved = moved.redistribute(mesh, torch_layout.placements)
+            grad = value.requires_grad
+            parameter = torch.nn.Parameter(moved, requires_grad=grad)
+            torch.utils.swap_tensors(value, parameter)
+            variable._layout = layout
         runtime.log_debug(
             "variable %s laid out again: %s", variable.path, layout.axes
         )
-
-
-def _relayout(variable, layout):
-    """Moves `variable`'s value to `layout`, keeping its parameter object."""
-    value = variable._value
-    if not isinstance(value, DTensor):
-        return
-    torch_layout = layouts.as_torch_layout(layout)
-    mesh = torch_layout.device_mesh
-    with torch.no_grad():
-        whole = value.detach().redistribute(mesh, [Replicate()] * mesh.ndim)
-        moved = whole.redistribute(mesh, torch_layout.placements)
-    parameter = torch.nn.Parameter(moved, requires_grad=value.requires_grad)
-    torch.utils.swap_tensors(value, parameter)
-    variable._layout = layout
 
 
 def _graph_reads_column(x, distribution):
@@ -116,19 +105,13 @@ def _graph_reads_column(x, distribution):
         role = distribution.kernel_role(operation)
         if role == COLUMN:
             return True
-        if role is not None or _is_block(operation):
+        flatten = getattr(operation, "_flatten_layers", None)
+        if role is not None or (flatten and flatten(include_self=False)):
             # Row-parallel, stacked and block outputs are whole.
             continue
         node = operation._inbound_nodes[history.node_index]
         pending.extend(node.input_tensors)
     return False
-
-
-def _is_block(operation):
-    flatten = getattr(operation, "_flatten_layers", None)
-    return flatten is not None and any(
-        True for _ in flatten(include_self=False)
-    )
 
 
 class _CallFailed(Exception):
@@ -156,20 +139,21 @@ class _Trace(TorchFunctionMode):
             self._run(layer, args, kwargs, None)
 
     def _run(self, layer, args, kwargs, device):
+        """Calls `layer` on stand-ins on `device` (`None`: the current one)."""
         from keras.src import backend
 
         # Keras converts a mapped weight to the current device.
         meta = device is not None
         with backend.device_scope(device) if meta else contextlib.nullcontext():
-            args, kwargs = tree.map_structure(_stand_in, (args, kwargs))
-            weights = [(v, _zeros(v.shape, v.dtype)) for v in layer.variables]
+            args, kwargs = tree.map_structure(
+                lambda x: _zeros(x) if isinstance(x, KerasTensor) else x,
+                (args, kwargs),
+            )
+            weights = [(v, _zeros(v)) for v in layer.variables]
             _state.trace = self
             try:
-                with (
-                    StatelessScope(state_mapping=weights),
-                    torch.no_grad(),
-                    self,
-                ):
+                scope = StatelessScope(state_mapping=weights)
+                with scope, torch.no_grad(), self:
                     layer.call(*args, **kwargs)
             except Exception as error:  # noqa: BLE001 - the layer's own code.
                 if fallback.is_out_of_memory(error):
@@ -188,10 +172,9 @@ class _Trace(TorchFunctionMode):
         role = self.distribution.kernel_role(layer)
         if paired is not None:
             role = ROW if self.reads[layer] else COLUMN
-        if role == COLUMN:
-            self._mark(outputs, frozenset((id(layer),)))
-        elif role is not None:
-            self._mark(outputs, frozenset())
+        if role is not None:
+            column = (id(layer),) if role == COLUMN else ()
+            self._mark(outputs, frozenset(column))
         return outputs
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -206,38 +189,23 @@ class _Trace(TorchFunctionMode):
     def _of(self, values):
         """The column kernels whose outputs `values` are computed from."""
         carried = set()
-        for x in _tensors(values):
+        for x in global_values.leaves(values):
             entry = self._carried.get(id(x))
             if entry is not None and entry[0]() is x:
                 carried |= entry[1]
         return carried
 
     def _mark(self, values, carried):
-        for x in _tensors(values):
-            self._carried[id(x)] = (weakref.ref(x), carried)
+        """Records that tensors `values` are computed from `carried`."""
+        for x in global_values.leaves(values):
+            if isinstance(x, torch.Tensor):
+                self._carried[id(x)] = (weakref.ref(x), carried)
 
 
-def _tensors(values):
-    """The torch tensors in nested lists, tuples and dicts."""
-    if isinstance(values, torch.Tensor):
-        yield values
-    elif isinstance(values, (list, tuple)):
-        for x in values:
-            yield from _tensors(x)
-    elif isinstance(values, dict):
-        for x in values.values():
-            yield from _tensors(x)
-
-
-def _stand_in(x):
-    if not isinstance(x, KerasTensor):
-        return x
-    shape = tuple(UNKNOWN_DIMENSION if d is None else d for d in x.shape)
-    return _zeros(shape, x.dtype)
-
-
-def _zeros(shape, dtype):
+def _zeros(x):
+    """Zeros (not uninitialized memory: an integer weight may be an index)
+    shaped as `x`, an unknown dimension small."""
     from keras.src import ops
 
-    # Zeros, not uninitialized memory: an integer weight may be an index.
-    return ops.zeros(tuple(shape), dtype=dtype)
+    shape = tuple(UNKNOWN_DIMENSION if d is None else d for d in x.shape)
+    return ops.zeros(shape, dtype=x.dtype)

@@ -28,13 +28,12 @@ def local_einsum(function):
     def einsum(subscripts, *operands, **kwargs):
         if runtime.current_distribution() is None:
             return function(subscripts, *operands, **kwargs)
-        split = _shard_local_einsum(subscripts, operands)
-        if split is None:
+        compute = functools.partial(function, subscripts, **kwargs)
+        output = _shard_local_einsum(subscripts, operands, compute)
+        if output is None:
             operands = [_gather_uneven_dims(x) for x in operands]
             return function(subscripts, *operands, **kwargs)
-        mesh, placements, local_operands = split
-        output = function(subscripts, *local_operands, **kwargs)
-        return DTensor.from_local(output, mesh, placements, run_check=False)
+        return output
 
     return einsum
 
@@ -43,8 +42,7 @@ def _gather_uneven_dims(x):
     """An einsum operand with the dimensions DTensor's einsum views cannot
     keep sharded gathered: uneven ones, or of size 1 (even over a mesh axis
     of size 1); its gradient comes back sharded like the operand."""
-    if isinstance(x, KerasVariable):
-        x = x.value
+    x = x.value if isinstance(x, KerasVariable) else x
     if not isinstance(x, DTensor):
         return x
     placements = [
@@ -54,43 +52,33 @@ def _gather_uneven_dims(x):
         else p
         for i, p in enumerate(x.placements)
     ]
-    if placements == list(x.placements):
-        return x
     return layouts.redistribute(x, x.device_mesh, placements)
 
 
 def local_matmul(function):
-    """Wraps the backend's batched `matmul` (`function`) as `local_einsum`."""
+    """Wraps the backend's `matmul` (`function`) as `local_einsum` where
+    batched (rank > 2, stacked dimensions alike)."""
 
     @functools.wraps(function)
     def matmul(x1, x2):
         if runtime.current_distribution() is None:
             return function(x1, x2)
-        split = _shard_local_matmul(x1, x2)
-        if split is None:
-            return function(x1, x2)
-        mesh, placements, (local1, local2) = split
-        output = function(local1, local2)
-        return DTensor.from_local(output, mesh, placements, run_check=False)
+        shape1, shape2 = (
+            getattr(getattr(x, "value", x), "shape", ()) for x in (x1, x2)
+        )
+        output = None
+        if len(shape1) == len(shape2) > 2 and shape1[:-2] == shape2[:-2]:
+            stacked = _STACK_LABELS[: len(shape1) - 2]
+            subscripts = f"{stacked}ij,{stacked}jk->{stacked}ik"
+            output = _shard_local_einsum(subscripts, (x1, x2), function)
+        return function(x1, x2) if output is None else output
 
     return matmul
 
 
-def _shard_local_matmul(x1, x2):
-    """`_shard_local_einsum` of a batched `matmul` (rank > 2), or `None`."""
-    shapes = [getattr(getattr(x, "value", x), "shape", None) for x in (x1, x2)]
-    if any(shape is None or len(shape) < 3 for shape in shapes):
-        return None
-    if len(shapes[0]) != len(shapes[1]) or shapes[0][:-2] != shapes[1][:-2]:
-        return None
-    stacked = _STACK_LABELS[: len(shapes[0]) - 2]
-    return _shard_local_einsum(
-        f"{stacked}ij,{stacked}jk->{stacked}ik", (x1, x2)
-    )
-
-
-def _shard_local_einsum(subscripts, operands):
-    """`(mesh, placements, local operands)` of a per-shard einsum, or `None`."""
+def _shard_local_einsum(subscripts, operands, compute):
+    """`compute(*local operands)` as a `DTensor` where einsum `subscripts`
+    runs per shard, or `None`."""
     if torch.compiler.is_compiling():
         # Dynamo fails on this path (`InternalTorchDynamoError`).
         return None
@@ -108,32 +96,28 @@ def _shard_local_einsum(subscripts, operands):
     inputs = inputs.split(",")
     mesh = operands[0].device_mesh
     if len(inputs) != len(operands) or any(
-        x.device_mesh != mesh for x in operands
+        x.device_mesh != mesh or not len(set(labels)) == len(labels) == x.ndim
+        for labels, x in zip(inputs, operands)
     ):
         return None
-    for labels, x in zip(inputs, operands):
-        if len(set(labels)) != len(labels) or len(labels) != x.ndim:
-            return None
-    split_labels = []
-    for mesh_dim in range(mesh.ndim):
-        label = _split_label(inputs, operands, mesh_dim, mesh.size(mesh_dim))
-        if label is False:
-            return None
-        split_labels.append(label)
-    if projection and not any(split_labels):
-        # DTensor's backward keeps a partial output gradient partial (reduced
-        # once, later); this path would reduce it here.
+    split_labels = [
+        _split_label(inputs, operands, mesh_dim, mesh.size(mesh_dim))
+        for mesh_dim in range(mesh.ndim)
+    ]
+    # With no split label, DTensor's backward keeps a projection's partial
+    # output gradient partial (reduced once, later); here it would be reduced.
+    if False in split_labels or (projection and not any(split_labels)):
         return None
-    placements = [_placement(label, output) for label in split_labels]
     # An operand's gradient is partial where the split label is one it lacks
     # (each output part reads all of it).
-    local_operands = [
-        x.to_local(
-            grad_placements=[_placement(s, labels) for s in split_labels]
-        )
-        for labels, x in zip(inputs, operands)
-    ]
-    return mesh, placements, local_operands
+    local_operands = []
+    for labels, x in zip(inputs, operands):
+        grad = [_placement(s, labels) for s in split_labels]
+        local_operands.append(x.to_local(grad_placements=grad))
+    placements = [_placement(label, output) for label in split_labels]
+    return DTensor.from_local(
+        compute(*local_operands), mesh, placements, run_check=False
+    )
 
 
 def _placement(label, labels):
@@ -141,47 +125,36 @@ def _placement(label, labels):
     it has shards it; one it lacks (contracted) leaves partial sums."""
     if label is None:
         return Replicate()
-    if label in labels:
-        return Shard(labels.index(label))
-    return Partial()
+    return Shard(labels.index(label)) if label in labels else Partial()
 
 
 def _split_label(inputs, operands, mesh_dim, num_shards):
     """The one label sharded on `mesh_dim`; `None` if none, `False` if the
     layout does not split (see `local_einsum`)."""
-    found = set()
-    for labels, x in zip(inputs, operands):
-        placement = x.placements[mesh_dim]
-        if placement.is_partial() or not (
-            placement.is_replicate() or type(placement) is Shard
-        ):
-            return False
-        if placement.is_shard():
-            found.add(labels[placement.dim])
-    if len(found) > 1:
+    placements = [x.placements[mesh_dim] for x in operands]
+    if not all(p.is_replicate() or type(p) is Shard for p in placements):
         return False
-    if not found:
-        return None
+    found = {
+        labels[p.dim] for labels, p in zip(inputs, placements) if p.is_shard()
+    }
+    if len(found) != 1:
+        return False if found else None
     (label,) = found
-    for labels, x in zip(inputs, operands):
-        if label not in labels:
-            continue
-        # Slicing an operand replicated along the label costs nothing
-        # forward, but an all-gather of its gradient backward.
-        if not x.placements[mesh_dim].is_shard():
-            return False
-        if x.shape[labels.index(label)] % num_shards:
-            return False
+    # Slicing an operand replicated along the label costs nothing forward,
+    # but an all-gather of its gradient backward.
+    if any(
+        label in labels
+        and (not p.is_shard() or x.shape[labels.index(label)] % num_shards)
+        for labels, x, p in zip(inputs, operands, placements)
+    ):
+        return False
     return label
 
 
 def local_attention(function):
-    """Wraps the backend's `dot_product_attention` (`function`) to attend
-    shard by shard where sharded on batch or heads only (DTensor's math
-    decomposition cannot shard under `torch.compile`). Replicated key and
-    value (fewer heads than processes) give each process the heads its query
-    heads read. The flash probe (`SDPAParams`) is skipped: dynamo cannot
-    trace it, and torch tries flash first anyway."""
+    """Wraps `dot_product_attention` (`function`) to attend shard by shard
+    where sharded on batch or heads only (DTensor's math decomposition cannot
+    shard under `torch.compile`); no flash probe (dynamo cannot trace it)."""
 
     @functools.wraps(function)
     def attention(query, key, value, *args, **kwargs):
@@ -213,19 +186,24 @@ def _shard_local_attention(query, key, value, args, kwargs):
         return False
     if value.ndim != 4 or key.shape[2] != value.shape[2]:
         return False
-    # At most one mesh dimension splits the query's heads but not the
-    # key's and value's (see `_reads_whole_heads`).
-    differing = [
-        mesh_dim
-        for mesh_dim, own in enumerate(key.placements)
-        if own != placements[mesh_dim]
-    ]
-    if len(differing) > 1:
+    # At most one mesh dimension splits the query's heads, not the key's and
+    # value's, where each process' query heads read whole key/value heads.
+    differing = [d for d, p in enumerate(key.placements) if p != placements[d]]
+    if len(differing) > 1 or any(x.device_mesh != mesh for x in (key, value)):
         return False
-    for x in (key, value):
-        if x.device_mesh != mesh:
+    for mesh_dim in differing:
+        heads, key_heads = query.shape[2], key.shape[2]
+        size, placement = mesh.size(mesh_dim), placements[mesh_dim]
+        if (
+            not key.placements[mesh_dim].is_replicate()
+            or type(placement) is not Shard
+            or placement.dim != 2
+            or heads % size
+            or heads % key_heads
+        ):
             return False
-        if differing and not _reads_whole_heads(query, x, differing[0]):
+        local_heads, group = heads // size, heads // key_heads
+        if local_heads % group and group % local_heads:
             return False
     for mesh_dim, placement in enumerate(placements):
         if placement.is_replicate():
@@ -244,47 +222,20 @@ def _shard_local_attention(query, key, value, args, kwargs):
     )
 
 
-def _reads_whole_heads(query, key, mesh_dim):
-    """Whether a replicated `key` (or value) gives whole the key/value heads
-    each process' query heads read, over `mesh_dim` (grouped-query)."""
-    placement = query.placements[mesh_dim]
-    if not (
-        key.placements[mesh_dim].is_replicate()
-        and type(placement) is Shard
-        and placement.dim == 2
-    ):
-        return False
-    heads, key_heads = query.shape[2], key.shape[2]
-    size = query.device_mesh.size(mesh_dim)
-    if heads % size or heads % key_heads:
-        return False
-    local_heads, group = heads // size, heads // key_heads
-    return local_heads % group == 0 or group % local_heads == 0
-
-
 def _local_key_value_heads(x, query):
-    """Local key or value `x`: where replicated, the heads this process'
-    query heads read, with a partial gradient."""
-    mesh = query.device_mesh
-    whole = [
-        mesh_dim
-        for mesh_dim, own in enumerate(x.placements)
-        if own != query.placements[mesh_dim]
-    ]
+    """Local key or value `x`: where replicated (fewer heads than processes),
+    the heads this process' query heads read, with a partial gradient."""
+    mesh, placements = query.device_mesh, query.placements
+    whole = [d for d, p in enumerate(x.placements) if p != placements[d]]
     if not whole:
         return x.to_local()
-    grad_placements = list(x.placements)
-    for mesh_dim in whole:
-        grad_placements[mesh_dim] = Partial()
-    local = x.to_local(grad_placements=grad_placements)
-    heads, key_heads = query.shape[2], x.shape[2]
-    group = heads // key_heads
-    for mesh_dim in whole:
-        local_heads = heads // mesh.size(mesh_dim)
-        first = mesh.get_local_rank(mesh_dim) * local_heads
-        start, stop = first // group, (first + local_heads - 1) // group + 1
-        local = local[:, :, start:stop]
-    return local
+    (mesh_dim,) = whole
+    grad = [Partial() if d in whole else p for d, p in enumerate(x.placements)]
+    local_heads = query.shape[2] // mesh.size(mesh_dim)
+    group = query.shape[2] // x.shape[2]
+    first = mesh.get_local_rank(mesh_dim) * local_heads
+    stop = (first + local_heads - 1) // group + 1
+    return x.to_local(grad_placements=grad)[:, :, first // group : stop]
 
 
 def _scores_like(mask, query):
@@ -296,17 +247,16 @@ def _scores_like(mask, query):
         return False
     if mask.device_mesh != query.device_mesh:
         return False
-    scores_dim = {0: 0, 2: 1}
     for placement, own in zip(query.placements, mask.placements):
         if placement.is_replicate():
-            if not own.is_replicate():
-                return False
-            continue
-        dim = scores_dim[placement.dim]
-        if own.is_replicate() and mask.shape[dim] == 1:
-            continue
-        if not (type(own) is Shard and own.dim == dim):
-            return False
-        if mask.shape[dim] != query.shape[placement.dim]:
+            alike = own.is_replicate()
+        else:
+            dim = {0: 0, 2: 1}[placement.dim]
+            alike = (own.is_replicate() and mask.shape[dim] == 1) or (
+                type(own) is Shard
+                and own.dim == dim
+                and mask.shape[dim] == query.shape[placement.dim]
+            )
+        if not alike:
             return False
     return True
