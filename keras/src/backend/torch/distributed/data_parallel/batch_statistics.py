@@ -3,7 +3,6 @@ normalization in training), in one all-reduce of packed sums as torch's
 CUDA-only `SyncBatchNorm`."""
 
 import functools
-import math
 
 import torch
 import torch.distributed as dist
@@ -20,59 +19,42 @@ def batch_moments(function):
 
     @functools.wraps(function)
     def moments(x, axes, keepdims=False, synchronized=False):
-        group = local_rows.local_call_group()
+        # The mesh group of this thread's local-rows call, if any.
+        group = getattr(local_rows._local_call, "group", None)
         axes = tuple(axes) if isinstance(axes, (list, tuple)) else (axes,)
         if 0 not in [a % x.ndim for a in axes]:
             return function(x, axes, keepdims, synchronized)
         with batch_coupling.explained():
-            # A DTensor on local rows: a layer through `coupled_layers`.
-            if _batch_sharded(x):
-                return _packed_moments(x, axes, keepdims)
+            # A DTensor on local rows: a layer through `coupled_layers`
+            # (one placement: a 1-D mesh).
+            if isinstance(x, DTensor) and tuple(x.placements) == (Shard(0),):
+                return _global_moments(x, axes, keepdims, None)
             if group is not None and not isinstance(x, DTensor):
-                return _global_moments(x, axes, keepdims, group=group)
+                return _global_moments(x, axes, keepdims, group)
             return function(x, axes, keepdims, synchronized)
 
     return moments
 
 
-def _batch_sharded(x):
-    return (
-        isinstance(x, DTensor)
-        and x.device_mesh.ndim == 1
-        and tuple(x.placements) == (Shard(0),)
-    )
-
-
-def _packed_moments(x, axes, keepdims):
-    """`_global_moments` of a batch-sharded `DTensor`: one packed all-reduce."""
-    dtype, x, sums, squares = _sums(x, axes)
-    packed = torch.cat([sums.reshape(-1), squares.reshape(-1)])
-    packed = packed.redistribute(placements=[Replicate()])
-    total = 1
-    for a in axes:  # A loop: dynamo cannot trace `math.prod` of a generator.
-        total *= x.shape[a]
-    return _moments(packed, total, sums, axes, keepdims, dtype)
-
-
 def _global_moments(x, axes, keepdims, group):
-    dtype, x, sums, squares = _sums(x, axes)
-    count = sums.new_full((1,), math.prod(x.shape[a] for a in axes))
-    packed = torch.cat([sums.reshape(-1), squares.reshape(-1), count])
-    packed = _AllReduceSum.apply(packed, group)
-    return _moments(packed, packed[-1], sums, axes, keepdims, dtype)
-
-
-def _sums(x, axes):
-    """`(dtype, x, sums, squares)`, half precision in float32 as upstream."""
+    """Mean and variance from sums and squares packed in one all-reduce over
+    `group` (`None`: `x` is batch-sharded); halves in float32 as upstream."""
     dtype = x.dtype
     if dtype in (torch.float16, torch.bfloat16):
         x = x.float()
     sums = torch.sum(x, dim=axes, keepdim=True)
-    return dtype, x, sums, torch.sum(x * x, dim=axes, keepdim=True)
-
-
-def _moments(packed, total, sums, axes, keepdims, dtype):
-    """Mean and variance from the summed `packed` sums and squares."""
+    squares = torch.sum(x * x, dim=axes, keepdim=True)
+    total = 1
+    for a in axes:  # A loop: dynamo cannot trace `math.prod` of a generator.
+        total *= x.shape[a]
+    if group is None:
+        packed = torch.cat([sums.reshape(-1), squares.reshape(-1)])
+        packed = packed.redistribute(placements=[Replicate()])
+    else:
+        count = sums.new_full((1,), total)
+        packed = torch.cat([sums.reshape(-1), squares.reshape(-1), count])
+        packed = _AllReduceSum.apply(packed, group)
+        total = packed[-1]
     size, shape = sums.numel(), sums.shape
     mean = (packed[:size] / total).reshape(shape)
     variance = (packed[size : 2 * size] / total).reshape(shape) - mean * mean

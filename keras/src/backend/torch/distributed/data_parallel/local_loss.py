@@ -1,7 +1,6 @@
-"""The compiled loss computed as plain tensors on each process' rows.
-
-A per-sample "sum_over_batch_size" loss is the sum of each process' weighted
-sum over the global count: a partial sum only the loss tracker reduces, so
+"""The compiled loss computed as plain tensors on each process' rows: a
+per-sample "sum_over_batch_size" loss is the sum of each process' weighted
+sum over the global count, a partial sum only the loss tracker reduces, so
 the backward pass runs on plain tensors. Replicated outputs are computed
 whole; anything else runs through DTensor."""
 
@@ -18,38 +17,24 @@ from keras.src.backend.torch.distributed.core.runtime import Replicate
 from keras.src.backend.torch.distributed.core.runtime import Shard
 
 # Built-in losses reducing each sample over its own (last) axes only.
-_PER_SAMPLE_FUNCTION_NAMES = (
-    "binary_crossentropy",
-    "binary_focal_crossentropy",
-    "categorical_crossentropy",
-    "categorical_focal_crossentropy",
-    "categorical_hinge",
-    "cosine_similarity",
-    "hinge",
-    "huber",
-    "kl_divergence",
-    "log_cosh",
-    "mean_absolute_error",
-    "mean_absolute_percentage_error",
-    "mean_squared_error",
-    "mean_squared_logarithmic_error",
-    "poisson",
-    "sparse_categorical_crossentropy",
-    "squared_hinge",
+_PER_SAMPLE_FUNCTION_NAMES = frozenset(
+    "binary_crossentropy binary_focal_crossentropy categorical_crossentropy "
+    "categorical_focal_crossentropy categorical_hinge cosine_similarity hinge "
+    "huber kl_divergence log_cosh mean_absolute_error "
+    "mean_absolute_percentage_error mean_squared_error "
+    "mean_squared_logarithmic_error poisson sparse_categorical_crossentropy "
+    "squared_hinge".split()
 )
-
 # Those taking a softmax of logits: DTensor gathers a sharded class axis.
-_SOFTMAX_FUNCTION_NAMES = (
-    "categorical_crossentropy",
-    "categorical_focal_crossentropy",
-    "sparse_categorical_crossentropy",
+_SOFTMAX_FUNCTION_NAMES = frozenset(
+    "categorical_crossentropy categorical_focal_crossentropy "
+    "sparse_categorical_crossentropy".split()
 )
 
 
 def gathered_predictions(model, y, y_pred):
-    """`y_pred` with its class axis gathered for one compiled softmax
-    cross-entropy of logits: one gather serves the loss, then on plain
-    tensors, and the metrics' `argmax`."""
+    """`y_pred`, its class axis gathered for one compiled softmax cross-entropy
+    of logits: one gather serves the loss (on plain tensors) and `argmax`."""
     if not isinstance(y_pred, DTensor) or y_pred.ndim == 0:
         return y_pred
     last = y_pred.ndim - 1
@@ -57,41 +42,28 @@ def gathered_predictions(model, y, y_pred):
         Replicate() if p.is_shard() and p.dim in (last, -1) else p
         for p in y_pred.placements
     ]
-    if placements == list(y_pred.placements):
-        return y_pred
-    entry = _single_compiled_loss(model, y, y_pred)
-    if entry is None or not _softmax_of_logits(entry[1]):
+    if (
+        placements == list(y_pred.placements)
+        or (entry := _single_compiled_loss(model, y, y_pred)) is None
+        # A built-in per-sample loss: a softmax of logits?
+        or entry.loss.fn.__name__ not in _SOFTMAX_FUNCTION_NAMES
+        or not entry.loss._fn_kwargs.get("from_logits", False)
+    ):
         return y_pred
     return y_pred.redistribute(y_pred.device_mesh, placements)
-
-
-def _softmax_of_logits(loss):
-    """Whether `loss` is a built-in softmax cross-entropy of logits."""
-    fn = getattr(loss, "fn", None)
-    return (
-        getattr(fn, "__name__", None) in _SOFTMAX_FUNCTION_NAMES
-        and loss._fn_kwargs.get("from_logits", False)
-        and loss._fn_kwargs.get("axis", -1) == -1
-    )
 
 
 def local_compiled_loss(
     model, y, y_pred, sample_weight, local_y_pred, local_weight=None
 ):
-    """The train step's loss on local tensors, or `None` if it may differ.
-
-    `local_y_pred`: `y_pred`'s rows from a local-rows call (the loss then a
-    partial `DTensor`, else replicated); `local_weight(v)`: a weight's local
-    value there, for the model's other losses.
-    """
+    """The train step's loss from local tensors (`y_pred`'s rows from a
+    local-rows call: a partial sum; else replicated), or `None` if it may
+    differ. `local_weight(v)`: a weight's local value, for other losses."""
     # Imported here: the backend imports this module.
     from keras.src import ops
 
     entry = _single_compiled_loss(model, y, y_pred)
-    if entry is None:
-        return None
-    _, loss_fn, loss_weight, _ = entry
-    if y is None or get_keras_mask(y_pred) is not None:
+    if entry is None or y is None or get_keras_mask(y_pred) is not None:
         return None
     local_y_pred, placements = _local_prediction(
         y_pred, local_y_pred, [y, sample_weight]
@@ -103,82 +75,77 @@ def local_compiled_loss(
     if others is None:
         return None
     with runtime.distribution_suspended():
+        weight = None if sample_weight is None else sample_weight.to_local()
         share = _loss_share(
-            loss_fn,
-            y.to_local(),
-            local_y_pred,
-            None if sample_weight is None else sample_weight.to_local(),
-            global_rows=y_pred.shape[0],
+            entry.loss, y.to_local(), local_y_pred, weight, y_pred.shape[0]
         )
         if share is None:
             return None
         share = ops.cast(share, model._compile_loss.dtype)
-        if loss_weight is not None:
-            share = ops.multiply(share, loss_weight)
+        if entry.loss_weights is not None:
+            share = ops.multiply(share, entry.loss_weights)
         if others:
-            first = 1.0 if mesh.get_local_rank() == 0 else 0.0
             parts = [
-                ops.multiply(
-                    model._aggregate_additional_loss(value()),
-                    1.0 if is_part else first,
-                )
-                for value, is_part in others
+                ops.multiply(model._aggregate_additional_loss(value()), scale)
+                for value, scale in others
             ]
             share = ops.add(share, ops.sum(parts))
     return DTensor.from_local(share, mesh, placements, run_check=False)
 
 
 def _other_losses(model, mesh, placements, local_weight):
-    """Other losses as `(local value fn, is partial sum's part)`, or `None`."""
+    """Other losses as `(local value fn, scale)`, or `None`: a partial sum's
+    part counted on each process, a whole one on the first only."""
     if model._losses_override:
         return None
-    added = [
-        x
-        for layer in model._flatten_layers(include_self=True)
-        for x in layer._get_own_losses()
-    ]
-    regularized = [
-        v for v in model.trainable_weights if v.regularizer is not None
-    ]
+    layers = model._flatten_layers(include_self=True)
+    added = [x for layer in layers for x in layer._get_own_losses()]
+    weights = model.trainable_weights
+    regularized = [v for v in weights if v.regularizer is not None]
     if not added and not regularized:
         return []
-    if (
-        placements != [Partial()]
-        or local_weight is None
-        or torch.compiler.is_compiling()
-    ):
+    compiling = torch.compiler.is_compiling()
+    if placements != [Partial()] or local_weight is None or compiling:
         return None
+    first = 1.0 if mesh.get_local_rank() == 0 else 0.0
     others = []
     for x in added:
-        # A layer's loss (see `coupled_layers`): whole, or a partial sum.
+        # A layer's loss (see `coupled_layers`): whole, counted once (its
+        # gradient a partial sum), or each process' part of a partial sum
+        # (the whole gradient on each).
         if not (isinstance(x, DTensor) and x.device_mesh == mesh):
             return None
-        if x.placements == (Replicate(),):
-            # Counted once: its gradient a partial sum.
-            local = functools.partial(x.to_local, grad_placements=[Partial()])
-            others.append((local, False))
-        elif x.placements == (Partial(),):
-            # Each process its part: the whole gradient on each.
-            local = functools.partial(x.to_local, grad_placements=[Replicate()])
-            others.append((local, True))
-        else:
+        is_part = x.placements == (Partial(),)
+        if not is_part and x.placements != (Replicate(),):
             return None
-    for v in regularized:
-        others.append(
-            (functools.partial(v.regularizer, local_weight(v)), False)
-        )
-    return others
+        grad = [Replicate()] if is_part else [Partial()]
+        local = functools.partial(x.to_local, grad_placements=grad)
+        others.append((local, 1.0 if is_part else first))
+    return others + [
+        (functools.partial(v.regularizer, local_weight(v)), first)
+        for v in regularized
+    ]
 
 
-def _local_prediction(y_pred, local_y_pred, batch):
-    """`(local y_pred, loss placements)`, or `(None, None)`."""
-    if local_y_pred is not None and (
-        _sharded_like(y_pred, batch)
-        # One process' rows are the whole batch: a sum of one part.
-        or (y_pred.device_mesh.size() == 1 and _replicated_like(y_pred, batch))
+def _local_prediction(y_pred, local_y_pred, values):
+    """`(local y_pred, loss placements)`, or `(None, None)`: `values` (or
+    `None`) batch-sharded as `y_pred`, or all replicated on its mesh."""
+    given = [x for x in [y_pred, *values] if x is not None]
+    if not all(
+        isinstance(x, DTensor) and x.device_mesh == y_pred.device_mesh
+        for x in given
     ):
+        return None, None
+    replicated = all(p.is_replicate() for x in given for p in x.placements)
+    sharded = all(
+        tuple(x.placements) == (Shard(0),) and x.shape[0] == y_pred.shape[0]
+        for x in given[1:]
+    )
+    # One process' rows are the whole batch: a sum of one part.
+    one = y_pred.device_mesh.size() == 1
+    if local_y_pred is not None and (sharded or (one and replicated)):
         return local_y_pred, [Partial()]
-    if _replicated_like(y_pred, batch):
+    if replicated:
         # Every process' gradient of the loss is the whole gradient.
         placements = [Replicate()] * y_pred.device_mesh.ndim
         return y_pred.to_local(grad_placements=placements), placements
@@ -203,9 +170,7 @@ def _single_compiled_loss(model, y, y_pred):
     ):
         return None
     entry = compile_loss._flat_losses[0]
-    if entry.path or not _per_sample_loss(entry.loss):
-        return None
-    return entry
+    return None if entry.path or not _per_sample_loss(entry.loss) else entry
 
 
 def _per_sample_loss(loss):
@@ -225,34 +190,6 @@ def _per_sample_loss(loss):
     )
 
 
-def _sharded_like(y_pred, values):
-    """Whether each of `values` (or `None`) is batch-sharded as `y_pred`."""
-    return all(
-        x is None
-        or (
-            isinstance(x, DTensor)
-            and x.device_mesh == y_pred.device_mesh
-            and tuple(x.placements) == (Shard(0),)
-            and x.ndim > 0
-            and x.shape[0] == y_pred.shape[0]
-        )
-        for x in values
-    )
-
-
-def _replicated_like(y_pred, values):
-    """Whether `y_pred` and `values` (or `None`) are replicated on its mesh."""
-    return all(
-        x is None
-        or (
-            isinstance(x, DTensor)
-            and x.device_mesh == y_pred.device_mesh
-            and all(p.is_replicate() for p in x.placements)
-        )
-        for x in [y_pred] + list(values)
-    )
-
-
 def _loss_share(loss, y_true, y_pred, sample_weight, global_rows):
     """This process' share of per-sample `loss` on the batch, or `None`."""
     from keras.src import ops
@@ -263,8 +200,7 @@ def _loss_share(loss, y_true, y_pred, sample_weight, global_rows):
     values = loss.call(y_true, y_pred)
     if (
         get_keras_mask(values) is not None
-        or values.ndim == 0
-        or values.shape[0] != y_pred.shape[0]
+        or values.shape[:1] != y_pred.shape[:1]
     ):
         return None
     weighted_sum = reduce_weighted_values(

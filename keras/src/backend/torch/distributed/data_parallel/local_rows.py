@@ -1,23 +1,21 @@
-"""Data-parallel model calls on each process' own rows, as plain tensors.
-
-With replicated weights and a sharded batch, a per-sample call (probed by
-`batch_coupling`) computes on the local rows what DTensor would, without its
-per-op dispatch; any coupling but `batch_statistics`', `random_draws`' and
+"""Data-parallel model calls on each process' rows, as plain tensors: with
+replicated weights and a sharded batch, a per-sample call (probed by
+`batch_coupling`) computes there what DTensor would, without its per-op
+dispatch. Coupling other than `batch_statistics`', `random_draws`' and
 `coupled_layers`' sends the step through DTensor from then on."""
 
 import contextlib
 import dataclasses
 import functools
 import threading
+import types
 import weakref
 
 import torch
 
 from keras.src import tree
-from keras.src.backend.common.masking import get_keras_mask
-from keras.src.backend.common.masking import set_keras_mask
+from keras.src.backend.torch.distributed.core import collectives
 from keras.src.backend.torch.distributed.core import generator_states
-from keras.src.backend.torch.distributed.core import layouts
 from keras.src.backend.torch.distributed.core import local_state
 from keras.src.backend.torch.distributed.core import random_draws
 from keras.src.backend.torch.distributed.core import runtime
@@ -27,35 +25,27 @@ from keras.src.backend.torch.distributed.data_parallel import batch_coupling
 from keras.src.backend.torch.distributed.data_parallel import coupled_layers
 from keras.src.backend.torch.distributed.dtensor_gaps import fallback
 
-_STEPS_ATTRIBUTE = "_distributed_steps"
-# This thread's `(process group, global rows)`, for `batch_moments`, reached
+# This thread's local call's process `group`, for `batch_moments`, reached
 # via the backend's `moments` with no model at hand.
 _local_call = threading.local()
-_MIXES = "its outputs on the local rows differ"
 # `{layer: {training: Verdict}}` for calls outside a step.
 _verdicts = weakref.WeakKeyDictionary()
-
-
-class ModelSteps:
-    """A model's `step.DistributedStep`s by kind, and the one `running`."""
-
-    def __init__(self):
-        self.by_kind = {}
-        self.running = None
+_OTHER_PROCESS = "another process' call did what the probe did not find"
 
 
 def model_steps(model):
-    """The `ModelSteps` of `model` (created on first use)."""
-    steps = getattr(model, _STEPS_ATTRIBUTE, None)
-    if steps is None:
-        steps = ModelSteps()
-        setattr(model, _STEPS_ATTRIBUTE, steps)
-    return steps
+    """`model`'s `step.DistributedStep`s `by_kind` and the one `running`
+    (created on first use)."""
+    if getattr(model, "_distributed_steps", None) is None:
+        model._distributed_steps = types.SimpleNamespace(
+            by_kind={}, running=None
+        )
+    return model._distributed_steps
 
 
 def running_step(model):
     """The `step.DistributedStep` now running a step of `model`, or `None`."""
-    steps = getattr(model, _STEPS_ATTRIBUTE, None)
+    steps = getattr(model, "_distributed_steps", None)
     return None if steps is None else steps.running
 
 
@@ -63,39 +53,34 @@ def call(call_function, layer, args, kwargs, through_dtensor):
     """Calls outermost `layer` on the local rows if that gives DTensor's
     numbers: batch-sharded outputs, or `None` to call it through DTensor
     (`through_dtensor(args, kwargs)`, also the probe's call)."""
-    step = running_step(layer)
-    batch = coupled_layers.batch_of((args, kwargs))
+    step, inputs = running_step(layer), (args, kwargs)
+    batch = coupled_layers.batch_of(inputs)
     if batch is None or (step is not None and step.runs_through_dtensor):
         return None
-    if step is not None:
-        variables = step.local_variables(batch.mesh)
-    else:
+    if step is None:
         variables = local_variables(layer, batch.mesh)
-    if variables is None:
-        return None
-    verdicts = (
-        _verdicts.setdefault(layer, {}) if step is None else step.verdicts
-    )
+        verdicts = _verdicts.setdefault(layer, {})
+    else:
+        variables, verdicts = step.local_variables(batch.mesh), step.verdicts
     training = bool(kwargs.get("training"))
     verdict = verdicts.get(training)
-    if verdict is None:
-        if not classification_final(layer):
-            return None
-        outputs, verdict = _probe(
-            call_function, layer, args, kwargs, through_dtensor, variables
+    if variables is None or (verdict is not None and not verdict.per_sample):
+        return None
+    if verdict is not None:
+        return _call_locally(
+            call_function, layer, inputs, batch, variables, verdict, step
         )
-        if verdict is None:
-            return outputs
+    if not classification_final(layer):
+        return None
+    outputs, verdict = _probe(
+        call_function, layer, inputs, through_dtensor, variables, batch
+    )
+    if verdict is not None:
         verdicts[training] = verdict
         if step is not None and not verdict.per_sample:
             step.runs_through_dtensor = True
         runtime.log_debug("%s: %s", layer.name, verdict)
-        return outputs
-    if not verdict.per_sample:
-        return None
-    return _call_locally(
-        call_function, layer, (args, kwargs), batch, variables, verdict, step
-    )
+    return outputs
 
 
 def verdict(layer, training=False):
@@ -103,36 +88,32 @@ def verdict(layer, training=False):
     return _verdicts.get(layer, {}).get(bool(training))
 
 
-def _probe(call_function, layer, args, kwargs, through_dtensor, variables):
-    """Calls `layer` through DTensor, then on the local rows replaying its
-    draws: `(DTensor outputs, Verdict)`, the verdict `None` if the call
-    built a layer."""
-    batch = coupled_layers.batch_of((args, kwargs))
+def _probe(call_fn, layer, inputs, through_dtensor, variables, batch):
+    """Calls `layer` through DTensor, then on the local rows with its draws:
+    `(DTensor outputs, Verdict)`, the verdict `None` if it built a layer."""
     before = [(v, v.value.to_local().clone()) for v in variables]
     rng_states = generator_states.take()
     watch = batch_coupling.PartialWatch()
     # The fallback's modes first: in a step they stay on past the watch.
     with batch_coupling.recording() as dtensor_calls:
         with fallback.dtensor_fallback(), watch:
-            outputs = through_dtensor(args, kwargs)
+            outputs = through_dtensor(*inputs)
     if len(layer.variables) != len(variables):
         return outputs, None
-    rows = [_own_rows(x, batch) for x in tree.flatten(outputs) if x is not None]
-    split = all(x is not None for x in rows)
+    own_rows = functools.partial(_own_rows, batch=batch)
+    rows = [own_rows(x) for x in tree.flatten(outputs) if x is not None]
+    rows = rows if all(x is not None for x in rows) else None
     coupled = batch_coupling.coupling_layers(layer, watch)
-    if not split or coupled is None:
-        verdict = batch_coupling.verdict_of(
-            watch, rows if split else None, None, None, coupled
-        )
+    if rows is None or coupled is None:
+        verdict = batch_coupling.verdict_of(watch, coupled, rows)
         return outputs, batch_coupling.agreed(verdict, batch.mesh)[0]
     after = generator_states.take()
-    own_rows = functools.partial(_own_rows, batch=batch)
     layers, why = list(coupled[0]), coupled[1]
     while True:
         generator_states.restore(rng_states)
         with batch_coupling.recording() as local_calls:
             local_leaves, reason, plan = _checking_call(
-                call_function, layer, (args, kwargs), before, batch, layers
+                call_fn, layer, inputs, before, batch, layers
             )
         if reason is None:
             # Else the processes' global generators diverge.
@@ -142,7 +123,7 @@ def _probe(call_function, layer, args, kwargs, through_dtensor, variables):
                 rng_states, after
             )
         verdict = batch_coupling.verdict_of(
-            watch, rows, local_leaves, reason, (tuple(layers), why)
+            watch, (tuple(layers), why), rows, local_leaves, reason
         )
         differing = -1
         if verdict.reason == batch_coupling.DIFFERS:
@@ -155,7 +136,8 @@ def _probe(call_function, layer, args, kwargs, through_dtensor, variables):
         if position < 0:
             break
         layers.append(list(layer._flatten_layers(include_self=False))[position])
-        why = ", ".join(x for x in (why, _MIXES) if x)
+        mixes = "its outputs on the local rows differ"
+        why = f"{why}, {mixes}" if why else mixes
     generator_states.restore(after)
     if verdict.per_sample:
         verdict = dataclasses.replace(verdict, draws=plan)
@@ -164,103 +146,105 @@ def _probe(call_function, layer, args, kwargs, through_dtensor, variables):
 
 def _own_rows(x, batch):
     """This process' rows of a probe's output (cut if whole), or `None`."""
-    if not (
+    if (
         isinstance(x, DTensor)
         and x.device_mesh == batch.mesh
-        and x.ndim > 0
-        and x.shape[0] == batch.global_rows
+        and x.shape[:1] == (batch.global_rows,)
     ):
-        return None
-    if tuple(x.placements) == batch.placements:
-        return x.to_local()
-    if all(p.is_replicate() for p in x.placements):
-        start = batch.start
-        return x.to_local()[start : start + batch.local_rows]
+        if tuple(x.placements) == batch.placements:
+            return x.to_local()
+        if all(p.is_replicate() for p in x.placements):
+            return x.to_local()[batch.start : batch.start + batch.local_rows]
     return None
 
 
-def _checking_call(call_function, layer, inputs, mapping, batch, coupled):
+def _on_rows(call_fn, layer, inputs, mapping, batch, plan, coupled):
+    """Calls `layer` on the local rows of `inputs` in a stateless scope of
+    `mapping`, `coupled` layers through DTensor: `(outputs, their leaves,
+    scope, Routing, updates, why DTensor's may differ or None)`."""
+    args, kwargs = tree.map_structure(local_state.local_value, inputs)
+    _local_call.group = batch.mesh.get_group()
+    try:
+        with (
+            # The probe's check keeps nothing.
+            torch.no_grad() if plan.recording else contextlib.nullcontext(),
+            runtime.distribution_suspended(),
+            random_draws.one_key_per_call(),
+            random_draws.local_rows_scope(
+                batch.start, batch.local_rows, batch.global_rows, plan
+            ),
+            coupled_layers.routed(coupled, batch) as routing,
+            local_state.stateless_scope(mapping, True) as scope,
+        ):
+            entered = dict(scope.state_mapping)
+            outputs = call_fn(layer, *args, **kwargs)
+    except coupled_layers.NotRows as error:
+        outputs = error
+    finally:
+        _local_call.group = None
+    updated = [(v, scope.get_current_value(v)) for v, _ in mapping]
+    updated = [(v, x) for v, x in updated if x is not entered[id(v)]]
+    leaves = [x for x in tree.flatten(outputs) if x is not None]
+    reason = None
+    if isinstance(outputs, coupled_layers.NotRows):
+        reason = "a layer that couples samples returns other values"
+    elif any(key not in entered for key in scope.state_mapping):
+        reason = "assigns a variable outside the model"
+    elif any(v.trainable for v, _ in updated):
+        reason = "assigns a trainable variable"
+    elif not routing.added_only(scope.losses):
+        reason = "adds a loss (taken over the global batch)"
+    elif not all(coupled_layers.is_rows(x, batch) for x in leaves):
+        reason = "its outputs on the local rows are not plain rows"
+    return outputs, leaves, scope, routing, updated, reason
+
+
+def _checking_call(call_fn, layer, inputs, mapping, batch, coupled):
     """The probe's call on the local rows from `mapping`'s values, keeping
     nothing: `(output leaves, None, DrawPlan)` or `(None, reason, None)`."""
     # The `coupled` layers' losses from the DTensor call.
     losses = [x for c in coupled for x in c._get_own_losses()]
-    local_args, local_kwargs = tree.map_structure(_to_local, inputs)
     plan = random_draws.DrawPlan()
-    try:
-        with torch.no_grad(), runtime.distribution_suspended():
-            with _in_local_call(batch, plan, tuple(coupled)) as routing:
-                with local_state.stateless_scope(mapping, True) as scope:
-                    entered = dict(scope.state_mapping)
-                    outputs = call_function(layer, *local_args, **local_kwargs)
-    except coupled_layers.NotRows:
-        return None, "a layer that couples samples returns other values", None
-    variables = [v for v, _ in mapping]
-    updated = [
-        v for v in variables if scope.get_current_value(v) is not entered[id(v)]
-    ]
-    if batch_coupling.assigned_outside(scope, entered):
-        return None, "assigns a variable outside the model", None
-    if any(v.trainable for v in updated):
-        return None, "assigns a trainable variable", None
-    if not routing.added_only(scope.losses):
-        return None, "adds a loss (taken over the global batch)", None
-    leaves = [x for x in tree.flatten(outputs) if x is not None]
-    if not all(_is_local_batch(x, batch) for x in leaves):
-        return None, "its outputs on the local rows are not plain rows", None
-    if not _same_losses(losses, routing.losses):
+    _, leaves, scope, routing, _, reason = _on_rows(
+        call_fn, layer, inputs, mapping, batch, plan, tuple(coupled)
+    )
+    if reason is not None:
+        return None, reason, None
+    if len(losses) != len(routing.losses) or not all(
+        batch_coupling.same(coupled_layers.whole(a), coupled_layers.whole(b))
+        for a, b in zip(losses, routing.losses)
+    ):
         return None, "its losses on the local rows differ from DTensor's", None
     if not all(
         batch_coupling.same(scope.get_current_value(v), v.value.to_local())
-        for v in variables
+        for v, _ in mapping
         if not v.trainable
     ):
         return None, "its updates on the local rows differ from DTensor's", None
     return leaves, None, plan
 
 
-def _same_losses(losses, local_losses):
-    """Whether the coupled layers' losses of a probe's two calls agree."""
-    return len(losses) == len(local_losses) and all(
-        batch_coupling.same(coupled_layers.whole(a), coupled_layers.whole(b))
-        for a, b in zip(losses, local_losses)
-    )
-
-
-def _call_locally(
-    call_function, layer, inputs, batch, variables, verdict, step
-):
+def _call_locally(call_fn, layer, inputs, batch, variables, verdict, step):
     """Calls `layer` on the local rows of `inputs`; `None`, keeping nothing,
     if it must run through DTensor after all."""
-    local_args, local_kwargs = tree.map_structure(_to_local, inputs)
     mapping = [(v, local_weight(v, step)) for v in variables]
     # A call dropped below must leave the generators as it found them.
     rng_states = generator_states.take()
     plan = verdict.draws.following()
-    outputs, unseen = None, ""
-    try:
-        with runtime.distribution_suspended():
-            with _in_local_call(batch, plan, verdict.coupled) as routing:
-                with local_state.stateless_scope(mapping, True) as scope:
-                    entered = dict(scope.state_mapping)
-                    outputs = call_function(layer, *local_args, **local_kwargs)
-    except coupled_layers.NotRows:
-        unseen = "a layer that couples samples returns other values"
-    leaves = [x for x in tree.flatten(outputs) if x is not None]
-    updated = [
-        (v, scope.get_current_value(v))
-        for v in variables
-        if scope.get_current_value(v) is not entered[id(v)]
-    ]
-    if not unseen and not all(_is_local_batch(x, batch) for x in leaves):
-        unseen = "outputs that are not this process' rows"
-    if not unseen:
-        unseen = batch_coupling.unseen_by_probe(
-            plan, rng_states, scope, entered, updated, routing
-        )
-    if batch.global_rows % batch.mesh.size():
-        # Uneven row counts: processes may see different outcomes (draws,
-        # coupled layers, outputs of another rank on a single row).
-        unseen = batch_coupling.agreed_unseen(unseen, batch.mesh)
+    outputs, _, scope, _, updated, unseen = _on_rows(
+        call_fn, layer, inputs, mapping, batch, plan, verdict.coupled
+    )
+    if unseen is None and plan.broken:
+        unseen = "a random draw of another shape than the probe's"
+    if unseen is None and generator_states.advanced(
+        rng_states, plan.unseeded, plan.python_draws
+    ):
+        unseen = "a draw from a global generator"
+    # Uneven row counts: processes may see different outcomes (draws,
+    # coupled layers, outputs of another rank on a single row).
+    uneven = batch.global_rows % batch.mesh.size()
+    if uneven and collectives.any_process(unseen, batch.mesh.get_group()):
+        unseen = unseen or _OTHER_PROCESS
     if unseen:
         runtime.log_debug(
             "%s: through DTensor from now on: %s", layer.name, unseen
@@ -275,7 +259,7 @@ def _call_locally(
     coupled_layers.keep_losses(layer, scope.losses)
 
     def to_global(x):
-        output = _to_global(x, batch)
+        output = coupled_layers.with_mask(coupled_layers.sharded, x, batch)
         if step is not None:
             step.keep_local_output(output, x)
         return output
@@ -283,34 +267,16 @@ def _call_locally(
     return tree.map_structure(to_global, outputs)
 
 
-@contextlib.contextmanager
-def _in_local_call(batch, plan, coupled):
-    _local_call.current = (batch.mesh.get_group(), batch.global_rows)
-    try:
-        with (
-            random_draws.one_key_per_call(),
-            random_draws.local_rows_scope(
-                batch.start, batch.local_rows, batch.global_rows, plan
-            ),
-            coupled_layers.routed(coupled, batch) as routing,
-        ):
-            yield routing
-    finally:
-        _local_call.current = None
-
-
-def local_call_group():
-    """The mesh group of this thread's local-rows call, or `None`."""
-    current = getattr(_local_call, "current", None)
-    return None if current is None else current[0]
-
-
 def local_variables(model, mesh):
     """`model`'s variables if all are replicated on the 1-D `mesh`."""
     variables = list(model.variables)
-    if not all(coupled_layers.replicated_on(v.value, mesh) for v in variables):
-        return None
-    return variables
+    replicated = all(
+        isinstance(v.value, DTensor)
+        and v.value.device_mesh == mesh
+        and all(p.is_replicate() for p in v.value.placements)
+        for v in variables
+    )
+    return variables if replicated else None
 
 
 def classification_final(model):
@@ -328,36 +294,4 @@ def local_weight(variable, step):
     if not value.requires_grad:
         return value.to_local()
     leaf = None if step is None else step.local_leaf(variable)
-    if leaf is not None:
-        return leaf
-    return value.to_local(grad_placements=[Partial()])
-
-
-def _to_local(x):
-    return x.to_local() if isinstance(x, DTensor) else x
-
-
-def _is_local_batch(x, batch):
-    """Whether `x` is a plain tensor of this process' rows (no DTensor op)."""
-    return (
-        hasattr(x, "shape")
-        and not isinstance(x, DTensor)
-        and x.ndim > 0
-        and x.shape[0] == batch.local_rows
-    )
-
-
-def _to_global(x, batch):
-    """A local output (and its mask) as the global batch's DTensor."""
-    mask = get_keras_mask(x)
-    output = _sharded(x, batch)
-    if mask is not None:
-        set_keras_mask(output, _sharded(mask, batch))
-    return output
-
-
-def _sharded(x, batch):
-    shape = (batch.global_rows,) + tuple(x.shape[1:])
-    return layouts.dtensor_from_local(
-        x.contiguous(), batch.mesh, list(batch.placements), shape=shape
-    )
+    return value.to_local(grad_placements=[Partial()]) if leaf is None else leaf
