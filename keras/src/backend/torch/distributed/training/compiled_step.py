@@ -20,13 +20,11 @@ from keras.src.backend.torch.distributed.health import health
 
 # Numbers the first compiled calls alike on every process (store keys).
 _first_calls = itertools.count()
-_POLL_SECONDS = 0.2
 
 
 def compile_step(step_function):
     """`torch.compile` of a step on `DTensor`s, with static shapes: dynamo
-    cannot make a constant of a symbolic shape in DTensor's Python code (the
-    backward pass rebuilds `DTensor` gradients)."""
+    cannot make a constant of a symbolic shape in DTensor's Python code."""
     compiled_function = torch.compile(step_function, dynamic=False)
 
     @functools.wraps(step_function)
@@ -40,9 +38,8 @@ def compile_step(step_function):
 def _rank_cache_key():
     """A context keying torch's compile caches by rank: each rank's graph
     slices replicated tensors at its shard's offset, but AOTAutograd keys by
-    mesh and placements only, so a rank could run another rank's cached graph
-    (pytorch/pytorch#188390). Torch without `cache_key_tag` keys by storage
-    address, per process."""
+    mesh and placements only (pytorch/pytorch#188390). Torch without
+    `cache_key_tag` keys by storage address, per process."""
     config = getattr(torch.compiler, "config", None)
     tag = getattr(config, "cache_key_tag", None)
     if tag is None:
@@ -69,7 +66,7 @@ def run_first(compiled_step_function, model, data):
     `CompileFailed`. Failed on some processes only, it raises on all."""
     state = list(model.non_trainable_variables) + list(model.metrics_variables)
     optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None and getattr(optimizer, "built", False):
+    if getattr(optimizer, "built", False):
         state += list(optimizer.variables)
     state = list({id(v): v for v in state}.values())
     saved = [v.value.detach().clone() for v in state]
@@ -92,23 +89,20 @@ def run_first(compiled_step_function, model, data):
 
 def _agree_on_first_call(reason):
     """Raises on every process unless all processes' first compiled calls
-    failed or all ran (`reason`: why this one's failed, or `None`): a process
-    running eagerly would pair its collectives with the others' compiled
-    ones. Agreed in the job's store, which cannot pair with a collective
-    another process may still be in; a process that failed in one meanwhile
-    ends the wait."""
-    store = None
-    if runtime.world_size() > 1:
-        store = health.connect_store(required=True)
+    failed or all ran (`reason`: why this one's failed, or `None`), lest one
+    pair its eager collectives with the others' compiled ones. Agreed in the
+    job's store, not by a collective another process may still be in."""
+    size = runtime.world_size()
+    store = None if size == 1 else health.connect_store(required=True)
     if store is None:
         return
-    number, size = next(_first_calls), runtime.world_size()
+    number = next(_first_calls)
     keys = [f"compiled_first/{number}/{rank}" for rank in range(size)]
     store.set(keys[runtime.rank()], reason or "")
     deadline = time.monotonic() + health.current_timeout()
     while True:
         try:
-            store.wait(keys, datetime.timedelta(seconds=_POLL_SECONDS))
+            store.wait(keys, datetime.timedelta(seconds=0.2))
             break
         except dist.DistStoreError:  # Not all there yet.
             failures = health.peer_failures()
@@ -131,6 +125,7 @@ def _agree_on_first_call(reason):
 
 
 def warn_eager(reason):
+    """Warns that the step runs eagerly, for `reason`."""
     warnings.warn(
         "`jit_compile=True`: torch.compile could not compile a step of "
         f"this distributed model ({reason}). Running the step eagerly "

@@ -1,8 +1,7 @@
 """Layer calls under a distribution: a plain tensor is a global value
-replicated on every process, as in JAX. Partial-sum outputs (a row-parallel
-kernel) are reduced as the layer returns (Megatron's `RowwiseParallel`), as
-are a replicated output's partial gradients (Megatron's `f`) unless the
-layer's backward keeps them partial at no cost (`_partial_gradient_axes`)."""
+replicated on every process, as in JAX. Partial-sum outputs are reduced as
+the layer returns (Megatron's `RowwiseParallel`), as are a replicated
+output's partial gradients (Megatron's `f`) where the backward needs them."""
 
 import contextlib
 import functools
@@ -24,9 +23,6 @@ from keras.src.backend.torch.distributed.core import layouts
 from keras.src.backend.torch.distributed.core import random_draws
 from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.core.runtime import DTensor
-from keras.src.backend.torch.distributed.core.runtime import (
-    implicit_replication,
-)
 from keras.src.backend.torch.distributed.data_parallel import batch_coupling
 from keras.src.backend.torch.distributed.data_parallel import coupled_layers
 from keras.src.backend.torch.distributed.data_parallel import local_rows
@@ -41,12 +37,8 @@ GRADIENT_HOOK_ATTRIBUTE = "_keras_distribution_gradient_hook"
 _replication_depth = 0
 _replication_held = False
 _implicit_replication = None
-# Nesting depth of `call_layer`, per thread as Keras' call context is.
+# Nesting depth of `_call_global`, per thread as Keras' call context.
 _calls = threading.local()
-
-
-def _call_depth():
-    return getattr(_calls, "depth", 0)
 
 
 def call_layer(call_function, layer, *args, **kwargs):
@@ -62,16 +54,9 @@ def call_layer(call_function, layer, *args, **kwargs):
         if batch is None:
             outputs = call_function(layer, *args, **kwargs)
         else:
-            through_dtensor = functools.partial(
-                _call_with_dtensors, call_function, layer, None
-            )
+            through = functools.partial(_call_global, call_function, layer)
             outputs = coupled_layers.call(
-                through_dtensor,
-                replicated_plain_tensors,
-                layer,
-                batch,
-                args,
-                kwargs,
+                through, replicated_plain_tensors, layer, batch, args, kwargs
             )
         return batch_coupling.record(layer, outputs)
     trace = pairing_check.active_trace()
@@ -79,23 +64,19 @@ def call_layer(call_function, layer, *args, **kwargs):
         return trace.call_layer(call_function, layer, args, kwargs)
     if _replication_depth == 0 and os.environ.get(CHECK_REPLICATION_ENV) == "1":
         check_replicated((args, kwargs), "layer call input")
-    if _call_depth() == 0:
-        through_dtensor = functools.partial(
-            _call_with_dtensors, call_function, layer, distribution
+    if getattr(_calls, "depth", 0) == 0:
+        through = functools.partial(
+            _call_global, call_function, layer, distribution=distribution
         )
-        outputs = local_rows.call(
-            call_function, layer, args, kwargs, through_dtensor
-        )
+        outputs = local_rows.call(call_function, layer, args, kwargs, through)
         if outputs is not None:
             layout_rules.check_model(layer, distribution)
             return outputs
-    outputs = _call_with_dtensors(
-        call_function, layer, distribution, args, kwargs
-    )
+    outputs = _call_global(call_function, layer, args, kwargs, distribution)
     return batch_coupling.record(layer, outputs)
 
 
-def _call_with_dtensors(call_function, layer, distribution, args, kwargs):
+def _call_global(call_function, layer, args, kwargs, distribution=None):
     """Calls `layer` on `DTensor`s (`distribution=None`: the current one)."""
     if distribution is None:
         distribution = runtime.current_distribution()
@@ -108,7 +89,7 @@ def _call_with_dtensors(call_function, layer, distribution, args, kwargs):
     symbolic = keras_tensors or any(
         isinstance(x, torch.Tensor) and x.is_meta for x in leaves
     )
-    _calls.depth = _call_depth() + 1
+    _calls.depth = getattr(_calls, "depth", 0) + 1
     try:
         with (
             random_draws.one_key_per_call(),
@@ -125,18 +106,17 @@ def _call_with_dtensors(call_function, layer, distribution, args, kwargs):
     if _calls.depth == 0 and keras_tensors:
         # A functional model being built: weights not loaded or copied yet.
         pairing_check.check_layer(layer, distribution, args, kwargs)
-    partial_axes = ()
+    axes = ()
     if not symbolic and torch.is_grad_enabled():
-        partial_axes = _partial_gradient_axes(layer, mesh.ndim, (args, kwargs))
-    output = functools.partial(_layer_output, partial_axes=partial_axes)
-    return tree.map_structure(output, outputs)
+        axes = _partial_gradient_axes(layer, mesh.ndim, (args, kwargs))
+    return tree.map_structure(functools.partial(_layer_output, axes), outputs)
 
 
 def _partial_gradient_axes(layer, ndim, inputs):
-    """Mesh dims over which `layer`'s backward can take a partial-sum output
-    gradient as it is, to reduce it once where its producer gets all: those a
-    linear `Dense`/`EinsumDense`'s weights are replicated on, or all for a
-    weightless layer with one differentiated input."""
+    """Mesh dims where `layer`'s backward can take a partial-sum output
+    gradient as is (reduced once, later): those a linear `Dense` or
+    `EinsumDense`'s weights are replicated on; all for a weightless layer
+    with one differentiated input."""
     from keras.src import activations
     from keras.src import layers
 
@@ -149,8 +129,7 @@ def _partial_gradient_axes(layer, ndim, inputs):
     ):
         return ()
     axes = set(range(ndim))
-    for variable in layer.weights:
-        value = variable._value
+    for value in (v._value for v in layer.weights):
         if isinstance(value, DTensor):
             axes &= {
                 d for d, p in enumerate(value.placements) if not p.is_shard()
@@ -161,14 +140,14 @@ def _partial_gradient_axes(layer, ndim, inputs):
 def _differentiated_inputs(inputs):
     """How many tensors of `inputs` need a gradient."""
     return sum(
-        1
+        isinstance(x, torch.Tensor) and x.requires_grad
         for x in tree.flatten(inputs)
-        if isinstance(x, torch.Tensor) and x.requires_grad
     )
 
 
-def _layer_output(x, partial_axes=()):
-    """A layer output with its partial sums and their gradients reduced."""
+def _layer_output(axes, x):
+    """A layer output with its partial sums and their gradients reduced (but
+    over `axes`)."""
     if not isinstance(x, DTensor):
         return x
     mesh = x.device_mesh
@@ -186,13 +165,8 @@ def _layer_output(x, partial_axes=()):
     ):
         # A hook, not an autograd Function: the output stays the same
         # tensor, which the next layer may update in place.
-        output.register_hook(
-            functools.partial(
-                _whole_output_gradient,
-                placements=output.placements,
-                partial_axes=partial_axes,
-            )
-        )
+        hook = functools.partial(_whole_gradient, output.placements, axes)
+        output.register_hook(hook)
         setattr(output, GRADIENT_HOOK_ATTRIBUTE, True)
     mask = get_keras_mask(x)
     if output is not x and mask is not None:
@@ -201,38 +175,31 @@ def _layer_output(x, partial_axes=()):
 
 
 def _hooked_by_inner_layer(output):
-    """Whether `output` is (a view of) an inner layer's output, whose hook
-    prepares its gradient: a second would make whole a partial sum the inner
-    layer keeps. Views count: module backward hooks return views."""
-    while output is not None:
-        if getattr(output, GRADIENT_HOOK_ATTRIBUTE, False):
-            return True
+    """Whether `output` is (a view of, as module backward hooks return) an
+    inner layer's output, whose hook prepares its gradient."""
+    while output is not None and not hasattr(output, GRADIENT_HOOK_ATTRIBUTE):
         output = output._base
-    return False
+    return output is not None
 
 
-def _whole_output_gradient(grad, placements, partial_axes=()):
-    """A replicated output's gradient (partial or sharded) made whole where
-    the output is (Megatron's `f`): left to DTensor, a LayerNorm would leave
-    partial weight gradients."""
+def _whole_gradient(placements, axes, grad):
+    """A replicated output's gradient made whole where the output is, but
+    partial over `axes` (Megatron's `f`): left to DTensor, a LayerNorm would
+    leave partial weight gradients."""
     if not isinstance(grad, DTensor):
         return grad
-    whole = []
-    for axis, (p, target) in enumerate(zip(grad.placements, placements)):
-        if p.is_partial() and axis in partial_axes:
-            whole.append(p)
-        elif p.is_partial() or target.is_replicate():
-            whole.append(target)
-        else:
-            whole.append(p)
+    whole = [
+        p if (d in axes if p.is_partial() else not t.is_replicate()) else t
+        for d, (p, t) in enumerate(zip(grad.placements, placements))
+    ]
     return layouts.redistribute(grad, grad.device_mesh, whole)
 
 
 @contextlib.contextmanager
 def replicated_plain_tensors():
-    """Treats plain tensors as replicated global values (JAX semantics); only
-    the outermost entry acts. On CPU meshes it selects the math SDPA kernel:
-    DTensor has no sharding rule for the CPU flash kernel."""
+    """Treats plain tensors as replicated global values; only the outermost
+    entry acts. On CPU meshes it selects the math SDPA kernel: DTensor has no
+    sharding rule for the CPU flash kernel."""
     global _replication_depth
     _replication_depth += 1
     try:
@@ -250,17 +217,14 @@ def replicated_plain_tensors():
 
 
 def hold_replication(distribution):
-    """Treats plain tensors as replicated while `distribution` is set: as in
-    JAX, code outside layer calls and steps mixes them with layer outputs."""
+    """Treats plain tensors as replicated while `distribution` is set, as code
+    outside layer calls and steps mixes them with layer outputs."""
     global _replication_held
     if distribution is not None and not _replication_held:
         # DTensor warns each time it takes a one-element plain tensor as
         # replicated: here that is the rule, not an accident.
-        warnings.filterwarnings(
-            "ignore",
-            message="Found a non-scalar tensor with numel=1",
-            category=UserWarning,
-        )
+        message = "Found a non-scalar tensor with numel=1"
+        warnings.filterwarnings("ignore", message, UserWarning)
     _replication_held = distribution is not None
     _update_implicit_replication()
 
@@ -271,41 +235,33 @@ def _update_implicit_replication():
     wanted = _replication_held or _replication_depth > 0
     if wanted and _implicit_replication is None:
         _implicit_replication = contextlib.ExitStack()
-        _implicit_replication.enter_context(implicit_replication())
+        _implicit_replication.enter_context(runtime.implicit_replication())
     elif not wanted and _implicit_replication is not None:
         _implicit_replication.close()
         _implicit_replication = None
 
 
-def loop_function(function):
-    """`function` (a `while_loop` body or condition), taking plain tensors as
-    replicated under a distribution."""
+def loop_function(function, condition=False):
+    """`function` (a `while_loop` body or `condition`) taking plain tensors as
+    replicated under a distribution; a condition's `DTensor` result is made
+    global before the loop reads it (else processes may leave apart)."""
     if runtime.current_distribution() is None:
         return function
 
     @functools.wraps(function)
     def replicated_function(*args):
         with replicated_plain_tensors(), fallback.dtensor_fallback():
-            return function(*args)
+            result = function(*args)
+        if condition and isinstance(result, DTensor):
+            return result.full_tensor()
+        return result
 
     return replicated_function
 
 
 def loop_condition(cond):
-    """`loop_function(cond)`, a `DTensor` result made global before the loop
-    reads it as a `bool` (else processes may leave at different steps)."""
-    function = loop_function(cond)
-    if function is cond:
-        return cond
-
-    @functools.wraps(cond)
-    def global_condition(*args):
-        result = function(*args)
-        if isinstance(result, DTensor):
-            result = result.full_tensor()
-        return result
-
-    return global_condition
+    """`loop_function` of a `while_loop` condition."""
+    return loop_function(cond, condition=True)
 
 
 def check_replicated(values, name):
@@ -320,7 +276,14 @@ def check_replicated(values, name):
     ]
     if runtime.world_size() == 1 or not leaves:
         return
-    digests = torch.stack([_digest(x) for _, x in leaves])
+    digests = []
+    for _, x in leaves:  # A few numbers that differ when two tensors differ.
+        x = x.detach().to(runtime.comm_device()).reshape(-1).to(torch.float64)
+        weights = torch.arange(1, x.numel() + 1, dtype=x.dtype, device=x.device)
+        digests.append(
+            torch.stack([x.sum(), (x * weights).sum(), (x * x).sum()])
+        )
+    digests = torch.stack(digests)
     gathered = [torch.empty_like(digests) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, digests)
     for (path, x), *per_rank in zip(leaves, *gathered):
@@ -336,10 +299,3 @@ def check_replicated(values, name):
                 "process, or distribute it explicitly with "
                 "`keras.distribution.distribute_tensor`."
             )
-
-
-def _digest(x):
-    """A few numbers that differ when two tensors differ."""
-    x = x.detach().to(runtime.comm_device()).reshape(-1).to(torch.float64)
-    weights = torch.arange(1, x.numel() + 1, dtype=x.dtype, device=x.device)
-    return torch.stack([x.sum(), (x * weights).sum(), (x * x).sum()])

@@ -1,6 +1,5 @@
 """The training step as one object, `DistributedStep`, set on its model while
-it runs, where the train step's hooks below find it; gradient hooks (on
-autograd's own threads on CUDA) hold its reduction, not a lookup."""
+it runs, where the train step's hooks below find it."""
 
 import contextlib
 import functools
@@ -29,21 +28,20 @@ class DistributedStep:
     """A train, test or predict step function, run under the distribution.
 
     A compiled step runs eagerly where a variable or batch is sharded
-    unevenly (compiled code assumes equal shards, torch 2.13) or once its
-    first call failed; processes decide alike, on global shapes.
+    unevenly (compiled code assumes equal shards) or once its first call
+    failed; processes decide alike, on global shapes.
     """
 
     def __init__(self, model, kind, step_function, eager_step_function):
-        # The torch trainer's own step, whatever the base names its class.
         from keras.src.models.model import Model
 
-        self.model = model
-        self.kind = kind
+        self.model, self.kind = model, kind
         # Reached via the model whatever the trainer does with the step.
         local_rows.model_steps(model).by_kind[kind] = self
         self.step_function = step_function
         self.eager_step_function = eager_step_function
         functools.update_wrapper(self, eager_step_function)
+        # A compiled step not yet run.
         self._unchecked = step_function is not eager_step_function
         self._distributed_function = eager_step_function
         if self._unchecked:
@@ -58,20 +56,13 @@ class DistributedStep:
         # Set once a local-rows call drew random numbers or assigned a
         # trainable variable (DTensor does those globally).
         self.runs_through_dtensor = False
-        # `{training: batch_coupling.Verdict}` of the probe (`local_rows.call`).
-        self.verdicts = {}
-        # `(mesh, variables)`, kept by `local_variables` once it is final.
-        self._local_variables = None
-        # The weights' plain leaves and reduction buckets, kept across steps.
-        self._leaves = {}
-        self._buckets = {}
-        # Of the running step: its reduction, local-rows `(output, local)`s.
-        self._reduction = None
-        self._local_outputs = []
-        # Turns the step's lazily entered fallback on (see `_eager_step`).
-        self._fallback_on = None
-        # FSDP gather order, learned from one step for the next.
+        # The probe's `{training: Verdict}`; kept by `local_variables`.
+        self.verdicts, self._local_variables = {}, None
+        # Kept across steps: plain leaves, bucket plans, FSDP gather order.
+        self._leaves, self._buckets = {}, {}
         self._gathers = fsdp_schedule.GatherSchedule()
+        # Of the running step (`_eager_step`).
+        self._reduction, self._local_outputs, self._fallback_on = None, [], None
 
     def __call__(self, data):
         distribution = runtime.current_distribution()
@@ -88,7 +79,7 @@ class DistributedStep:
                 self._local_outputs.clear()
 
     def _run(self, data, distribution):
-        model = self.model
+        model, eager = self.model, self.eager_step_function
         if self._unchecked:
             # Built eagerly, on the global batch: traced, the lazy build of
             # the loss and metrics breaks dynamo.
@@ -96,40 +87,33 @@ class DistributedStep:
             reason = compiled_step.eager_reason(model)
             if reason is not None:
                 compiled_step.warn_eager(reason)
-                self._distributed_function = self.eager_step_function
-                self._unchecked = False
+                self._distributed_function, self._unchecked = eager, False
         data = data_input.distribute_global_batch(data, distribution)
         with layer_call.replicated_plain_tensors():
             function = self._distributed_function
-            if function is self.eager_step_function or (
-                not compiled_step.evenly_sharded(data)
-            ):
-                return self._eager_step(data)
+            if function is eager or not compiled_step.evenly_sharded(data):
+                return self._eager_step(data, distribution)
             if not self._unchecked:
                 return compiled_step.run(function, model, data)
             self._unchecked = False
             try:
                 return compiled_step.run_first(function, model, data)
             except compiled_step.CompileFailed:
-                self._distributed_function = self.eager_step_function
-                return self._eager_step(data)
+                self._distributed_function = eager
+                return self._eager_step(data, distribution)
 
-    def _eager_step(self, data):
-        """Runs an eager step, DTensor's refusals computed on global values (a
-        `fallback` mode entered lazily where the model may run on local rows,
-        whose plain tensors then skip its cost)."""
+    def _eager_step(self, data, distribution):
+        """Runs an eager step, DTensor's refusals computed on global values
+        (lazily where the model may run on local rows)."""
         reduction = contextlib.nullcontext()
         if self._overlaps_reduction:
             reduction = step_reduction.overlapped_reduction(
                 self.model, self._leaves, self._buckets
             )
+        lazy = self._may_run_locally()
         with (
-            fallback.dtensor_fallback(
-                lazy=self._may_run_locally()
-            ) as self._fallback_on,
-            fsdp_schedule.following(
-                self._gathers, runtime.current_distribution()
-            ),
+            fallback.dtensor_fallback(lazy=lazy) as self._fallback_on,
+            fsdp_schedule.following(self._gathers, distribution),
             reduction as self._reduction,
         ):
             try:
@@ -146,7 +130,7 @@ class DistributedStep:
 
     def local_variables(self, mesh):
         """`local_rows.local_variables` of the model on the batch's `mesh`,
-        kept once the model is built while the batch comes on that mesh."""
+        kept once final."""
         kept = self._local_variables
         if kept is not None and kept[0] is mesh:
             return kept[1]
@@ -156,11 +140,9 @@ class DistributedStep:
         return variables
 
     def local_leaf(self, variable):
-        """The plain leaf for a weight in a call on the local rows, or `None`
-        (only in Keras' own eager train step)."""
-        if self._reduction is None:
-            return None
-        return self._reduction.local_leaf(variable)
+        """The plain leaf for a weight in a local-rows call, or `None`."""
+        reduction = self._reduction
+        return None if reduction is None else reduction.local_leaf(variable)
 
     def keep_local_output(self, output, local):
         """Keeps, for this step, the plain `local` rows `output` was made of."""
@@ -168,21 +150,13 @@ class DistributedStep:
 
     def local_compiled_loss(self, y, y_pred, sample_weight):
         """See `local_loss` (the hook)."""
-        local = next(
-            (local for out, local in self._local_outputs if out is y_pred),
-            None,
-        )
+        local = next((x for o, x in self._local_outputs if o is y_pred), None)
+        weight = functools.partial(local_rows.local_weight, step=self)
         loss = local_loss_lib.local_compiled_loss(
-            self.model,
-            y,
-            y_pred,
-            sample_weight,
-            local,
-            functools.partial(local_rows.local_weight, step=self),
+            self.model, y, y_pred, sample_weight, local, weight
         )
         if loss is None and self._fallback_on is not None:
-            # Keras computes the loss through DTensor.
-            self._fallback_on()
+            self._fallback_on()  # Keras computes the loss through DTensor.
         return loss
 
     def reduce_gradients(self, gradients):
@@ -193,8 +167,8 @@ class DistributedStep:
 
 
 def call_verdict(model, kind=None, training=False):
-    """The probe's `batch_coupling.Verdict` of `model`'s calls with
-    `training` in step function `kind` (`None`: outside a step), or `None`."""
+    """The probe's `batch_coupling.Verdict` of `model`'s calls with `training`
+    in step function `kind` (`None`: outside a step), or `None`."""
     if kind is None:
         return local_rows.verdict(model, training)
     step = model_step(model, kind)
@@ -207,8 +181,8 @@ def model_step(model, kind):
 
 
 def loss_predictions(model, y, y_pred):
-    """`y_pred` as a step's loss and metrics read it (in a step, a sharded
-    class axis gathered where the compiled loss would)."""
+    """`y_pred` as a step's loss and metrics read it (a sharded class axis
+    gathered where the compiled loss would)."""
     if local_rows.running_step(model) is None:
         return y_pred
     return local_loss_lib.gathered_predictions(model, y, y_pred)
@@ -218,18 +192,13 @@ def local_loss(model, y, y_pred, sample_weight):
     """The train step's compiled loss on local tensors, or `None` (outside a
     step, or where local tensors can't give DTensor's numbers)."""
     step = local_rows.running_step(model)
-    if step is None:
-        return None
-    return step.local_compiled_loss(y, y_pred, sample_weight)
+    return step and step.local_compiled_loss(y, y_pred, sample_weight)
 
 
 def metric_predictions(model, y_pred):
-    """The predictions a train step gives its metrics, after the loss.
-
-    Detached when compiled under a distribution: as outputs that require
-    gradients but get none from `loss.backward()`, AOTAutograd fails on them
-    ("Expected a DTensor tangent but got a plain Tensor").
-    """
+    """The predictions a train step gives its metrics, detached when compiled:
+    outputs that require gradients but get none from `loss.backward()` fail
+    AOTAutograd ("Expected a DTensor tangent but got a plain Tensor")."""
     step = local_rows.running_step(model)
     if step is None or not torch.compiler.is_compiling():
         return y_pred
@@ -242,15 +211,12 @@ def reduce_gradients(model, gradients):
     """A train step's `gradients` (trainable-weight order), reduced once in
     buckets in a step under a distribution, else as they are."""
     step = local_rows.running_step(model)
-    if step is None:
-        return gradients
-    return step.reduce_gradients(gradients)
+    return gradients if step is None else step.reduce_gradients(gradients)
 
 
 def local_metric_state(model, metric, value=None):
-    """A context running `metric`'s update on its replicated state's local
-    values in a step (else a no-op); yields the value the update reads
-    (`value`, or its local term). In Keras' own train step the tracker's
+    """A context running `metric`'s update in a step on its replicated state's
+    local values, yielding the value the update reads; the loss tracker's
     partial loss is reduced with the gradients' last bucket."""
     step = local_rows.running_step(model)
     if step is None:
@@ -262,9 +228,8 @@ def local_metric_state(model, metric, value=None):
 
 
 def local_metric_reads(model, metric):
-    """A context reading `metric`'s replicated state on its local values in
-    a step (else a no-op): the step's results read the loss tracker,
-    updated before, without DTensor's dispatch."""
+    """A context reading `metric`'s replicated state in a step on its local
+    values, without DTensor's dispatch."""
     if local_rows.running_step(model) is None:
         return contextlib.nullcontext()
     return local_state.local_reads(metric.variables)

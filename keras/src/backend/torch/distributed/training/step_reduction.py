@@ -1,9 +1,6 @@
-"""Keras' own train step's gradient reduction, overlapped with backward as DDP's
-reducer does: reverse-order buckets (the first small) are all-reduced
-asynchronously as backward completes them; the last, with the loss tracker's
-partial sum (`defer`), in `reduce_step_gradients`. Per-sample models take
-weights as plain leaves (`local_leaf`), avoiding DTensor's per-weight dispatch.
-"""
+"""Keras' own train step's gradient reduction, overlapped with backward as in
+DDP: reverse-order buckets are all-reduced as backward completes them, the
+last (with the loss tracker's partial sum) in `reduce_step_gradients`."""
 
 import contextlib
 import datetime
@@ -12,6 +9,7 @@ import functools
 import torch
 import torch.distributed as dist
 
+from keras.src.backend.torch.distributed.core import layouts
 from keras.src.backend.torch.distributed.core import local_state
 from keras.src.backend.torch.distributed.core.runtime import DTensor
 from keras.src.backend.torch.distributed.core.runtime import Partial
@@ -22,10 +20,13 @@ from keras.src.backend.torch.distributed.training import (
 
 
 def reduce_step_gradients(reduction, optimizer, gradients):
-    """A train step's `gradients`, reduced once in buckets after `reduction`;
-    those reducing to replicated values come back as local tensors, which the
-    optimizer computes on (its flat buffers are reused)."""
-    as_local = gradients_lib.reduces_to_replicated(gradients)
+    """A train step's `gradients` reduced once, after `reduction` (or `None`);
+    replicated ones as local tensors, which the optimizer computes on."""
+    as_local = all(
+        all(p.is_partial() or p.is_replicate() for p in g.placements)
+        for g in gradients
+        if isinstance(g, DTensor)
+    )
     deferred = []
     if reduction is not None:
         gradients = reduction.finish(gradients, as_local)
@@ -36,36 +37,48 @@ def reduce_step_gradients(reduction, optimizer, gradients):
         gradients_lib.optimizer_buffers(optimizer),
         as_local,
     )
-    with torch.no_grad():
-        for (_, local, _), value in zip(deferred, reduced):
-            local.copy_(local_state.local_value(value).reshape(local.shape))
+    _store(deferred, reduced)
     return reduced[len(deferred) :]
+
+
+def _store(deferred, values):
+    """Copies `deferred` states' reduced `values` into their tensors."""
+    with torch.no_grad():
+        for (_, local, _), value in zip(deferred, values):
+            local.copy_(local_state.local_value(value).reshape(local.shape))
 
 
 @contextlib.contextmanager
 def overlapped_reduction(model, leaves, plans):
-    """Yields the `OverlappedReduction` of a train step (or `None`), which
-    all-reduces the gradient buckets of 1-D mesh variables as backward
-    completes them. `leaves` and `plans`: dicts kept across steps."""
-    trainable = list(getattr(model, "trainable_weights", ()))
-    key = tuple(id(v) for v in trainable)
+    """Yields the `OverlappedReduction` of a train step, or `None`. `leaves`
+    and `plans`: dicts kept across steps."""
+    trainable = model.trainable_weights
+    key = tuple(map(id, trainable))
     plan = plans.get(key)
     if plan is None:
-        plan = _BucketPlan(trainable)
+        # 1-D meshes only: a model-parallel mesh's backward runs collectives
+        # these buckets would race.
+        buckets = _reverse_buckets(
+            [
+                v
+                for v in trainable
+                if isinstance(v.value, DTensor)
+                and v.value.requires_grad
+                and v.value.device_mesh.ndim == 1
+            ]
+        )
+        positions = {
+            id(v): (b, i)
+            for b, bucket in enumerate(buckets)
+            for i, v in enumerate(bucket)
+        }
         plans.clear()  # Only the current weights' plan is kept.
-        plans[key] = plan
+        plan = plans[key] = (trainable, buckets, positions)
     optimizer = getattr(model, "optimizer", None)
-    if optimizer is None or not plan.buckets:
+    if optimizer is None or not plan[1]:
         yield None
         return
     reduction = OverlappedReduction(optimizer, plan, leaves)
-    for bucket in reduction.buckets[:-1]:
-        for v in bucket:
-            reduction.handles.append(
-                v.value.register_post_accumulate_grad_hook(
-                    functools.partial(reduction.gradient_ready, id(v))
-                )
-            )
     try:
         yield reduction
         # Launched but not taken: wait, so processes leave the step together.
@@ -80,93 +93,64 @@ def overlapped_reduction(model, leaves, plans):
 
 
 def _reverse_buckets(variables):
-    """`variables` reversed, in buckets of DDP's sizes, the first small.
-
-    Sized by global shapes, as every process buckets alike (a weight sharded
-    unevenly has local parts of different sizes).
-    """
+    """`variables` reversed, in buckets of DDP's sizes sized by global shapes,
+    so every process buckets alike."""
     return gradients_lib.buckets(
-        variables[::-1],
-        lambda v: v.value.numel() * v.value.element_size(),
-        gradients_lib.FIRST_BUCKET_BYTES,
+        variables[::-1], lambda v: v.value, gradients_lib.FIRST_BUCKET_BYTES
     )
-
-
-class _BucketPlan:
-    """The buckets of a model's trainable weights on a 1-D mesh, per step (a
-    model-parallel mesh's backward runs collectives these would race)."""
-
-    def __init__(self, trainable):
-        self.trainable = trainable
-        variables = [
-            v
-            for v in trainable
-            if isinstance(v.value, DTensor)
-            and v.value.requires_grad
-            and v.value.device_mesh.ndim == 1
-        ]
-        self.buckets = _reverse_buckets(variables)
-        self.positions = {
-            id(v): (b, i)
-            for b, bucket in enumerate(self.buckets)
-            for i, v in enumerate(bucket)
-        }
 
 
 class OverlappedReduction:
     """The buckets of one train step, launched as their gradients arrive: as
-    `DTensor`s or, for a leaf (`local_leaf`), plain partial sums over the
-    variable's 1-D mesh."""
+    `DTensor`s or, for a weight taken as a plain leaf (`local_leaf`, which
+    skips DTensor's per-weight dispatch), as plain partial sums."""
 
     def __init__(self, optimizer, plan, leaves):
         self.buffers = gradients_lib.optimizer_buffers(optimizer)
-        self.trainable = plan.trainable
-        self.buckets = plan.buckets
-        self.positions = plan.positions
+        self.trainable, self.buckets, self.positions = plan
         self.arrived = [[None] * len(bucket) for bucket in self.buckets]
         # By id(variable): all leaves made (kept across steps), this step's.
-        self.leaves = leaves
-        self.leaf_of = {}
-        # (bucket index, gradients, flat buffer, work) of each launch.
-        self.launched = []
-        self.handles = []
-        # (mesh, local tensor, partial value), see `defer`.
-        self.deferred = []
+        self.leaves, self.leaf_of = leaves, {}
+        # `(bucket index, gradients, flat, work)`s; `(mesh, local, value)`s.
+        self.launched, self.deferred = [], []
+        self.handles = [
+            v.value.register_post_accumulate_grad_hook(
+                functools.partial(self.gradient_ready, id(v))
+            )
+            for bucket in self.buckets[:-1]
+            for v in bucket
+        ]
 
     def local_leaf(self, variable):
-        """The plain leaf sharing replicated `variable`'s local storage in this
-        step; `None` for a variable this reduction does not reduce."""
-        if id(variable) not in self.positions:
+        """The plain leaf sharing replicated `variable`'s local storage, or
+        `None` for a variable this reduction does not reduce."""
+        key = id(variable)
+        if key not in self.positions:
             return None
-        leaf = self.leaf_of.get(id(variable))
+        leaf = self.leaf_of.get(key)
         if leaf is not None:
             return leaf
         with torch.no_grad():
             local = variable.value.to_local()
-        leaf = self.leaves.get(id(variable))
+        leaf = self.leaves.get(key)
         if leaf is None or leaf.data_ptr() != local.data_ptr():
-            leaf = local.detach().requires_grad_()
-            self.leaves[id(variable)] = leaf
-        self.leaf_of[id(variable)] = leaf
-        self.handles.append(
-            leaf.register_post_accumulate_grad_hook(
-                functools.partial(self.gradient_ready, id(variable))
-            )
-        )
+            leaf = self.leaves[key] = local.detach().requires_grad_()
+        self.leaf_of[key] = leaf
+        hook = functools.partial(self.gradient_ready, key)
+        self.handles.append(leaf.register_post_accumulate_grad_hook(hook))
         return leaf
 
     def defer(self, local, value):
-        """Defers partial sum `value` for replicated `local` to the last bucket
-        (the loss tracker's: nothing reads it before the optimizer); whether
-        taken: `value` must be a sum partial over the data mesh."""
+        """Whether partial sum `value` for replicated `local` was deferred to
+        the last bucket (nothing reads the loss tracker before the optimizer):
+        it must be partial over the data mesh."""
         mesh = self.trainable[0].value.device_mesh
-        placements = getattr(value, "placements", None)
         if not (
             isinstance(value, DTensor)
             and value.device_mesh == mesh
-            and len(placements) == 1
-            and placements[0].is_partial()
-            and placements[0].reduce_op == "sum"
+            and len(value.placements) == 1
+            and value.placements[0].is_partial()
+            and value.placements[0].reduce_op == "sum"
         ):
             return False
         self.deferred.append((mesh, local, value.detach()))
@@ -183,15 +167,35 @@ class OverlappedReduction:
                 self._launch(bucket_index, arrived)
 
     def _launch(self, bucket_index, gradients):
-        reduction = self._reduction_of(bucket_index, gradients)
-        if reduction is None:
-            return  # Left to `reduce_step_gradients`.
+        """All-reduces a complete bucket asynchronously if it is plain gradients
+        of one dtype or `DTensor`s laid out alike, partial over one mesh axis
+        (else `reduce_step_gradients` reduces it)."""
+        first = gradients[0]
+        if not any(isinstance(g, DTensor) for g in gradients):
+            mesh = self.buckets[bucket_index][0].value.device_mesh
+            if len({g.dtype for g in gradients}) > 1 or mesh.size() == 1:
+                return
+            reduction = mesh.get_group(0), dist.ReduceOp.SUM
+        else:
+            if not all(
+                isinstance(g, DTensor)
+                and g.device_mesh == first.device_mesh
+                and g.placements == first.placements
+                and g.dtype == first.dtype
+                for g in gradients
+            ):
+                return
+            mesh, placements = first.device_mesh, first.placements
+            dims = gradients_lib.partial_dims(mesh, placements)
+            if len(dims) != 1:
+                return
+            op = gradients_lib.reduce_op(placements[dims[0]])
+            reduction = mesh.get_group(dims[0]), op
         # A shared weight accumulates again after its bucket completed: wait
         # for and forget the earlier launch, whose buffer this one reuses.
         for entry in [e for e in self.launched if e[0] == bucket_index]:
             entry[3].wait(datetime.timedelta(seconds=health.current_timeout()))
             self.launched.remove(entry)
-        first = gradients[0]
         flat, work = gradients_lib.all_reduced(
             [local_state.local_value(g) for g in gradients],
             [reduction],
@@ -201,42 +205,19 @@ class OverlappedReduction:
         )
         self.launched.append((bucket_index, gradients, flat, work))
 
-    def _reduction_of(self, bucket_index, gradients):
-        """`(process group, op)` of a bucket, `None` if it has none: plain
-        gradients of one dtype, or `DTensor`s laid out alike and partial over
-        one mesh axis."""
-        if not any(isinstance(g, DTensor) for g in gradients):
-            mesh = self.buckets[bucket_index][0].value.device_mesh
-            if len({g.dtype for g in gradients}) > 1 or mesh.size() == 1:
-                return None
-            return mesh.get_group(0), dist.ReduceOp.SUM
-        first = gradients[0]
-        if not all(
-            isinstance(g, DTensor)
-            and g.device_mesh == first.device_mesh
-            and g.placements == first.placements
-            and g.dtype == first.dtype
-            for g in gradients
-        ):
-            return None
-        dims = gradients_lib.partial_dims(first.device_mesh, first.placements)
-        if len(dims) != 1:
-            return None
-        return (
-            first.device_mesh.get_group(dims[0]),
-            gradients_lib.reduce_op(first.placements[dims[0]]),
-        )
-
     def wait_all(self, as_local):
         """Waits for the launches: `{id(variable): (gradient, reduced)}`."""
         timeout = datetime.timedelta(seconds=health.current_timeout())
         reduced = {}
         for bucket_index, gradients, flat, work in self.launched:
             work.wait(timeout)
-            if isinstance(gradients[0], DTensor):
-                values = gradients_lib.unpack_bucket(gradients, flat, as_local)
-            else:
-                values = gradients_lib.views(flat, gradients)
+            values, g0 = gradients_lib.views(flat, gradients), gradients[0]
+            if isinstance(g0, DTensor):  # All laid out alike (`_launch`).
+                gradients_lib.averaged(flat, g0.device_mesh, g0.placements)
+                values = [
+                    gradients_lib.reduced_value(g, x, as_local)
+                    for g, x in zip(gradients, values)
+                ]
             bucket = self.buckets[bucket_index]
             for v, gradient, value in zip(bucket, gradients, values):
                 reduced[id(v)] = (gradient, value)
@@ -244,9 +225,8 @@ class OverlappedReduction:
         return reduced
 
     def finish(self, gradients, as_local):
-        """The step's `gradients` (a leaf's `None`) with what this reduced:
-        waits for the launched buckets, then reduces the unlaunched leaves
-        (`as_local` as in `gradients.reduce_gradients`)."""
+        """The step's `gradients` (a leaf's `None`) with what this reduced: the
+        launched buckets, then the leaves not launched."""
         if len(gradients) != len(self.trainable):
             raise RuntimeError(
                 "The train step's gradients do not match the model's "
@@ -255,28 +235,25 @@ class OverlappedReduction:
             )
         launched = self.wait_all(as_local)
         result, pending = list(gradients), []
-        for i, variable in enumerate(self.trainable):
-            leaf = self.leaf_of.get(id(variable))
-            if leaf is not None and gradients[i] is not None:
+        for i, (v, gradient) in enumerate(zip(self.trainable, gradients)):
+            leaf = self.leaf_of.get(id(v))
+            if leaf is not None and gradient is not None:
                 # Also used through DTensor (a regularization loss): add the
                 # leaf's partial gradient.
-                result[i] = gradients[i]
                 if leaf.grad is not None:
-                    mesh = gradients[i].device_mesh
-                    result[i] = gradients[i] + DTensor.from_local(
-                        leaf.grad,
-                        mesh,
-                        [Partial()] * mesh.ndim,
-                        run_check=False,
+                    mesh = gradient.device_mesh
+                    result[i] = gradient + layouts.dtensor_from_local(
+                        leaf.grad, mesh, [Partial()] * mesh.ndim
                     )
                 continue
-            gradient = gradients[i] if leaf is None else leaf.grad
-            entry = launched.get(id(variable))
+            if leaf is not None:
+                gradient = leaf.grad
+            entry = launched.get(id(v))
             # Reduced as launched, unless accumulated again since.
             if entry is not None and entry[0] is gradient:
                 result[i] = entry[1]
             elif leaf is not None and gradient is not None:
-                pending.append((i, variable, gradient))
+                pending.append((i, v, gradient))
         if pending:
             self._reduce_pending(pending, result)
         return result
@@ -287,14 +264,11 @@ class OverlappedReduction:
         parts = [
             (value.to_local(), mesh, tuple(value.placements))
             for mesh, _, value in deferred
-        ]
-        parts += [
+        ] + [
             (gradient, variable.value.device_mesh, (Partial(),))
             for _, variable, gradient in pending
         ]
         reduced = gradients_lib.reduce_parts(parts, self.buffers, ("leaves",))
-        for (_, local, _), value in zip(deferred, reduced):
-            with torch.no_grad():
-                local.copy_(value.reshape(local.shape))
+        _store(deferred, reduced)
         for (i, _, _), value in zip(pending, reduced[len(deferred) :]):
             result[i] = value
