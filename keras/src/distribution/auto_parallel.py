@@ -52,27 +52,25 @@ class AutoModelParallel(ModelParallel):
         layout_map=None,
         auto_shard_dataset=True,
     ):
-        device_mesh = _resolve_mesh(device_mesh, layout_map)
-        if layout_map is None:
-            layout_map = LayoutMap(device_mesh)
-        axis_names = list(device_mesh.axis_names)
-        batch_dim_name = batch_dim_name or _default_axis(
-            axis_names, DEFAULT_BATCH_DIM_NAME, 0
+        device_mesh, layout_map = _mesh_and_map(device_mesh, layout_map)
+        names = list(device_mesh.axis_names)
+        batch_dim_name = batch_dim_name or _axis(
+            names, DEFAULT_BATCH_DIM_NAME, 0
         )
-        model_dim_name = model_dim_name or _default_axis(
-            axis_names, DEFAULT_MODEL_DIM_NAME, -1
+        model_dim_name = model_dim_name or _axis(
+            names, DEFAULT_MODEL_DIM_NAME, -1
         )
-        if model_dim_name not in axis_names:
+        if model_dim_name not in names:
             raise ValueError(
                 f"`model_dim_name='{model_dim_name}'` is not an axis of the "
-                f"device mesh, whose axes are {axis_names}. Pass the name of "
+                f"device mesh, whose axes are {names}. Pass the name of "
                 "the mesh axis to shard the model over."
             )
-        if model_dim_name == batch_dim_name and len(axis_names) > 1:
+        if model_dim_name == batch_dim_name and len(names) > 1:
             raise ValueError(
                 f"`model_dim_name` and `batch_dim_name` are both "
                 f"'{model_dim_name}'. Pass two different axes of the mesh "
-                f"{axis_names}."
+                f"{names}."
             )
         super().__init__(
             layout_map=layout_map,
@@ -80,7 +78,7 @@ class AutoModelParallel(ModelParallel):
             auto_shard_dataset=auto_shard_dataset,
         )
         self.model_dim_name = model_dim_name
-        mesh_shape = dict(zip(axis_names, device_mesh.shape))
+        mesh_shape = dict(zip(names, device_mesh.shape))
         self._plan = auto_plan.Plan(mesh_shape, model_dim_name, batch_dim_name)
         self._reasons = {}
 
@@ -98,35 +96,23 @@ class AutoModelParallel(ModelParallel):
         return TensorLayout(axes, self.device_mesh)
 
     def gathered_for_call(self, variable):
-        """Whether `variable` (laid out here) is stored sharded over the model
-        axis but gathered whole, as FSDP does, for each call of its block."""
+        """Whether `variable` is stored sharded but gathered for each call."""
         return self._plan.gathered_for_call(variable)
 
     def kernel_role(self, layer):
-        """How the plan shards `layer`'s kernel: `"column"` (its output
-        features or heads), `"row"` (its input's), `"stack"` (whole
-        matrices of a stack), or `None`."""
+        """How the plan shards `layer`'s kernel: `"column"` (output features
+        or heads), `"row"` (input's), `"stack"` (whole matrices), or `None`."""
         return self._plan.kernel_role(layer)
 
     def paired_role(self, layer):
-        """The role (`"column"` or `"row"`) `layer`'s kernel got from widths
-        alone, until `check_pairing` checks it; else `None`."""
+        """The role widths alone gave `layer`'s kernel, until checked."""
         return self._plan.paired_role(layer)
 
     def check_pairing(self, layer, reads_column_output):
-        """Lays `layer`'s kernel (and bias) out again if its first call shows
-        it reads otherwise than its widths paired it (ambiguous where a
-        feed-forward layer is as wide as its block; under JAX widths decide).
-
-        Args:
-            layer: a layer with a `paired_role`.
-            reads_column_output: whether its input is computed from a
-                column-parallel kernel's output (through kernel-free ops),
-                making it row parallel; else it is column parallel.
-
-        Returns:
-            A list of `(variable, TensorLayout)` to lay out anew.
-        """
+        """Lays `layer`'s kernel (and bias) out again if its first call reads
+        otherwise than its widths paired it: row parallel if
+        `reads_column_output` (its input computed from a column-parallel
+        kernel's output), else column. Returns `[(variable, TensorLayout)]`."""
         role = auto_plan.ROW if reads_column_output else auto_plan.COLUMN
         weights = [
             (v, v._layout.axes)
@@ -147,22 +133,20 @@ class AutoModelParallel(ModelParallel):
         return self._reasons.get(path)
 
 
-def _resolve_mesh(device_mesh, layout_map):
+def _mesh_and_map(device_mesh, layout_map):
+    """The mesh (checked against `layout_map`'s) and the layout map."""
     if layout_map is not None and not isinstance(layout_map, LayoutMap):
         raise ValueError(
             "Argument `layout_map` must be a `LayoutMap` instance or `None`. "
             f"Received: layout_map={layout_map}"
         )
-    if device_mesh is None:
-        if layout_map is not None:
-            return layout_map.device_mesh
+    if device_mesh is None and layout_map is None:
         devices = list_devices()
-        return DeviceMesh(
-            (1, len(devices)),
-            (DEFAULT_BATCH_DIM_NAME, DEFAULT_MODEL_DIM_NAME),
-            devices,
-        )
-    if layout_map is not None and layout_map.device_mesh is not device_mesh:
+        names = (DEFAULT_BATCH_DIM_NAME, DEFAULT_MODEL_DIM_NAME)
+        device_mesh = DeviceMesh((1, len(devices)), names, devices)
+    elif device_mesh is None:
+        device_mesh = layout_map.device_mesh
+    elif layout_map is not None and layout_map.device_mesh is not device_mesh:
         raise ValueError(
             "`layout_map` must be built on the `device_mesh` passed to "
             "`AutoModelParallel`. Received a layout map on a mesh of shape "
@@ -170,18 +154,18 @@ def _resolve_mesh(device_mesh, layout_map):
             f"{device_mesh.shape}. Pass only one of them, or build the "
             "layout map with `LayoutMap(device_mesh)`."
         )
-    return device_mesh
+    if layout_map is None:
+        layout_map = LayoutMap(device_mesh)
+    return device_mesh, layout_map
 
 
-def _default_axis(axis_names, name, index):
-    return name if name in axis_names else axis_names[index]
+def _axis(names, name, index):
+    return name if name in names else names[index]
 
 
 def _rule_key(layout_map, path):
     # Not `path in layout_map`: `LayoutMap` answers every lookup.
-    if path in list(layout_map):
+    keys = list(layout_map)
+    if path in keys:
         return path
-    for key in layout_map:
-        if re.fullmatch(key, path):
-            return key
-    return path
+    return next((key for key in keys if re.fullmatch(key, path)), path)

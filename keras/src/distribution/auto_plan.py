@@ -5,8 +5,7 @@ built in data-flow order: a kernel reading the block's stream is column
 parallel, a later one reading its output row parallel (`plan_pairs`). Heads the
 model axis does not divide are replicated, gathered per call or split on input
 features, never sharded unevenly. A wrong guess costs collectives, never
-correctness: the plan decides where data lives, not what is computed.
-"""
+correctness: the plan decides where data lives, not what is computed."""
 
 import math
 import weakref
@@ -40,13 +39,13 @@ class Plan:
         self.model_dim_name = model_dim_name
         self.batch_dim_name = batch_dim_name
         self._pairs = plan_pairs.Pairs()
-        # The role and sharded size of each layer's kernel, for its bias.
+        # `(role, sharded size[, letter])` of each layer's kernel, for its bias.
         self._roles = weakref.WeakKeyDictionary()
-        self._batch_sharded = weakref.WeakSet()
-        self._head_parallel = weakref.WeakSet()
-        self._gathered_blocks = weakref.WeakSet()
-        # id -> weakref: variables are unhashable.
-        self._call_gathered = {}
+        self._batch_sharded, self._head_parallel, self._gathered_blocks = (
+            weakref.WeakSet() for _ in range(3)
+        )
+        # Keyed by id: variables are unhashable.
+        self._call_gathered = weakref.WeakValueDictionary()
         self._gathering = False
         self._mesh = plan_axes.MeshAxes(
             model_dim_name, self.model_size, batch_dim_name, self.batch_size
@@ -62,35 +61,35 @@ class Plan:
             shape = tuple(variable.shape)
             # Used whole, as if replicated: gathered with its layer's call
             # where that is the call's one gather.
+            gathered = self.batch_size == 1
             axes, reason, bound = self._share.bounded(
-                shape, axes, reason, SHARE_BOUND, self.batch_size == 1
+                shape, axes, reason, SHARE_BOUND, gathered
             )
-            if bound and self.batch_size == 1:
-                self._gathering = True
+            self._gathering = self._gathering or (bound and gathered)
             self._share.record(shape, axes)
         if self._gathering and self.model_dim_name in axes:
-            self._call_gathered[id(variable)] = weakref.ref(variable)
+            self._call_gathered[id(variable)] = variable
         return axes, reason
 
     def gathered_for_call(self, variable):
         """Whether `variable` is stored sharded but gathered for each call."""
-        ref = self._call_gathered.get(id(variable))
-        return ref is not None and ref() is variable
+        return self._call_gathered.get(id(variable)) is variable
+
+    def _role(self, layer):
+        return (None,) if layer is None else self._roles.get(layer, (None,))
 
     def kernel_role(self, layer):
         """`COLUMN`, `ROW` or `STACK`: how `layer`'s kernel is sharded."""
-        role = self._roles.get(layer) if layer is not None else None
-        return None if role is None else role[0]
+        return self._role(layer)[0]
 
     def paired_role(self, layer):
         """The role widths gave `layer`'s kernel, until checked, or `None`."""
-        pairing = self._pairs.pairing(layer)
-        return None if pairing is None else pairing.role
+        return getattr(self._pairs.pairings.get(layer), "role", None)
 
     def check_pairing(self, layer, role, weights):
         """`[(variable, axes, reason)]` for `weights` (`[(variable, axes)]`) to
         lay out anew where `layer`'s checked `role` is not what widths said."""
-        pairing = self._pairs.checked(layer)
+        pairing = self._pairs.pairings.pop(layer, None)
         if pairing is None or role == pairing.role:
             return []
         dim = pairing.orders[role][0]
@@ -157,10 +156,10 @@ class Plan:
         """Bias follows its layer's sharded output; other vectors replicate."""
         shape = tuple(variable.shape)
         replicated = (None,) * len(shape)
-        role = self._roles.get(layer) if layer is not None else None
-        if role is not None and role[0] == STACK and len(shape) > 1:
+        role = self._role(layer)
+        if role[0] == STACK and len(shape) > 1:
             return self._stack_axes(layer, shape)
-        if role is None or role[0] != COLUMN:
+        if role[0] != COLUMN:
             what = "vector" if len(shape) == 1 else "bias"
             return replicated, f"replicated: {what}"
         if len(role) > 2:
@@ -186,9 +185,7 @@ class Plan:
 
     def _embedding_axes(self, layer, shape):
         vocab_dim = 0 if shape == (layer.input_dim, layer.output_dim) else 1
-        order = [vocab_dim, 1 - vocab_dim]
-        if shape[1 - vocab_dim] > shape[vocab_dim]:
-            order.reverse()
+        order = sorted([vocab_dim, 1 - vocab_dim], key=lambda d: -shape[d])
         what = {vocab_dim: "vocabulary", 1 - vocab_dim: "features"}
         return self._mesh.shard(shape, order, lambda d: f"embedding {what[d]}")
 
@@ -203,16 +200,15 @@ class Plan:
         heads_in = [c for c in contracted if c != inputs[-1:]]
         size = {c: shape[kernel.index(c)] for c in kernel}
         if parent in self._gathered_blocks:
-            return self._gathered_for_call(layer, shape, contracted + out_only)
+            letters = contracted + out_only
+            return self._gathered_for_call(layer, shape, kernel, letters)
+        pairing = None
         if heads_out:
             self._pairs.open_width(parent, math.prod(size[c] for c in out_only))
             indivisible = all(size[c] % self.model_size for c in heads_out)
-            if (
-                indivisible
-                and self._pairs.key(parent) in self._head_parallel
-                and self._within_budget(shape)
-            ):
-                axes, batch = self._mesh.shard(shape, [], str, model=False)
+            beside_heads = self._pairs.key(parent) in self._head_parallel
+            if indivisible and beside_heads and self._within_budget(shape):
+                axes, batch = self._mesh.shard(shape)
                 reason = (
                     f"replicated over model: heads indivisible by "
                     f"{self.model_size} beside sharded query heads "
@@ -220,9 +216,9 @@ class Plan:
                 )
                 return axes, f"{reason}; {batch}" if any(axes) else reason
             if indivisible and contracted and self._gathers_blocks(parent):
-                if self._pairs.key(parent) not in self._head_parallel:
+                if not beside_heads:
                     self._gathered_blocks.add(parent)
-                return self._gathered_for_call(layer, shape, contracted)
+                return self._gathered_for_call(layer, shape, kernel, contracted)
             if indivisible and contracted:
                 # Row-parallel input features: one all-reduce of the output
                 # and its gradient; splitting the head size would cost more
@@ -230,16 +226,10 @@ class Plan:
                 role, letters = ROW, contracted
                 what = "row-parallel over input features (heads indivisible)"
             else:
-                role, letters = (
-                    COLUMN,
-                    heads_out + [c for c in out_only if c not in heads_out],
-                )
+                role, letters = COLUMN, _first(heads_out, out_only)
                 what = "column-parallel over heads"
         elif heads_in:
-            role, letters = (
-                ROW,
-                heads_in + [c for c in contracted if c not in heads_in],
-            )
+            role, letters = ROW, _first(heads_in, contracted)
             what = "row-parallel over heads"
         else:
             in_width = math.prod(size[c] for c in contracted)
@@ -248,9 +238,14 @@ class Plan:
             role = self._pairs.role(parent, in_width, out_width)
             letters = out_only if role == COLUMN else contracted
             what = f"{role}-parallel"
-            pairing = plan_pairs.einsum_pairing(
-                role, shape, layer.equation, kernel, out_only, contracted
-            )
+            if ambiguous:
+                orders = {COLUMN: out_only, ROW: contracted}
+                orders = {
+                    r: list(map(kernel.index, o)) for r, o in orders.items()
+                }
+                pairing = plan_pairs.Pairing(
+                    role, shape, orders, layer.equation, kernel
+                )
         order = [kernel.index(c) for c in letters]
         axes, reason = self._mesh.shard(
             shape, order, lambda d: f"{what} ({layer.equation}: {kernel[d]})"
@@ -258,18 +253,16 @@ class Plan:
         sharded = [
             kernel[d] for d, a in enumerate(axes) if a == self.model_dim_name
         ]
-        if sharded and not (heads_out or heads_in) and ambiguous:
-            if axes[order[0]] == self.model_dim_name:
-                self._pairs.record(layer, pairing)
         if sharded:
+            if pairing is not None and axes[order[0]] == self.model_dim_name:
+                self._pairs.pairings[layer] = pairing
             self._roles[layer] = (role, size[sharded[0]], sharded[0])
             if role == COLUMN and sharded[0] in heads_out:
                 self._head_parallel.add(self._pairs.key(parent))
         return axes, reason
 
-    def _gathered_for_call(self, layer, shape, letters):
+    def _gathered_for_call(self, layer, shape, kernel, letters):
         """Shards the first divisible of `letters`; gathered for each call."""
-        kernel = layer_reading.parse_equation(layer.equation)[1]
         self._gathering = True
         return self._mesh.shard(
             shape,
@@ -286,12 +279,13 @@ class Plan:
 
     def _within_budget(self, shape):
         """Whether replicating `shape` over the model axis fits the budget."""
-        axes = self._mesh.shard(shape, [], lambda d: "", model=False)[0]
+        axes = self._mesh.shard(shape)[0]
         return self._share.within(shape, axes, REPLICATION_BUDGET)
 
     def _matmul_axes(self, layer, scope, parent, shape, kind):
         in_dim, out_dim = len(shape) - 2, len(shape) - 1
         in_width, out_width = shape[in_dim], shape[out_dim]
+        widths = f"{kind} ({in_width}->{out_width})"
         reads = self._pairs.reads(in_width, scope, parent)
         # A narrow projection starting a pair, or beside the block's column
         # kernels with an output the model axis does not divide, stays whole.
@@ -301,36 +295,38 @@ class Plan:
             and out_width <= NARROW_WIDTH
             and (reads is None or out_width % self.model_size)
         ):
-            return (
-                self._mesh.shard(shape, [], lambda d: "", model=False)[0],
-                f"replicated over model: narrow output ({kind} "
-                f"{in_width}->{out_width})",
-            )
+            reason = f"replicated over model: narrow output ({widths})"
+            return self._mesh.shard(shape)[0], reason
         ambiguous = self._pairs.ambiguous(in_width, scope, parent)
         role = self._pairs.role(scope, in_width, out_width, fallback=parent)
-        order = [out_dim, in_dim] if role == COLUMN else [in_dim, out_dim]
-        what = f"{role}-parallel {kind} ({in_width}->{out_width})"
+        orders = {COLUMN: [out_dim, in_dim], ROW: [in_dim, out_dim]}
+        order = orders[role]
+        what = f"{role}-parallel {widths}"
         axes, reason = self._mesh.shard(shape, order, lambda d: what)
         if axes[order[0]] == self.model_dim_name and layer is not None:
             self._roles[layer] = (role, shape[order[0]])
             if kind in ("dense", "conv") and ambiguous:
-                pairing = plan_pairs.matmul_pairing(role, shape, kind)
-                self._pairs.record(layer, pairing)
+                self._pairs.pairings[layer] = plan_pairs.Pairing(
+                    role, shape, orders, widths, None
+                )
         return axes, reason
 
     def _stack_axes(self, layer, shape):
         """Shards stacked matrices (experts), biases too, on the stack dim."""
-        if (
-            self.kernel_role(layer) == STACK
-            and shape[0] != self._roles[layer][1]
-        ):
-            return self._mesh.shard(shape, [], lambda d: "")
+        role = self._role(layer)
+        if role[0] == STACK and shape[0] != role[1]:
+            return self._mesh.shard(shape)
         axes, reason = self._mesh.shard(
             shape, [0], lambda d: f"stacked matrices ({shape[0]} experts)"
         )
         if axes[0] == self.model_dim_name and layer is not None:
             self._roles[layer] = (STACK, shape[0])
         return axes, reason
+
+
+def _first(heads, letters):
+    """`letters`, `heads` first."""
+    return heads + [c for c in letters if c not in heads]
 
 
 def _is_block(layer):

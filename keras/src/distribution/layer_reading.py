@@ -13,17 +13,12 @@ def creating_layers():
     (or `None`), from the `caller`s of the name scopes around `add_weight`."""
     from keras.src.layers.layer import Layer
 
-    stack = global_state.get_global_attribute("name_scope_stack") or []
-    layers = []
-    for scope in stack:
+    layers = [None, None]
+    for scope in global_state.get_global_attribute("name_scope_stack") or []:
         caller = getattr(scope, "caller", None)
-        if isinstance(caller, Layer) and (
-            not layers or layers[-1] is not caller
-        ):
+        if isinstance(caller, Layer) and layers[-1] is not caller:
             layers.append(caller)
-    layer = layers[-1] if layers else None
-    parent = layers[-2] if len(layers) > 1 else None
-    return layer, parent
+    return layers[-1], layers[-2]
 
 
 def layer_kind(layer):
@@ -36,9 +31,7 @@ def layer_kind(layer):
         return "einsum"
     if isinstance(layer, layers.Dense):
         return "dense"
-    if "Conv" in type(layer).__name__:
-        return "conv"
-    return "layer"
+    return "conv" if "Conv" in type(layer).__name__ else "layer"
 
 
 def parse_equation(equation):
@@ -51,9 +44,8 @@ def parse_equation(equation):
 
 
 def einsum_bias_axes(layer, shape, letter, axis_name):
-    """Mesh axes of an `EinsumDense` bias with `letter` over `axis_name`, or
-    `None` if it lacks the letter; it is shaped like the output from its first
-    bias axis on."""
+    """Mesh axes of an `EinsumDense` bias (shaped as the output from its first
+    bias axis on) with `letter` over `axis_name`, or `None` if it lacks it."""
     parsed = parse_equation(getattr(layer, "equation", ""))
     bias_axes = getattr(layer, "bias_axes", None)
     if parsed is None or not bias_axes:

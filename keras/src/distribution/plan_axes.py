@@ -12,23 +12,24 @@ class MeshAxes:
         self.batch_dim_name = batch_dim_name
         self.batch_size = batch_size
 
-    def shard(self, shape, order, describe, model=True):
-        """`(axes, reason)` for `shape`: the model axis (if `model`) on the
-        first dimension it divides, in `order` then the rest; the batch axis
-        as `with_batch`; `describe(dimension)` says why, in `reason`."""
+    def shard(self, shape, order=(), describe=None):
+        """`(axes, reason)` for `shape`: the model axis on the first dimension
+        it divides, in `order` then the rest (none if no `order`); the batch
+        axis as `with_batch`; `describe(dimension)` says why, in `reason`."""
         axes = [None] * len(shape)
         reasons = []
-        if self.model_size > 1 and model and order:
-            candidates = list(order) + [
-                d for d in range(len(shape)) if d not in order
-            ]
-            divided = [d for d in candidates if shape[d] % self.model_size == 0]
-            if not divided:
+        if self.model_size > 1 and order:
+            rest = [d for d in range(len(shape)) if d not in order]
+            dim = next(
+                (d for d in [*order, *rest] if shape[d] % self.model_size == 0),
+                None,
+            )
+            if dim is None:
                 reasons.append("replicated over model: no dimension divides")
             else:
-                axes[divided[0]] = self.model_dim_name
-                reasons.append(describe(divided[0]))
-                if divided[0] != order[0]:
+                axes[dim] = self.model_dim_name
+                reasons.append(describe(dim))
+                if dim != order[0]:
                     reasons.append(
                         f"dimension {order[0]} indivisible by {self.model_size}"
                     )
@@ -57,12 +58,10 @@ class MeshAxes:
 def on_free_dimension(shape, axes, axis_name, axis_size):
     """`axes` with `axis_name` on the largest dimension of `shape` that no
     axis shards and `axis_size` divides, or `None` if none."""
-    free = sorted(
-        (d for d, a in enumerate(axes) if a is None), key=lambda d: -shape[d]
-    )
-    for d in free:
-        if shape[d] % axis_size == 0:
-            placed = list(axes)
-            placed[d] = axis_name
-            return tuple(placed)
-    return None
+    free = [
+        d for d, a in enumerate(axes) if a is None and shape[d] % axis_size == 0
+    ]
+    if not free:
+        return None
+    dim = max(free, key=lambda d: shape[d])
+    return tuple(axis_name if d == dim else a for d, a in enumerate(axes))

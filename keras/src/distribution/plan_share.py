@@ -1,10 +1,8 @@
-"""What each process stores of a model, as `auto_plan` plans it.
-
-Variables are laid out before the model's size is known, so `PlanShare` bounds
-each process' excess over an even share for every prefix of the model, which
-bounds the whole model except what cannot be sharded (no dimension divisible by
-the model axis, or before the first sharded variable).
-"""
+"""What each process stores of a model, as `auto_plan` plans it. Laid out
+before the model's size is known, `PlanShare` bounds each process' excess over
+an even share for every prefix of the model, which bounds the whole model but
+for what cannot be sharded (no dimension divisible by the model axis, or
+before the first sharded variable)."""
 
 import math
 
@@ -38,19 +36,26 @@ class PlanShare:
         """`(axes, reason, bound)`: over the model axis (`bound`) where `axes`
         exceed `fraction`, once a variable is model-sharded (an input norm
         before the first kernel, the whole model so far, always exceeds)."""
-        if not self.sharded or self.within(shape, axes, fraction):
-            return axes, reason, False
-        sharded = self.over_model(shape, axes)
-        if sharded is None:
-            return axes, reason, False
-        dim = sharded.index(self.mesh.model_dim_name)
-        how = ", gathered for each call" if gathered else ""
-        return (
-            sharded,
-            f"dimension {dim} over model{how}: replicated weights past "
-            f"{fraction:.0%} of the model ({reason})",
-            True,
-        )
+        mesh = self.mesh
+        if (
+            self.sharded
+            and not self.within(shape, axes, fraction)
+            and mesh.model_size != 1
+            and mesh.model_dim_name not in axes
+        ):
+            sharded = plan_axes.on_free_dimension(
+                shape, axes, mesh.model_dim_name, mesh.model_size
+            )
+            if sharded is not None:
+                dim = sharded.index(mesh.model_dim_name)
+                how = ", gathered for each call" if gathered else ""
+                return (
+                    sharded,
+                    f"dimension {dim} over model{how}: replicated weights "
+                    f"past {fraction:.0%} of the model ({reason})",
+                    True,
+                )
+        return axes, reason, False
 
     def relaid(self, shape, old, new, fraction):
         """Whether `new` axes (not `old`) fit `fraction`; if so, counts them."""
@@ -64,18 +69,8 @@ class PlanShare:
 
     def excess_of(self, size, axes):
         """Elements each process stores beyond an even share of a variable."""
-        split = 1
-        if self.mesh.model_dim_name in axes:
-            split *= self.mesh.model_size
-        if self.mesh.batch_dim_name in axes and self.mesh.batch_size > 1:
-            split *= self.mesh.batch_size
-        even = size / (self.mesh.model_size * self.mesh.batch_size)
-        return size / split - even
-
-    def over_model(self, shape, axes):
-        """`axes` + model axis on the largest free dim it divides, or `None`."""
-        if self.mesh.model_size == 1 or self.mesh.model_dim_name in axes:
-            return None
-        return plan_axes.on_free_dimension(
-            shape, axes, self.mesh.model_dim_name, self.mesh.model_size
-        )
+        mesh = self.mesh
+        split = mesh.model_size if mesh.model_dim_name in axes else 1
+        if mesh.batch_dim_name in axes and mesh.batch_size > 1:
+            split *= mesh.batch_size
+        return size / split - size / (mesh.model_size * mesh.batch_size)

@@ -3,8 +3,7 @@
 Left to DTensor, a kernel sharded on its input features makes every process
 compute the whole batch. As FSDP2's `fully_shard`, a layer call gathers its
 weights (in the compute dtype) in one collective, frees them on return and
-re-gathers them at the first gradient reaching its outputs.
-"""
+re-gathers them at the first gradient reaching its outputs."""
 
 import contextlib
 import os
@@ -18,7 +17,6 @@ from keras.src.backend.torch.distributed.fsdp import fsdp_call
 from keras.src.backend.torch.distributed.fsdp import fsdp_schedule
 
 GATHER_WEIGHTS_ENV = "KERAS_DISTRIBUTION_GATHER_WEIGHTS"
-_GATHER_CHOICES = ("batch", "all", "off")
 RESHARD_ENV = "KERAS_DISTRIBUTION_RESHARD_AFTER_FORWARD"
 
 
@@ -26,36 +24,17 @@ def gathered_mesh_dims(distribution):
     """The mesh dims a call gathers weights along (`GATHER_WEIGHTS_ENV`): a
     tuple (empty: none), or `None` for every dim a weight is sharded on."""
     choice = os.environ.get(GATHER_WEIGHTS_ENV, "batch").lower()
-    if choice not in _GATHER_CHOICES:
+    choices = ("batch", "all", "off")
+    if choice not in choices:
         raise ValueError(
-            f"{GATHER_WEIGHTS_ENV} must be one of {_GATHER_CHOICES}. "
+            f"{GATHER_WEIGHTS_ENV} must be one of {choices}. "
             f"Received: {GATHER_WEIGHTS_ENV}={choice!r}"
         )
-    if choice == "off":
-        return ()
-    if choice == "all":
-        return None
+    if choice != "batch":
+        return () if choice == "off" else None
+    names = list(distribution.device_mesh.axis_names)
     batch_dim_name = getattr(distribution, "batch_dim_name", None)
-    axis_names = list(distribution.device_mesh.axis_names)
-    if batch_dim_name not in axis_names:
-        return ()
-    return (axis_names.index(batch_dim_name),)
-
-
-def gathered_placements(value, mesh_dims):
-    """`value`'s placements with `Replicate` on each of `mesh_dims` where it
-    is sharded over several processes; `None` if there is none."""
-    if not isinstance(value, DTensor):
-        return None
-    mesh = value.device_mesh
-    placements = list(value.placements)
-    gathered = False
-    for dim, placement in enumerate(placements):
-        chosen = mesh_dims is None or dim in mesh_dims
-        if chosen and placement.is_shard() and mesh.size(dim) > 1:
-            placements[dim] = Replicate()
-            gathered = True
-    return placements if gathered else None
+    return (names.index(batch_dim_name),) if batch_dim_name in names else ()
 
 
 def reshards_after_forward():
@@ -71,51 +50,52 @@ def reshards_after_forward():
     return choice == "1"
 
 
+def _gathered_to(variable, value, distribution, mesh_dims):
+    """`value`'s placements, `Replicate` where sharded over several processes
+    on `mesh_dims` (and the model dim if `gathered_for_call`), or `None`."""
+    if not isinstance(value, DTensor):
+        return None
+    for_call = getattr(distribution, "gathered_for_call", None)
+    if mesh_dims is not None and for_call and for_call(variable):
+        names = list(distribution.device_mesh.axis_names)
+        mesh_dims = {*mesh_dims, names.index(distribution.model_dim_name)}
+    placements = [
+        Replicate()
+        if (mesh_dims is None or dim in mesh_dims)
+        and p.is_shard()
+        and value.device_mesh.size(dim) > 1
+        else p
+        for dim, p in enumerate(value.placements)
+    ]
+    return None if placements == list(value.placements) else placements
+
+
 def has_gathered_weights(model, distribution):
     """Whether some trainable weight of `model` is gathered in its calls."""
     mesh_dims = gathered_mesh_dims(distribution)
-    if mesh_dims == ():
-        return False
-    return any(
-        gathered_placements(v.value, _mesh_dims_of(v, distribution, mesh_dims))
-        is not None
+    return mesh_dims != () and any(
+        _gathered_to(v, v.value, distribution, mesh_dims) is not None
         for v in model.trainable_variables
     )
 
 
-def _mesh_dims_of(variable, distribution, mesh_dims):
-    """`mesh_dims`, plus the model axis for a `gathered_for_call` weight."""
-    gathered_for_call = getattr(distribution, "gathered_for_call", None)
-    if mesh_dims is None or not (
-        gathered_for_call and gathered_for_call(variable)
-    ):
-        return mesh_dims
-    axis_names = list(distribution.device_mesh.axis_names)
-    model_dim = axis_names.index(distribution.model_dim_name)
-    return tuple(sorted(set(mesh_dims) | {model_dim}))
-
-
 @contextlib.contextmanager
 def gathered_weights(layer, distribution, enabled=True):
-    """Gathers the sharded trainable weights of `layer`'s call (with its
-    same-policy sublayers' unless a model); yields a function to call on
-    the outputs, freeing the gathered storage and arranging re-gathering."""
+    """Gathers the sharded weights of `layer`'s call; yields a function to
+    call on the outputs: it frees them and arranges re-gathering."""
     weights = _weights_to_gather(layer, distribution) if enabled else []
     enclosing = list(fsdp_call.calls_now())
     if not weights:
-        if enclosing and enabled:
-            # These outputs' gradient may reach the enclosing call's weights
-            # before its outputs' does (an activity regularizer's loss).
-            yield lambda outputs: _watch(enclosing, outputs)
-        else:
-            yield _same
+        # These outputs' gradient may reach the enclosing call's weights
+        # before its outputs' does (an activity regularizer's loss).
+        watch = enclosing and enabled
+        yield (lambda outputs: _watch(enclosing, outputs)) if watch else _same
         return
     call = fsdp_call.CallGather(weights)
     schedule = fsdp_schedule.running_schedule()
-    last = False
-    if schedule is not None:
-        position = schedule.take_ahead(layer, call)
-        last = schedule.is_last(position, layer)
+    last = schedule is not None and schedule.is_last(
+        schedule.take_ahead(layer, call), layer
+    )
     call.enter()
     fsdp_call.calls_now().append(call)
     if schedule is not None:
@@ -126,20 +106,16 @@ def gathered_weights(layer, distribution, enabled=True):
             ),
         )
     try:
-        with _noting_saved_values():
+        # Notes the gathered values autograd saves: those backward re-gathers.
+        noting = torch.is_grad_enabled() and reshards_after_forward()
+        hooks = torch.autograd.graph.saved_tensors_hooks
+        with hooks(_note_saved, _same) if noting else contextlib.nullcontext():
             yield lambda outputs: _release_after_forward(
                 call, enclosing, outputs, schedule, last
             )
     finally:
         fsdp_call.calls_now().pop()
         call.exit()
-
-
-def _noting_saved_values():
-    """Notes the gathered values autograd saves: those backward re-gathers."""
-    if not (torch.is_grad_enabled() and reshards_after_forward()):
-        return contextlib.nullcontext()
-    return torch.autograd.graph.saved_tensors_hooks(_note_saved, _same)
 
 
 def _note_saved(tensor):
@@ -169,56 +145,48 @@ def _leaves(outputs):
 
 def _watch(calls, outputs):
     """Re-gathers `calls`' weights at the first gradient reaching `outputs`."""
-    if not (torch.is_grad_enabled() and reshards_after_forward()):
-        return outputs
-    for x in _leaves(outputs):
-        if x.requires_grad:
-            for call in calls:
-                x.register_hook(call.on_gradient)
+    if torch.is_grad_enabled() and reshards_after_forward():
+        for x in _leaves(outputs):
+            if x.requires_grad:
+                for call in calls:
+                    x.register_hook(call.on_gradient)
     return outputs
 
 
 def _weights_to_gather(layer, distribution):
+    """`GatheredWeight`s of `layer`'s sharded call variables, less those in
+    use (inside its own call, a recurrent cell, or one that gathered them)."""
     mesh_dims = gathered_mesh_dims(distribution)
     if mesh_dims == ():
         return []
     gathered_now = fsdp_call.gathered_variables()
     weights = []
-    for variable in _call_variables(layer):
-        value = variable._value
-        if id(variable) in gathered_now:
-            # Inside its own call (a recurrent cell) or one that gathered it.
-            continue
-        placements = gathered_placements(
-            value, _mesh_dims_of(variable, distribution, mesh_dims)
-        )
-        if placements is not None and not value.is_meta:
-            weights.append(fsdp_call.GatheredWeight(variable, placements))
+    for v in _call_variables(layer):
+        targets = _gathered_to(v, v._value, distribution, mesh_dims)
+        if id(v) not in gathered_now and targets and not v._value.is_meta:
+            weights.append(fsdp_call.GatheredWeight(v, targets))
     return weights
 
 
 def _call_variables(layer):
-    """The trainable variables a call of `layer` gathers."""
+    """The trainable variables a call of `layer` gathers: its own, and unless
+    a model, those of its sublayers (breadth first) with its dtype policy."""
     from keras.src.models.model import Model
 
     variables = list(getattr(layer, "_trainable_variables", None) or ())
     if isinstance(layer, Model):
         return variables
     policy = _policy(layer)
-    seen = {id(v) for v in variables}
     pending = list(layer._flatten_layers(include_self=False, recursive=False))
     while pending:
         sublayer = pending.pop(0)
         if isinstance(sublayer, Model) or _policy(sublayer) != policy:
             continue
-        for variable in getattr(sublayer, "_trainable_variables", None) or ():
-            if id(variable) not in seen:
-                seen.add(id(variable))
-                variables.append(variable)
+        variables.extend(getattr(sublayer, "_trainable_variables", None) or ())
         pending.extend(
             sublayer._flatten_layers(include_self=False, recursive=False)
         )
-    return variables
+    return list({id(v): v for v in variables}.values())
 
 
 def _policy(layer):
@@ -229,28 +197,25 @@ def _policy(layer):
 def _release_after_forward(call, enclosing, outputs, schedule, last):
     """Frees `call`'s gathered storage, unless `last`, to re-gather later."""
     leaves = _leaves(outputs)
+    watched = list(enclosing)
     if call.release(leaves, reshards_after_forward() and not last):
-        call.restore_ahead_of = (
-            None if schedule is None else schedule.released(call)
-        )
-        _watch([call], leaves)
+        call.restore_ahead_of = schedule and schedule.released(call)
+        watched.insert(0, call)
     elif last and torch.is_grad_enabled():
-        restore_ahead = schedule.kept()
+        restore_ahead = schedule.released()
         if restore_ahead is not None:
             _on_first_gradient(leaves, restore_ahead)
-    if enclosing:
-        _watch(enclosing, leaves)
+    _watch(watched, leaves)
     return outputs
 
 
 def _on_first_gradient(outputs, function):
     """Calls `function` once, at the first gradient reaching `outputs`."""
-    called = []
+    pending = [function]
 
     def hook(grad):
-        if not called:
-            called.append(True)
-            function()
+        if pending:
+            pending.pop()()
         return grad
 
     for x in outputs:

@@ -1,7 +1,6 @@
 """A layer call's weights, gathered in one collective, their storage freed
 after the call and refilled when backward reaches it (autograd's saved
-tensors keep the metadata only).
-"""
+tensors keep the metadata only)."""
 
 import threading
 
@@ -13,21 +12,14 @@ from keras.src.backend.torch.distributed.fsdp import fsdp_gather
 _thread_state = threading.local()
 
 
-def _state():
-    if not hasattr(_thread_state, "calls"):
-        _thread_state.calls = []
-        _thread_state.variables = set()
-    return _thread_state
-
-
 def calls_now():
     """The calls whose gathered weights are in use, innermost last."""
-    return _state().calls
+    return vars(_thread_state).setdefault("calls", [])
 
 
 def gathered_variables():
     """The ids of the variables whose gathered values are in use."""
-    return _state().variables
+    return vars(_thread_state).setdefault("variables", set())
 
 
 class CallGather:
@@ -37,24 +29,23 @@ class CallGather:
         self.weights = weights
         self.released = []
         # Prefetches for the call (`gather_ahead`) and its backward ops.
-        self.ahead = self.ahead_state = self.restoring = None
+        self.ahead = self.ahead_key = self.restoring = None
         self.restoring_weights = []
         # Set by `fsdp_schedule`: prefetches the previous call's weights.
         self.restore_ahead_of = None
-        self._storages = {}
 
     @classmethod
     def of(cls, weights):
         return cls(weights) if weights else None
 
     def _gather(self, weights, async_op=False):
-        return fsdp_gather.gather(
-            [w.shard() for w in weights],
-            [w.placements for w in weights],
-            async_op=async_op,
-        )
+        # In the compute dtype: `to` returns the shard itself if it is.
+        shards = [w.sharded.to(w.dtype) for w in weights]
+        placements = [w.placements for w in weights]
+        return fsdp_gather.gather(shards, placements, async_op=async_op)
 
-    def _state(self):
+    def _key(self):
+        """What a gather ahead must match to stand for this call's."""
         return (
             [(id(w.variable), w.placements, w.dtype) for w in self.weights],
             [w.sharded._version for w in self.weights],
@@ -64,13 +55,13 @@ class CallGather:
     def gather_ahead(self):
         """Starts gathering the values, for a call to come."""
         self.ahead = self._gather(self.weights, async_op=True)
-        self.ahead_state = self._state()
+        self.ahead_key = self._key()
 
     def take(self, other):
         """Takes `other`'s prefetch if it matches this call, else drops it."""
         if other is None:
             return
-        if other.ahead is not None and other.ahead_state == self._state():
+        if other.ahead is not None and other.ahead_key == self._key():
             self.ahead, other.ahead = other.ahead, None
         else:
             other.drop_ahead()
@@ -86,21 +77,25 @@ class CallGather:
     def enter(self):
         """Gathers the values and lets them stand for the variables."""
         pending = self.ahead or self._gather(self.weights)
-        self.ahead = None
-        for weight, value in zip(self.weights, pending.values()):
-            weight.enter(value)
-        self._storages = {w.storage_pointer(): w for w in self.weights}
+        self.ahead, self._storages = None, {}
+        for w, value in zip(self.weights, pending.values()):
+            w.saved, w.value, w.version = False, value, value._version
+            w.variable._value = value
+            gathered_variables().add(id(w.variable))
+            with torch.no_grad():
+                local = fsdp_gather.local_tensor(value)
+            self._storages[local.untyped_storage().data_ptr()] = w
 
     def note_saved(self, pointer):
         """Marks the weight whose storage is at `pointer` as autograd-saved."""
-        weight = self._storages.get(pointer)
-        if weight is not None:
-            weight.saved = True
+        if pointer in self._storages:
+            self._storages[pointer].saved = True
 
     def exit(self):
         """Gives the variables their sharded values back."""
         for weight in self.weights:
-            weight.exit()
+            weight.variable._value = weight.sharded
+            gathered_variables().discard(id(weight.variable))
 
     def release(self, outputs, reshard):
         """Writes back assignments; if `reshard`, frees storage: whether any."""
@@ -114,16 +109,16 @@ class CallGather:
     def _freed(self):
         return [w for w in self.released if w.needs_restore()]
 
-    def needs_restore(self):
-        """Whether some freed weight needs regathering and none started."""
-        return self.restoring is None and bool(self._freed())
-
     def restore_ahead(self):
-        """Starts regathering the freed values for their backward ops."""
+        """Starts regathering the freed values for their backward ops, unless
+        none or started already; returns whether it did."""
         weights = self._freed()
+        if self.restoring is not None or not weights:
+            return False
         with torch.no_grad():
             self.restoring = self._gather(weights, async_op=True)
         self.restoring_weights = weights
+        return True
 
     def on_gradient(self, grad):
         """Output gradient hook: regathers, then prefetches the prior call."""
@@ -133,10 +128,7 @@ class CallGather:
 
     def restore(self):
         """Regathers freed values autograd still holds; returns whether any."""
-        freed = self._freed()
-        if not freed and self.restoring is None:
-            return False
-        fresh = {}
+        freed, fresh = self._freed(), {}
         if self.restoring is not None:
             started = self.restoring.local_values()
             fresh = dict(zip(map(id, self.restoring_weights), started))
@@ -145,7 +137,7 @@ class CallGather:
         if missing:
             with torch.no_grad():
                 gathered = self._gather(missing).local_values()
-            fresh.update((id(w), x) for w, x in zip(missing, gathered))
+            fresh.update(zip(map(id, missing), gathered))
         for weight in freed:
             weight.fill(fresh[id(weight)])
         return bool(freed)
@@ -160,51 +152,24 @@ class GatheredWeight:
         self.placements = placements
         # Compute dtype under mixed precision: shards are cast, then gathered.
         self.dtype = getattr(torch, variable.dtype)
-        self.value = self.geometry = self.storage = self.version = None
-        self.saved = False
-        self.nbytes = 0
-
-    def shard(self):
-        """The sharded value in the dtype the call reads it in."""
-        if self.sharded.dtype != self.dtype:
-            return self.sharded.to(self.dtype)
-        return self.sharded
-
-    def enter(self, value):
-        """Lets the gathered `value` stand for the variable."""
-        self.saved = False
-        self.value = value
-        self.version = value._version
-        self.variable._value = value
-        gathered_variables().add(id(self.variable))
-
-    def storage_pointer(self):
-        with torch.no_grad():
-            local = fsdp_gather.local_tensor(self.value)
-        return local.untyped_storage().data_ptr()
-
-    def exit(self):
-        self.variable._value = self.sharded
-        gathered_variables().discard(id(self.variable))
+        self.storage, self.saved = None, False
 
     def write_back(self):
         """Copies what the call assigned (`SpectralNormalization`) to shards,
         unless a compute-dtype copy (Keras' assignment to it has no effect)."""
-        if self.value._version == self.version:
-            return
-        if self.dtype == self.sharded.dtype:
+        sharded = self.sharded
+        if self.value._version != self.version and self.dtype == sharded.dtype:
             with torch.no_grad():
-                self.sharded.copy_(
+                sharded.copy_(
                     self.value.redistribute(
-                        self.sharded.device_mesh, self.sharded.placements
+                        sharded.device_mesh, sharded.placements
                     )
                 )
         self.version = self.value._version
 
     def release(self, outputs):
         """Frees the gathered storage after forward, unless without gradients
-        (nothing outlives the call) or shared with `outputs` or the shard;
-        returns whether it did."""
+        or shared with `outputs` or the shard; returns whether it did."""
         value = self.value
         if not (value.requires_grad and torch.is_grad_enabled()):
             return False
@@ -215,45 +180,30 @@ class GatheredWeight:
                 fsdp_gather.local_tensor(x) for x in outputs
             ]
         storage = local.untyped_storage()
-        if any(
-            x.untyped_storage().data_ptr() == storage.data_ptr() for x in shared
-        ):
+        pointer = storage.data_ptr()
+        if any(x.untyped_storage().data_ptr() == pointer for x in shared):
             return False
-        self.storage = storage
-        self.nbytes = storage.nbytes()
+        self.storage, self.nbytes = storage, storage.nbytes()
         storage.resize_(0)
         # Once the gradient is complete, every backward op reading it has run.
         value.register_hook(self._release_after_backward)
         self.value = None
-        self.geometry = (
-            local.dtype,
-            local.device,
-            local.storage_offset(),
-            local.shape,
-            local.stride(),
-        )
+        self.geometry = local.storage_offset(), local.shape, local.stride()
         return True
 
     def needs_restore(self):
         """Whether the backward pass has yet to gather the value again."""
-        return (
-            self.saved
-            and self.storage is not None
-            and self.storage.nbytes() != self.nbytes
-        )
+        return self.saved and self.storage.nbytes() != self.nbytes
 
     def fill(self, fresh):
         """Writes the gathered local tensor `fresh` into the freed storage."""
-        dtype, device, offset, shape, stride = self.geometry
         with torch.no_grad():
             self.storage.resize_(self.nbytes)
             # Not through the local tensor: that bumps the version counter its
             # views share, and autograd would refuse the views it saved.
-            target = torch.empty(0, dtype=dtype, device=device)
-            target.set_(self.storage, offset, shape, stride)
+            target = fresh.new_empty(0).set_(self.storage, *self.geometry)
             target.copy_(fresh)
 
     def _release_after_backward(self, grad):
-        if self.storage is not None:
-            self.storage.resize_(0)
+        self.storage.resize_(0)
         return grad

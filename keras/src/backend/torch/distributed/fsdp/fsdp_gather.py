@@ -1,11 +1,8 @@
-"""One collective for all the weights a layer call gathers, as FSDP2 does.
-
-`redistribute` would cost 2-3 collectives per weight. `gather` pads each shard
-to the largest (DTensor shards as `torch.chunk`: the last can be smaller or
-empty) and all-gathers them flat, one buffer per dtype, copying each weight
-to its own storage (which `fsdp` frees); partial-sum gradients take one
-reduce-scatter. Other gathers and gradients use `redistribute`.
-"""
+"""One collective for all the weights a layer call gathers, as FSDP2 does
+(`redistribute` would cost 2-3 per weight): shards padded to the largest
+(DTensor shards as `torch.chunk`: the last can be smaller or empty), gathered
+flat, one buffer per dtype, each copied to its own storage (which `fsdp`
+frees); partial-sum gradients take one reduce-scatter."""
 
 import math
 
@@ -19,62 +16,47 @@ from keras.src.backend.torch.distributed.core.runtime import Shard
 from keras.src.backend.torch.distributed.training import gradients
 
 
-def gather(shards, placements, async_op=False):
-    """Starts gathering `shards` (in the dtype to gather in) to `placements`."""
-    return PendingGather(shards, placements, async_op)
-
-
 class PendingGather:
-    """Gathers of weights, started."""
+    """Started gathers of `shards` to `placements`: flat (`_FlatGather`) per
+    mesh, mesh dim and dtype where possible, else by `redistribute`."""
 
-    def __init__(self, shards, placements, async_op):
-        self.shards = list(shards)
-        self.placements = list(placements)
-        self._groups = []
-        self._alone = {}
-        grouped = {}
+    def __init__(self, shards, placements, async_op=False):
+        self._count = len(shards)
+        self._alone, grouped = {}, {}
         for index, (shard, target) in enumerate(zip(shards, placements)):
             mesh_dim = _flat_mesh_dim(shard, target)
-            if mesh_dim is None:
-                if async_op and shard.requires_grad and torch.is_grad_enabled():
-                    # Backward, an async reduce-scatter holds its whole input
-                    # until waited for: the optimizer would see whole gradients.
-                    shard = shard.view_as(shard)
-                    shard.register_hook(_completed_gradient)
-                self._alone[index] = shard.redistribute(
-                    shard.device_mesh, target, async_op=async_op
-                )
+            if mesh_dim is not None:
+                key = (shard.device_mesh, mesh_dim, shard.dtype)
+                grouped.setdefault(key, []).append((index, shard, target))
                 continue
-            key = (shard.device_mesh, mesh_dim, shard.dtype)
-            grouped.setdefault(key, []).append(index)
-        for (_, mesh_dim, _), indices in grouped.items():
-            self._groups.append(
-                _FlatGather(
-                    [self.shards[i] for i in indices],
-                    [self.placements[i] for i in indices],
-                    indices,
-                    mesh_dim,
-                    async_op,
-                )
+            if async_op and shard.requires_grad and torch.is_grad_enabled():
+                # Backward, an async reduce-scatter holds its whole input
+                # until waited for: the optimizer would see whole gradients.
+                shard = shard.view_as(shard)
+                shard.register_hook(_completed_gradient)
+            self._alone[index] = shard.redistribute(
+                shard.device_mesh, target, async_op=async_op
             )
+        self._groups = [
+            _FlatGather(*zip(*members), mesh_dim, async_op)
+            for (_, mesh_dim, _), members in grouped.items()
+        ]
 
     def values(self):
         """The gathered `DTensor`s; their gradients reduce-scatter to shards."""
-        values = [self._alone.get(i) for i in range(len(self.shards))]
-        for group in self._groups:
-            gathered = _GatherFunction.apply(group, *group.shards)
-            for index, value in zip(group.indices, gathered):
-                values[index] = value
-        return values
+        return self._joined(
+            dict(self._alone), lambda g: _GatherFunction.apply(g, *g.shards)
+        )
 
     def local_values(self):
         """The gathered local tensors (no autograd history), one per shard."""
         alone = {i: local_tensor(v) for i, v in self._alone.items()}
-        values = [alone.get(i) for i in range(len(self.shards))]
+        return self._joined(alone, _FlatGather.local_values)
+
+    def _joined(self, values, group_values):
         for group in self._groups:
-            for index, value in zip(group.indices, group.local_values()):
-                values[index] = value
-        return values
+            values.update(zip(group.indices, group_values(group)))
+        return [values[i] for i in range(self._count)]
 
     def wait(self):
         """Waits for the collectives to complete, dropping their results."""
@@ -85,25 +67,22 @@ class PendingGather:
         self._alone, self._groups = {}, []
 
 
+gather = PendingGather
+
+
 def _flat_mesh_dim(shard, target):
-    """The mesh dim along which a flat buffer gathers `shard`, or `None`."""
-    changed = [
-        dim
-        for dim, (now, then) in enumerate(zip(shard.placements, target))
-        if now != then
-    ]
+    """The mesh dim along which a flat buffer gathers `shard` (its only
+    change: a plain `Shard`, not nested, to `Replicate`), or `None`."""
+    pairs = list(zip(shard.placements, target))
+    changed = [dim for dim, (now, then) in enumerate(pairs) if now != then]
     if len(changed) != 1:
         return None
-    mesh_dim = changed[0]
+    (mesh_dim,) = changed
     placement = shard.placements[mesh_dim]
     if type(placement) is not Shard or not target[mesh_dim].is_replicate():
         return None
-    nested = any(
-        other.is_shard(placement.dim)
-        for dim, other in enumerate(shard.placements)
-        if dim != mesh_dim
-    )
-    return None if nested else mesh_dim
+    others = [p for dim, p in enumerate(shard.placements) if dim != mesh_dim]
+    return None if any(p.is_shard(placement.dim) for p in others) else mesh_dim
 
 
 def local_tensor(value):
@@ -118,22 +97,26 @@ def _completed_gradient(grad):
     local = local_tensor(grad)
     if local is grad.to_local():
         return grad
+    return _like(local, grad, grad.placements)
+
+
+def _like(local, shard, placements):
+    """A `DTensor` of `local` to `placements`, as global as `shard`."""
     return DTensor.from_local(
         local,
-        grad.device_mesh,
-        grad.placements,
-        shape=grad.shape,
-        stride=grad.stride(),
+        shard.device_mesh,
+        placements,
+        run_check=False,
+        shape=shard.shape,
+        stride=shard.stride(),
     )
 
 
 class _FlatGather:
     """One all-gather of shards along a mesh dim; reduce-scatters gradients."""
 
-    def __init__(self, shards, placements, indices, mesh_dim, async_op):
-        self.shards = shards
-        self.placements = placements
-        self.indices = indices
+    def __init__(self, indices, shards, placements, mesh_dim, async_op):
+        self.indices, self.shards, self.placements = indices, shards, placements
         self.mesh_dim = mesh_dim
         self.mesh = mesh = shards[0].device_mesh
         self.group = mesh.get_group(mesh_dim)
@@ -186,13 +169,11 @@ class _FlatGather:
                     grad, self.mesh, target, run_check=False
                 )
             placement = grad.placements[self.mesh_dim]
-            if placement.is_partial() and placement.reduce_op != "sum":
-                results[index] = grad.redistribute(
-                    self.mesh, shard.placements
-                ).to_local()
-                continue
-            if placement == shard.placements[self.mesh_dim]:
-                # Sharded as the weight: each process has its part already.
+            # A non-sum partial, or sharded as the weight (each process has
+            # its part already).
+            if (
+                placement.is_partial() and placement.reduce_op != "sum"
+            ) or placement == shard.placements[self.mesh_dim]:
                 results[index] = grad.redistribute(
                     self.mesh, shard.placements
                 ).to_local()
@@ -202,41 +183,31 @@ class _FlatGather:
                 wanted[self.mesh_dim] = placement
             if tuple(grad.placements) != tuple(wanted):
                 grad = grad.redistribute(self.mesh, wanted)
-            local = grad.to_local()
             if wanted[self.mesh_dim].is_partial():
-                summed.append((index, layout, local))
+                summed.append((index, layout, grad.to_local()))
             else:
-                results[index] = layout.own_part(local, self.coordinate)
+                # This process' part, in a storage of its own.
+                parts = grad.to_local().split(layout.lengths, layout.dim)
+                results[index] = parts[self.coordinate].clone()
         if summed:
             if len(summed) == 1 and summed[0][1].is_whole_buffer():
                 # Parts are rows in order: the gradient is the flat tensor.
                 pieces = [summed[0][2].reshape(-1)]
             else:
-                parts = [
-                    layout.padded_parts(local) for _, layout, local in summed
-                ]
+                parts = [layout.padded_parts(x) for _, layout, x in summed]
                 pieces = [
-                    part[rank].reshape(-1)
-                    for rank in range(self.size)
-                    for part in parts
+                    p[r].reshape(-1) for r in range(self.size) for p in parts
                 ]
             send = _concatenated(pieces)
             received = send.new_empty(send.numel() // self.size)
             runtime.reduce_scatter_flat(received, send, group=self.group)
             flats = received.split([layout.numel for _, layout, _ in summed])
             for (index, layout, _), flat in zip(summed, flats):
-                results[index] = layout.unpadded(flat, self.coordinate)
+                results[index] = flat.view(layout.padded_shape).narrow(
+                    layout.dim, 0, layout.lengths[self.coordinate]
+                )
         return [
-            None
-            if grad is None
-            else DTensor.from_local(
-                grad,
-                shard.device_mesh,
-                shard.placements,
-                run_check=False,
-                shape=shard.shape,
-                stride=shard.stride(),
-            )
+            None if grad is None else _like(grad, shard, shard.placements)
             for grad, shard in zip(results, self.shards)
         ]
 
@@ -295,11 +266,10 @@ class _ShardLayout:
             max(0, min(self.chunk, length - rank * self.chunk))
             for rank in range(size)
         ]
-        padded = list(shard.to_local().shape)
-        padded[self.dim] = self.chunk
-        self.padded_shape = padded
-        self.numel = math.prod(padded)
-        self.gathered_shape = list(padded)
+        self.padded_shape = list(shard.to_local().shape)
+        self.padded_shape[self.dim] = self.chunk
+        self.numel = math.prod(self.padded_shape)
+        self.gathered_shape = list(self.padded_shape)
         self.gathered_shape[self.dim] = length
 
     def is_whole_buffer(self):
@@ -309,11 +279,8 @@ class _ShardLayout:
     def padded(self, local):
         """`local` (a shard) padded with zeros to the largest shard."""
         missing = self.chunk - local.shape[self.dim]
-        if missing == 0:
-            return local
-        shape = list(local.shape)
-        shape[self.dim] = missing
-        return torch.cat([local, local.new_zeros(shape)], dim=self.dim)
+        pad = (0, 0) * (local.ndim - 1 - self.dim) + (0, missing)
+        return local if missing == 0 else torch.nn.functional.pad(local, pad)
 
     def joined(self, pieces):
         """The gathered tensor from `pieces`' rows, each a flat padded shard."""
@@ -328,17 +295,6 @@ class _ShardLayout:
         parts = torch.split(local, self.lengths, dim=self.dim)
         return [self.padded(part) for part in parts]
 
-    def own_part(self, local, coordinate):
-        """This process' part of `local`, in a storage of its own."""
-        start = sum(self.lengths[:coordinate])
-        return local.narrow(self.dim, start, self.lengths[coordinate]).clone()
-
-    def unpadded(self, flat, coordinate):
-        """This process' shard from its flat padded form."""
-        return flat.view(self.padded_shape).narrow(
-            self.dim, 0, self.lengths[coordinate]
-        )
-
 
 class _GatherFunction(torch.autograd.Function):
     """The gathered values of a `_FlatGather`, reduce-scattering backward."""
@@ -348,21 +304,8 @@ class _GatherFunction(torch.autograd.Function):
         # Unreached gradients stay `None`: an optimizer skips those, not 0s.
         ctx.set_materialize_grads(False)
         ctx.flat_gather = flat_gather
-        return tuple(
-            DTensor.from_local(
-                local,
-                shard.device_mesh,
-                target,
-                run_check=False,
-                shape=shard.shape,
-                stride=shard.stride(),
-            )
-            for local, shard, target in zip(
-                flat_gather.local_values(),
-                flat_gather.shards,
-                flat_gather.placements,
-            )
-        )
+        values, targets = flat_gather.local_values(), flat_gather.placements
+        return tuple(map(_like, values, shards, targets))
 
     @staticmethod
     def backward(ctx, *grads):

@@ -1,6 +1,5 @@
 """The order of a step's weight gathers, learned so that the next step
-gathers one layer ahead, forward and backward, as FSDP2 prefetches.
-"""
+gathers one layer ahead, forward and backward, as FSDP2 prefetches."""
 
 import contextlib
 import os
@@ -39,8 +38,7 @@ def gathers_ahead(distribution):
 def following(schedule, distribution):
     """Makes one step's layer calls follow `schedule`."""
     schedule.ahead = gathers_ahead(distribution)
-    previous = running_schedule()
-    _running.schedule = schedule
+    previous, _running.schedule = running_schedule(), schedule
     try:
         yield
     finally:
@@ -49,9 +47,8 @@ def following(schedule, distribution):
 
 
 class GatherSchedule:
-    """The order of a step's weight gathers, the same on every process so
-    async gathers pair up. A weight gathered ahead is dropped unless call,
-    placements, dtype, gradient mode and variable are unchanged."""
+    """A step's weight gathers in order, the same on every process so async
+    gathers pair up, for the next step to gather ahead."""
 
     def __init__(self, ahead=True):
         self.ahead = ahead
@@ -75,48 +72,37 @@ class GatherSchedule:
     def is_last(self, position, layer):
         """Whether `layer`'s call at `position` was the previous step's last
         gather, which keeps its weights: the backward pass starts with it."""
-        return position == len(self._order) - 1 and (
-            self._order[position]() is layer
-        )
+        order = self._order
+        return position == len(order) - 1 and order[position]() is layer
 
     def gather_ahead(self, layer, call_of):
         """Starts gathering the weights of the call after `layer`'s; `call_of`
         maps a layer to what its call gathers (`gather_ahead`, `drop_ahead`)."""
-        if not self.ahead:
-            return
         position = len(self._calls)
-        if position >= len(self._order) or self._order[position - 1]() is not (
-            layer
+        if (
+            not self.ahead
+            or position >= len(self._order)
+            or self._order[position - 1]() is not layer
+            or (following := self._order[position]()) is None
         ):
-            return
-        following = self._order[position]()
-        if following is None:
             return
         call = call_of(following)
         if call is not None:
             call.gather_ahead()
             self._ahead = (weakref.ref(following), call)
 
-    def released(self, call):
-        """Records a call freed after the forward pass; returns a function
-        that, in backward, gathers the call released before it (or `None`)."""
-        restore_ahead = self.kept()
-        if self.ahead:
-            self._released.append(call)
-        return restore_ahead
-
-    def kept(self):
-        """As `released`, for a last call that kept its gathered weights."""
+    def released(self, call=None):
+        """Records a call freed after the forward pass (`None`: the last, which
+        kept its weights); returns a function that, in backward, gathers the
+        call released before it (or `None`)."""
         if not self.ahead:
             return None
         index = len(self._released)
-        return lambda: self._restore_ahead(index)
-
-    def _restore_ahead(self, index):
-        for call in reversed(self._released[:index]):
-            if call.needs_restore():
-                call.restore_ahead()
-                return
+        if call is not None:
+            self._released.append(call)
+        return lambda: any(
+            c.restore_ahead() for c in reversed(self._released[:index])
+        )
 
     def finish_step(self):
         """Drops unused gathers and keeps this step's order for the next."""
