@@ -1,8 +1,6 @@
-"""The torch backend's distribution interface, which generic Keras code calls.
-
-A Keras `DeviceMesh` is a torch `DeviceMesh` with one device per process, a
-`TensorLayout` DTensor placements; a plain tensor is a global value, as a
-plain array is in JAX. `keras.src.backend.torch.distributed` does the work."""
+"""The torch backend's distribution interface, which generic Keras code calls:
+a Keras `DeviceMesh` is a torch one with one device per process, a layout
+DTensor placements, and a plain tensor a global value (as an array in JAX)."""
 
 import weakref
 
@@ -16,7 +14,6 @@ from keras.src.backend.torch.distributed.core import layouts
 from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.core import summary
 from keras.src.backend.torch.distributed.core import variables
-from keras.src.backend.torch.distributed.core.runtime import DTensor
 from keras.src.backend.torch.distributed.health import call_agreement
 from keras.src.backend.torch.distributed.inputs import data_input
 from keras.src.backend.torch.distributed.training import layer_call
@@ -25,7 +22,7 @@ from keras.src.backend.torch.distributed.training import step
 # Distributions whose processes have agreed on torch's generator state.
 _rng_agreed = weakref.WeakSet()
 
-# Optional capabilities generic Keras code asks for (`distribution_capability`).
+# The interface, from the modules doing the work (optional capabilities first).
 async_callbacks_supported = process_io.async_callbacks_supported
 is_logging_process = process_io.is_logging_process
 run_on_one_process = process_io.run_on_one_process
@@ -33,21 +30,16 @@ save_from_one_process = process_io.save_from_one_process
 mesh_info = summary.mesh_info
 sharding_summary = summary.sharding_summary
 check_same_num_batches = call_agreement.check_same_num_batches
-# The job: the distribution in effect (also on threads that never set it),
-# the processes, and one seed for all (process 0's if none was set).
 current_distribution = runtime.current_distribution
 num_processes = runtime.world_size
 process_id = runtime.rank
 initialize_rng = runtime.agree_on_seed
-# Values laid out on a mesh, and Keras devices and meshes as torch's.
 distribute_variable = variables.distribute_variable
 distribute_global_batch = data_input.distribute_global_batch
 _to_backend_device = layouts.to_torch_device
 _to_backend_mesh = layouts.to_torch_mesh
-# Collectives over a named mesh axis, as `jax.lax.psum` / `all_gather`.
 all_reduce = collectives.all_reduce
 all_gather = collectives.all_gather
-# What the torch trainer calls: its step functions run as `DistributedStep`s.
 DistributedStep = step.DistributedStep
 loss_predictions = step.loss_predictions
 local_loss = step.local_loss
@@ -137,9 +129,8 @@ def initialize(job_addresses=None, num_processes=None, process_id=None):
 
 
 def set_global_distribution(distribution):
-    """Records the distribution passed to `set_distribution` (its mesh is
-    built where first used). Every process calls this: it joins the job if
-    needed and takes process 0's generator state (a collective, once)."""
+    """Records `set_distribution`'s distribution (its mesh is built where first
+    used); every process joins the job and takes process 0's RNG state once."""
     if hasattr(distribution, "device_mesh"):
         runtime.check_torch_version()
         if runtime.world_size() > 1:
@@ -148,7 +139,7 @@ def set_global_distribution(distribution):
             if distribution not in _rng_agreed:
                 runtime.sync_torch_rng()
                 _rng_agreed.add(distribution)
-    runtime.set_process_distribution(distribution)
+    runtime.process_distribution = distribution
     layer_call.hold_replication(distribution)
 
 
@@ -184,10 +175,9 @@ def _distribute_leaf(x, layout):
         return x
     layouts.check_rank(x, layout, "tensor")
     mesh = layout.device_mesh
-    if not isinstance(x, DTensor):
-        # `from_local` + `redistribute` (unlike torch's `distribute_tensor`)
-        # keeps the autograd history; replicated to sharded is a local cut.
-        x = layouts.replicate(x, mesh)
+    # `from_local` + `redistribute` (unlike torch's `distribute_tensor`) keeps
+    # the autograd history; replicated to sharded is a local cut.
+    x = layouts.replicate(x, mesh)
     placements = layouts.without_empty_shards(
         x.shape, mesh, layouts.drop_unit_shards(mesh, layout.placements)
     )
@@ -229,8 +219,7 @@ def all_gather_variable(variable):
 
 
 def distributed_checkpointer(directory, max_to_keep=None):
-    """The `Checkpointer` of `keras.callbacks.DistributedCheckpoint`: each
-    process writes its shards in steps under `directory`."""
+    """`DistributedCheckpoint`'s `Checkpointer`, of steps under `directory`."""
     return _checkpoint().Checkpointer(directory, max_to_keep)
 
 
@@ -240,14 +229,13 @@ def is_distributed_checkpoint(path):
 
 
 def load_checkpoint_weights(model, path):
-    """Loads a `DistributedCheckpoint` (the latest of a directory of steps)
-    into the built `model`, in its layouts."""
+    """Loads a `DistributedCheckpoint` (or a directory's latest step) into the
+    built `model`, in its layouts."""
     _checkpoint().load_weights(model, path)
 
 
 def load_checkpoint_model(path, custom_objects=None, compile=True, **kwargs):
-    """Rebuilds the model a `DistributedCheckpoint` (the latest of a directory
-    of steps) saved; the arguments are as in `keras.saving.load_model`."""
+    """Rebuilds the model a `DistributedCheckpoint` saved, as `load_model`."""
     return _checkpoint().load_model(path, custom_objects, compile, **kwargs)
 
 

@@ -1,6 +1,5 @@
-"""The states of torch's, Python's and NumPy's global generators: a dropped
-layer call on local rows must leave them as it found them; a kept one must
-draw what a call on the global batch draws."""
+"""The states of torch's, Python's and NumPy's global generators, which a call
+on local rows must leave as found, or advance as a call on the global batch."""
 
 import random
 
@@ -36,8 +35,7 @@ def torch_key():
 
 def advanced(states, torch_keys=0, python_draws=False):
     """Whether a random op drew from a global generator since `states` (of
-    `take`), not counting `torch_keys` keys drawn meanwhile, nor Python's and
-    NumPy's draws if `python_draws`."""
+    `take`), but `torch_keys` keys and, if `python_draws`, Python's/NumPy's."""
     now, expected = take(), dict(states)
     if torch_keys:
         torch.set_rng_state(states["cpu"])

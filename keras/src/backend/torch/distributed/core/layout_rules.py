@@ -1,6 +1,5 @@
-"""Which `LayoutMap` rule lays out each variable, and rules that lay out none:
-a rule matching no variable path (a typo) silently leaves its variables
-replicated, so a model's first call under `ModelParallel` warns of it."""
+"""Which `LayoutMap` rule lays out each variable, and a warning (at a model's
+first call) of rules matching no path, which leave variables replicated."""
 
 import re
 import warnings
@@ -18,7 +17,7 @@ def layout_map_of(distribution):
 def matching_rule(layout_map, path):
     """The key laying out `path`: itself, else its one regex match, or None."""
     # Not `path in layout_map`: `LayoutMap` answers every lookup.
-    keys = list(layout_map)
+    keys = list(layout_map or ())
     if path in keys:
         return path
     matches = [key for key in keys if re.fullmatch(key, path)]

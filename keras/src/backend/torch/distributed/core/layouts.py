@@ -1,7 +1,7 @@
 """Keras meshes and layouts as torch device meshes (one device per process) and
 DTensor placements, and the shared sharding rules (`torch.chunk` cuts)."""
 
-import collections
+from collections import namedtuple
 
 import torch
 import torch.distributed as dist
@@ -13,9 +13,7 @@ from keras.src.backend.torch.distributed.core.runtime import Replicate
 from keras.src.backend.torch.distributed.core.runtime import Shard
 from keras.src.backend.torch.distributed.health import health
 
-TorchLayout = collections.namedtuple(
-    "TorchLayout", ["device_mesh", "placements", "ndim"]
-)
+TorchLayout = namedtuple("TorchLayout", "device_mesh placements ndim")
 TorchLayout.__doc__ = """The torch counterpart of a Keras `TensorLayout`: a
 torch `device_mesh`, one DTensor placement per mesh dimension, and `ndim`, the
 number of layout entries (a tensor's dimensions past them are replicated)."""
@@ -38,9 +36,8 @@ def to_torch_device(device_name):
 
 
 def to_torch_mesh(device_mesh):
-    """Converts a Keras `DeviceMesh` to a torch one; joins the job if needed.
-
-    Refuses a mesh not holding each process of the job once."""
+    """Converts a Keras `DeviceMesh` to a torch one, joining the job if needed;
+    refuses a mesh not holding each process of the job once."""
     runtime.check_torch_version()
     devices = device_mesh.devices.flatten().tolist()
     device_types, ranks = zip(*(to_torch_device(d) for d in devices))
@@ -138,11 +135,8 @@ def to_torch_layout(tensor_layout):
                     "mesh axis can shard at most one tensor dimension."
                 )
             placements[mesh_dim] = Shard(tensor_dim)
-    return TorchLayout(
-        tensor_layout.device_mesh.backend_mesh,
-        tuple(placements),
-        len(tensor_layout.axes),
-    )
+    mesh = tensor_layout.device_mesh.backend_mesh
+    return TorchLayout(mesh, tuple(placements), len(tensor_layout.axes))
 
 
 def as_torch_layout(layout):
@@ -189,14 +183,9 @@ def without_empty_shards(shape, mesh, placements):
         ]
         sizes = {length}
         for mesh_dim in mesh_dims:
-            parts = mesh.size(mesh_dim)
-            sizes = {
-                stop - start
-                for size in sizes
-                for start, stop in (
-                    chunk_bounds(size, parts, i) for i in range(parts)
-                )
-            }
+            n = mesh.size(mesh_dim)
+            bounds = [chunk_bounds(s, n, i) for s in sizes for i in range(n)]
+            sizes = {stop - start for start, stop in bounds}
         if 0 in sizes:
             for mesh_dim in mesh_dims:
                 placements[mesh_dim] = Replicate()
@@ -220,9 +209,8 @@ def local_region(shape, mesh, placements):
 
 
 def dtensor_from_local(local, mesh, placements, shape=None, stride=None):
-    """A `DTensor` from this process' `local` piece, without communication;
-    pass the global `shape` when pieces can be uneven (DTensor assumes even
-    ones). `stride` defaults to `shape`'s contiguous one."""
+    """A `DTensor` of this process' `local` piece, with no collective; `shape`
+    is the global one where pieces may be uneven (DTensor assumes even ones)."""
     if shape is not None:
         shape = torch.Size(shape)
         stride = contiguous_strides(shape) if stride is None else stride

@@ -17,10 +17,7 @@ def all_replicated(values):
     """Whether every `DTensor` (or variable value) in `values` is replicated."""
     values = [getattr(x, "value", x) for x in values]
     return all(
-        p.is_replicate()
-        for x in values
-        if isinstance(x, DTensor)
-        for p in x.placements
+        p.is_replicate() for x in values for p in getattr(x, "placements", ())
     )
 
 
@@ -40,9 +37,8 @@ def local_value(x):
 
 @contextlib.contextmanager
 def local_reads(variables):
-    """Runs the block with replicated `variables` holding their local
-    tensors, which share their storage: reads skip DTensor's dispatch, and
-    an assignment (in place) writes the variable."""
+    """Runs the block with replicated `variables` holding their local tensors
+    (same storage): reads skip DTensor's dispatch, assignments write through."""
     swapped = []
     for variable in variables:
         value = variable._value
@@ -64,13 +60,9 @@ def local_reads(variables):
 @contextlib.contextmanager
 def local_metric_state(metric, defer=None, value=None):
     """Runs `metric`'s update on its replicated state's local values, yielding
-    the value the update reads: `value`, or, for a `Mean`'s partial-sum
-    `value` given with `defer`, its local term (see `_on_local_term`)."""
-    if runtime.current_distribution() is None:
-        yield value
-        return
+    what it reads: `value`, or with `defer` partial-sum `value`'s local term."""
     states = [v.value for v in metric.variables]
-    if not all_replicated(states):
+    if runtime.current_distribution() is None or not all_replicated(states):
         yield value
     elif _sums_partial_value(metric, states, defer, value):
         with _on_local_term(metric, states, value, defer) as local:
@@ -81,28 +73,23 @@ def local_metric_state(metric, defer=None, value=None):
 
 
 def _sums_partial_value(metric, states, defer, value):
-    """Whether `metric` is Keras' `Mean` (`total` linear in the values,
-    `count` blind to them) and `value` a partial sum over the 1-D mesh of its
-    `states`, to be reduced by `defer`."""
+    """Whether `metric` is Keras' `Mean` (`total` linear in the values, `count`
+    blind to them) and `value` a partial sum over its `states`' 1-D mesh."""
     # Imported here: the backend imports this module.
     from keras.src.metrics import reduction_metrics
 
-    if (
-        defer is None
-        or not isinstance(value, DTensor)
-        or type(metric).update_state is not reduction_metrics.Mean.update_state
-        or torch.compiler.is_compiling()
-        or get_keras_mask(value) is not None
-    ):
-        return False
-    mesh = value.device_mesh
-    placement = value.placements[0]
     return (
-        mesh.ndim == 1
-        and placement.is_partial()
-        and placement.reduce_op == "sum"
+        defer is not None
+        and isinstance(value, DTensor)
+        and type(metric).update_state is reduction_metrics.Mean.update_state
+        and not torch.compiler.is_compiling()
+        and get_keras_mask(value) is None
+        and value.device_mesh.ndim == 1
+        and value.placements[0].is_partial()
+        and value.placements[0].reduce_op == "sum"
         and all(
-            isinstance(x, DTensor) and x.device_mesh == mesh for x in states
+            isinstance(x, DTensor) and x.device_mesh == value.device_mesh
+            for x in states
         )
     )
 
@@ -113,17 +100,15 @@ def _on_local_term(metric, states, value, defer):
     `total` enters as its share of a partial sum (as DTensor partitions it) and
     leaves as one, handed to `defer`; `count` reads no value."""
     mesh = value.device_mesh
-    local_states = [x.to_local() for x in states]
+    locals_ = [x.to_local() for x in states]
     with torch.no_grad():
         entered = [
             local / mesh.size() if v is metric.total else local
-            for v, local in zip(metric.variables, local_states)
+            for v, local in zip(metric.variables, locals_)
         ]
         with stateless_scope(zip(metric.variables, entered)) as scope:
             yield value.to_local()
-        for variable, local, start in zip(
-            metric.variables, local_states, entered
-        ):
+        for variable, local, start in zip(metric.variables, locals_, entered):
             new_value = scope.get_current_value(variable)
             if new_value is start:
                 continue

@@ -1,10 +1,6 @@
-"""Random numbers drawn by position, so each process draws only its part.
-
-Under a distribution `uniform`, `normal`, `randint` and `dropout` take element
-`index` as SplitMix64's output function of `key + (index + 1) * _GAMMA`, for
-any layout, like JAX's partitionable draws; initializers (first values as
-without a distribution) and other draws keep upstream's. On local rows a draw
-of the local row count is those rows of the global batch's (`DrawPlan`)."""
+"""Random draws by position, so each process draws only its part of one value:
+under a distribution, `uniform`, `normal`, `randint` and `dropout` give element
+`index` SplitMix64's mix of `key + (index + 1) * _GAMMA` (as JAX partitions)."""
 
 import contextlib
 import dataclasses
@@ -50,15 +46,13 @@ class DrawPlan:
     def decide(self, shape, local_rows):
         """Whether a draw of `shape` is the local rows of a global draw; a
         later call's must match exactly one of the probe's, or breaks it."""
-        shape = tuple(shape)
         is_rows = len(shape) > 0 and shape[0] == local_rows
+        draw = ("rows", shape[1:]) if is_rows else ("whole", shape)
         if self.recording:
-            self.draws.append(
-                ("rows", shape[1:]) if is_rows else ("whole", shape)
-            )
+            self.draws.append(draw)
             return is_rows
         whole = ("whole", shape) in self.draws
-        rows = is_rows and ("rows", shape[1:]) in self.draws
+        rows = is_rows and draw in self.draws
         self.broken |= whole == rows
         return rows
 
@@ -135,9 +129,8 @@ def positions(global_shape, offsets, local_shape, device):
 
 
 def draw_pairs(key, box, device, pair):
-    """Values of `box` (`(global_shape, offsets, local_shape)`) by position:
-    element `p` takes counter `p >> 1`, whose two 24-bit halves
-    `pair(low, high)` turns into the even and odd element's values."""
+    """Values of `box` (`(global_shape, offsets, local_shape)`): element `p`
+    takes counter `p >> 1`, whose 24-bit halves `pair` makes two values."""
     global_shape, offsets, local_shape = box
     count = math.prod(local_shape)
     # Whole but for its first dimension: one range of positions.
@@ -194,18 +187,15 @@ def seed_key(seed):
     from keras.src.random.seed_generator import draw_seed
 
     seed = draw_seed(seed)
-    if isinstance(seed, DTensor):
-        seed = seed.to_local()
-    seed = seed.to(torch.int64)
+    seed = (seed.to_local() if isinstance(seed, DTensor) else seed).long()
     return mix(seed[0] * _GAMMA + seed[1])
 
 
 def one_key_per_call():
     """Unseeded draws in the block derive from one key of torch's generator,
     so a repeat of the probe's call draws the same keys with one collective."""
-    if _state.keys is not None:
-        return contextlib.nullcontext()
-    return _setting("keys", [None, 0])
+    keys = _state.keys
+    return _setting("keys", [None, 0] if keys is None else keys)
 
 
 def unseeded_key():
@@ -215,9 +205,8 @@ def unseeded_key():
     if keys is not None and keys[0] is not None:
         keys[1] += 1
         return mix(keys[0] + torch.tensor(keys[1]).mul_(_GAMMA))
-    rows = _state.rows
-    if rows is not None:
-        rows[3].unseeded += 1
+    if _state.rows is not None:
+        _state.rows[3].unseeded += 1
     key = generator_states.torch_key()
     if runtime.world_size() > 1:
         key = key.to(runtime.comm_device())
@@ -234,8 +223,7 @@ def _draw_box(shape):
     if rows is None or not rows[3].decide(shape, rows[1]):
         return shape, (0,) * len(shape), shape
     start, _, global_rows, _ = rows
-    offsets = (start,) + (0,) * (len(shape) - 1)
-    return (global_rows,) + shape[1:], offsets, shape
+    return (global_rows, *shape[1:]), (start,) + (0,) * (len(shape) - 1), shape
 
 
 def uniform(shape, minval, maxval, dtype, seed):
@@ -277,23 +265,18 @@ def dropout(inputs, rate, noise_shape, seed):
         mesh, placements = inputs.device_mesh, inputs.placements
         region = layouts.local_region(inputs.shape, mesh, placements)
         # A broadcast dimension of the mask (noise shape 1) is whole here.
-        region = [slice(0, 1) if n == 1 else r for r, n in zip(region, shape)]
-        starts = [r.start for r in region]
-        box = shape, starts, [r.stop - s for r, s in zip(region, starts)]
+        cut = [slice(0, 1) if n == 1 else r for r, n in zip(region, shape)]
+        box = shape, [c.start for c in cut], [c.stop - c.start for c in cut]
     else:
         box = _draw_box(shape)
     keep = 1.0 - rate
     scale = keep_mask(key, box, device, keep).to(inputs.dtype).mul_(1 / keep)
     if is_dtensor:
-        mask_placements = [
-            Replicate()
-            if p.is_partial() or (p.is_shard() and shape[p.dim] == 1)
-            else p
-            for p in placements
+        placements = [
+            Replicate() if p.is_shard() and shape[p.dim] == 1 else p
+            for p in layouts.reduced_placements(placements)
         ]
-        scale = layouts.dtensor_from_local(
-            scale, mesh, mask_placements, shape=shape
-        )
+        scale = layouts.dtensor_from_local(scale, mesh, placements, shape=shape)
     # One product, as torch's own dropout: its gradient is one product too.
     return inputs * scale
 

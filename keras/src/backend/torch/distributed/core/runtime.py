@@ -13,17 +13,28 @@ import zlib
 import torch
 import torch.distributed as dist
 from packaging.version import parse
-from torch.distributed.tensor import DTensor  # noqa: F401
-from torch.distributed.tensor import Partial  # noqa: F401
-from torch.distributed.tensor import Replicate  # noqa: F401
-from torch.distributed.tensor import Shard  # noqa: F401
-from torch.distributed.tensor.experimental import implicit_replication  # noqa: F401
 
 from keras.src.backend.common import global_state
 from keras.src.backend.torch.distributed.health import health
 
-# DTensor's names above are imported from here by the other modules.
-DTENSOR_AVAILABLE = True
+# The one import of DTensor's names, which the other modules take from here:
+# Keras still imports on a torch without them (where a distribution refuses).
+try:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    DTENSOR_AVAILABLE = True
+except ImportError:
+    DTENSOR_AVAILABLE = False
+    Partial = Replicate = Shard = implicit_replication = None
+
+    class DTensor:
+        """Stands in for torch's `DTensor`: no tensor is one."""
+
+
 # The flat-buffer collectives (torch 2.12 renamed them; the old names warn).
 all_gather_flat = getattr(
     dist, "all_gather_single", dist.all_gather_into_tensor
@@ -43,12 +54,11 @@ _PER_PROCESS_ENV = (
 )
 
 logger = logging.getLogger("keras.distribution")
-# Logs on the `keras.distribution` logger (`KERAS_DISTRIBUTION_DEBUG`).
 log_debug = logger.debug
 
 # The last `set_distribution`: Keras' global state is per thread, but hooks
 # also run on threads that never set it (CUDA autograd's backward threads).
-_process_distribution = None
+process_distribution = None
 suspended_depth = 0
 
 
@@ -58,7 +68,7 @@ def current_distribution():
     if suspended_depth:
         return None
     distribution = global_state.get_global_attribute("distribution")
-    return distribution if distribution is not None else _process_distribution
+    return distribution if distribution is not None else process_distribution
 
 
 def backend_core():
@@ -88,12 +98,6 @@ def distribution_resumed():
         yield
     finally:
         suspended_depth = depth
-
-
-def set_process_distribution(distribution):
-    """Records the distribution for threads that never set one."""
-    global _process_distribution
-    _process_distribution = distribution
 
 
 def world_size():
@@ -141,18 +145,16 @@ def initialize_job(job_addresses=None, num_processes=None, process_id=None):
 
 
 def agree_on_environment():
-    """Raises a `ValueError` on every process unless all set the same
-    `KERAS_DISTRIBUTION_*` variables that choose collectives (else a process
-    alone making a collective would wait for ever)."""
+    """Raises on every process unless all set alike the `KERAS_DISTRIBUTION_*`
+    variables choosing collectives (else one alone in a collective hangs)."""
     from keras.src.backend.torch.distributed.core import collectives
 
     if world_size() == 1:
         return
     choices = sorted(
-        (name, value)
-        for name, value in os.environ.items()
-        if name.startswith("KERAS_DISTRIBUTION_")
-        and name not in _PER_PROCESS_ENV
+        (k, v)
+        for k, v in os.environ.items()
+        if k.startswith("KERAS_DISTRIBUTION_") and k not in _PER_PROCESS_ENV
     )
     digest = zlib.crc32(repr(choices).encode())
     if len(set(map(tuple, collectives.all_gather_ints([digest], None)))) == 1:
@@ -171,9 +173,8 @@ def agree_on_environment():
 
 
 def agree_on_seed():
-    """Makes every process use process 0's seed where any process set none,
-    so that unseeded random ops (initializers, dropout) agree across
-    processes; processes that all set one keep their generators."""
+    """Gives every process process 0's seed if any set none, so unseeded random
+    ops (initializers, dropout) agree; seeds set on all processes are kept."""
     from keras.src.backend.torch.distributed.core import collectives
     from keras.src.random import seed_generator
     from keras.src.utils import rng_utils
@@ -193,8 +194,6 @@ def agree_on_seed():
 def sync_torch_rng():
     """Gives every process process 0's torch RNG state (a collective), so
     that unseeded dropout draws the same whole-tensor noise everywhere."""
-    if world_size() == 1:
-        return
     generators = [(torch.get_rng_state, torch.set_rng_state)]
     if torch.cuda.is_available():
         generators.append((torch.cuda.get_rng_state, torch.cuda.set_rng_state))
@@ -214,8 +213,7 @@ def comm_device():
 def _resolve_job(job_addresses, num_processes, process_id):
     """`(coordinator, num_processes, process_id)`: `initialize`'s arguments
     reconciled with torchrun's environment (no coordinator: `MASTER_ADDR`)."""
-    env_world = os.environ.get("WORLD_SIZE")
-    env_rank = os.environ.get("RANK")
+    env_world, env_rank = os.environ.get("WORLD_SIZE"), os.environ.get("RANK")
     for name, given, env in (
         ("num_processes", num_processes, env_world),
         ("process_id", process_id, env_rank),
@@ -297,11 +295,10 @@ def _local_gpu(process_id):
     if "LOCAL_RANK" not in os.environ:
         return process_id % num_gpus
     local_rank = int(os.environ["LOCAL_RANK"])
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
-    on_this_node = max(local_world, local_rank + 1)
-    if on_this_node > num_gpus:
+    on_node = max(int(os.environ.get("LOCAL_WORLD_SIZE", 0)), local_rank + 1)
+    if on_node > num_gpus:
         raise ValueError(
-            f"This node runs {on_this_node} processes but sees {num_gpus} "
+            f"This node runs {on_node} processes but sees {num_gpus} "
             "GPU(s) (CUDA_VISIBLE_DEVICES="
             f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}), and "
             "NCCL needs one GPU per process. Launch at most one process per "
@@ -320,13 +317,13 @@ def _destroy_process_group():
         time.sleep(0.05)
 
 
-def _with_rank(record):
-    """Adds the process rank (never by a collective) to a log record."""
-    record.rank = rank()
-    return True
-
-
 if os.environ.get(DEBUG_ENV, "0") not in ("", "0", "false", "False"):
+
+    def _with_rank(record):
+        """Adds the process rank (never by a collective) to a log record."""
+        record.rank = rank()
+        return True
+
     _handler = logging.StreamHandler()
     _handler.addFilter(_with_rank)
     _handler.setFormatter(
@@ -343,8 +340,7 @@ GATHERED_ALL_TO_ALL_NOTICE = (
 
 
 class _GatheredAllToAllFilter(logging.Filter):
-    """Drops DTensor's harmless notice that a CPU mesh gathers for an
-    all-to-all inside ops (an einsum's)."""
+    """Drops DTensor's harmless notice that CPU meshes gather for all-to-all."""
 
     def filter(self, record):
         return record.msg != GATHERED_ALL_TO_ALL_NOTICE

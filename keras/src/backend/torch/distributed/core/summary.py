@@ -67,9 +67,7 @@ def sharding_summary(model, print_fn=None):
     for variable in model.variables:
         value = variable.value
         local = value.to_local() if isinstance(value, DTensor) else value
-        rule = None
-        if layout_map is not None:
-            rule = layout_rules.matching_rule(layout_map, variable.path)
+        rule = layout_rules.matching_rule(layout_map, variable.path)
         if rule is None and reason_of is not None:
             rule = reason_of(variable.path)
         placements = getattr(value, "placements", ("R",))
@@ -91,7 +89,6 @@ def sharding_summary(model, print_fn=None):
 
 def _format_rows(rows):
     """The table `sharding_summary` prints, each line naming this process."""
-    prefix = f"[rank {runtime.rank()}] "
     header = "path|global shape|placements|local shape|bytes|layout rule"
     table = [header.split("|")] + [
         [
@@ -122,4 +119,4 @@ def _format_rows(rows):
         f"gathered ({count.reason})"
         for name, count in sorted(counts.items())
     )
-    return "\n".join(prefix + line for line in lines)
+    return "\n".join(f"[rank {runtime.rank()}] {line}" for line in lines)

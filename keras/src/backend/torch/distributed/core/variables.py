@@ -48,8 +48,7 @@ def initialize_variable(variable):
 
 def distribute_variable(value, layout):
     """A `DTensor` of process 0's `value` (so differently seeded initializers
-    agree) laid out as `layout`, broadcast in pieces: unlike a scatter, no
-    process holds more than its full value, its shard and one piece."""
+    agree) laid out as `layout`, broadcast in pieces (bounding the memory)."""
     layout = layouts.as_torch_layout(layout)
     layouts.check_rank(value, layout, "variable")
     value = value.detach()
@@ -111,9 +110,8 @@ def match_layout(value, reference):
 
 
 def assign(target, value):
-    """Copies `value` (a `DTensor`, or the global value) into `target`: state
-    without gradients via its local tensor (no DTensor dispatch), a weight via
-    DTensor, whose version counter autograd and `fsdp_call` check."""
+    """Copies `value` (a `DTensor` or the global value) into `target`: a weight
+    via DTensor (autograd and `fsdp_call` check its version), state locally."""
     if not isinstance(target, DTensor):
         target.copy_(to_global_value(value))
     elif target.requires_grad:
