@@ -1,11 +1,11 @@
-"""Sharded checkpoints: `torch.distributed.checkpoint` (DCP) files, which each
-process writes and loads its shards of (so under any mesh or world size), plus
-`keras_checkpoint.json` (variables, config). Saves go to `.partial-<step>/`,
-renamed once complete: an interrupted save never looks complete."""
+"""Sharded checkpoints: DCP files each process writes and loads its shards of
+(under any mesh or world size) and `keras_checkpoint.json` (variables, config),
+written to `.partial-<step>/` and renamed once complete."""
 
 import concurrent.futures
 import contextlib
 import datetime
+import functools
 import json
 import os
 import shutil
@@ -22,11 +22,6 @@ INFO_FILE = "keras_checkpoint.json"
 METADATA_FILE = ".metadata"
 FORMAT = "keras.DistributedCheckpoint"
 PARTIAL_PREFIX = ".partial-"
-
-# The process group of background saves (not the default group: their
-# collectives would interleave with the step's), and the default group it
-# was made for.
-_background_group = (None, None)
 
 
 class Checkpointer:
@@ -48,7 +43,7 @@ class Checkpointer:
                 f"directory={self.directory}"
             )
         self.max_to_keep = max_to_keep
-        self._pending = None  # The future of a background save.
+        self._pending = None
 
     def save(self, model, step, weights_only=False, background=False):
         """Saves `model` as step `step`; every process must call it."""
@@ -81,21 +76,15 @@ def save_checkpoint(
     background=False,
     on_complete=None,
 ):
-    """Writes `model` to `path` atomically (replacing it); all processes call.
-
-    `background` returns once the values are staged: a future done (or raising)
-    once the checkpoint is in place on process 0, where `on_complete` runs."""
+    """Writes `model` to `path` atomically (replacing it); all processes call. A
+    `background` save returns once staged: a future done (or raising) once the
+    checkpoint is in place on process 0, where `on_complete` runs."""
     from keras.src.saving import saving_lib
 
-    global _background_group
-    no_dist, group = not _distributed(), None
+    no_dist = not _distributed()
+    group = None
     if background and not no_dist:
-        group, world = _background_group
-        if world is not dist.group.WORLD:
-            # Background saves may run long: the longer (start) bound.
-            timeout = datetime.timedelta(seconds=health.start_timeout())
-            group = dist.new_group(backend="gloo", timeout=timeout)
-            _background_group = (group, dist.group.WORLD)
+        group = _background_group(dist.group.WORLD)
     path = os.path.abspath(os.fspath(path))
     partial = _sibling(path, PARTIAL_PREFIX)
     groups = {"model": _model_variables(model), "optimizer": []}
@@ -168,10 +157,8 @@ def is_checkpoint(path):
         return False
     if os.path.isfile(os.path.join(path, INFO_FILE)):
         return True
-    names = os.listdir(path)
-    return any(n.startswith(PARTIAL_PREFIX) for n in names) or any(
-        _is_complete(os.path.join(path, n)) for n in names if n.isdigit()
-    )
+    partial = any(n.startswith(PARTIAL_PREFIX) for n in os.listdir(path))
+    return partial or bool(complete_steps(path))
 
 
 def complete_steps(directory):
@@ -186,15 +173,26 @@ def complete_steps(directory):
 
 
 def resolve(path):
-    """The checkpoint `path` names: itself, or its latest complete step, as
-    process 0 finds it: each process' own listing may lag while a save lands
-    (a shared file system's caches), and processes loading different steps
-    would mix them silently. Every process calls it."""
+    """The checkpoint `path` names (itself or its latest complete step) as
+    process 0 finds it, on every process: their listings may lag behind a save,
+    and processes loading different steps would mix them silently."""
     path = os.fspath(path)
-    try:
-        found, error = _resolved_here(path), None
-    except ValueError as e:
-        found, error = None, str(e)
+    found, error = None, None
+    if os.path.isfile(os.path.join(path, INFO_FILE)):
+        if _is_complete(path):
+            found = path
+        else:
+            error = (
+                f"The checkpoint at {path} is incomplete: its save was "
+                "interrupted. Load another step."
+            )
+    elif steps := complete_steps(path):
+        found = os.path.join(path, str(steps[-1]))
+    else:
+        error = (
+            f"No complete checkpoint in {path}: every save there was "
+            "interrupted before it finished."
+        )
     if _distributed() and dist.get_world_size() > 1:
         shared = [found, error]
         dist.broadcast_object_list(shared, src=0)
@@ -202,23 +200,6 @@ def resolve(path):
     if error is not None:
         raise ValueError(error)
     return found
-
-
-def _resolved_here(path):
-    if os.path.isfile(os.path.join(path, INFO_FILE)):
-        if not _is_complete(path):
-            raise ValueError(
-                f"The checkpoint at {path} is incomplete: its save was "
-                "interrupted. Load another step."
-            )
-        return path
-    steps = complete_steps(path)
-    if not steps:
-        raise ValueError(
-            f"No complete checkpoint in {path}: every save there was "
-            "interrupted before it finished."
-        )
-    return os.path.join(path, str(steps[-1]))
 
 
 def load_weights(model, path):
@@ -322,6 +303,14 @@ def _sibling(path, prefix):
 
 def _distributed():
     return dist.is_available() and dist.is_initialized()
+
+
+@functools.lru_cache(maxsize=1)
+def _background_group(world):
+    """The process group of background saves, whose collectives would mix with
+    the step's in `world`; bound by the start timeout, as saves may run long."""
+    timeout = datetime.timedelta(seconds=health.start_timeout())
+    return dist.new_group(backend="gloo", timeout=timeout)
 
 
 @contextlib.contextmanager

@@ -28,15 +28,13 @@ def async_callbacks_supported():
 
 def save_from_one_process(save_function, model, filepath, *args, **kwargs):
     """Runs `save_function(model, filepath, *args, **kwargs)` on every process
-    (gathering sharded variables is a collective); process 0's temporary file
-    is renamed over `filepath` (never seen partial). Returns once in place."""
+    (a collective), renaming process 0's temporary file over `filepath`."""
     try:
         local = "://" not in str(os.fspath(filepath))
     except TypeError:  # A file object.
         local = False
     if runtime.world_size() == 1 or not local:
         return save_function(model, filepath, *args, **kwargs)
-    filepath = os.fspath(filepath)
     directory, name = os.path.split(os.path.abspath(filepath))
     with call_agreement.collective_call("saving a model to one file"):
         # Before the save's gathers: a missing directory raises everywhere.
@@ -62,9 +60,8 @@ def run_on_one_process(function):
 
 
 def raised_together(function):
-    """`function()`, then a wait for every process; an error of any process
-    is raised on every process, which would otherwise wait in their next
-    collective until it timed out."""
+    """`function()`, then a wait for every process: an error of any process is
+    raised on all, which would otherwise hang in their next collective."""
     result, error = None, None
     try:
         result = function()

@@ -1,3 +1,2 @@
 """The job's health: bounded collectives and failures named by process
-(`health`), processes that disagree stopped before they hang (`agreement`,
-`call_agreement`)."""
+(`health`); processes that disagree stopped before they hang (`*agreement`)."""

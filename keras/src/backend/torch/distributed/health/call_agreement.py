@@ -1,9 +1,6 @@
-"""Collective calls agreed in the job's store before they communicate.
-
-A user call that is a collective (`get_weights`, `numpy()`, starting `fit`)
-made on some processes only hangs, or pairs with the others' next collective.
-So each is first announced in the store, which cannot pair with a collective,
-and communicates once every process announced the same; else each raises."""
+"""User calls that are collectives (`get_weights`, `numpy()`, starting `fit`)
+announced in the job's store, which cannot pair with a collective, before they
+communicate: made on some processes only, they raise instead of hanging."""
 
 import atexit
 import contextlib
@@ -12,6 +9,7 @@ import inspect
 import os
 import threading
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -102,24 +100,42 @@ def collective_call(description):
 
 
 def check_same_num_batches(num_batches):
-    """Agrees on the start of `fit`/`evaluate`/`predict` and on
-    `num_batches`, this process' batches (or `steps_per_epoch`, or `None`)."""
-    if runtime.current_distribution() is None:
+    """Agrees on the start of `fit`/`evaluate`/`predict`; raises on every
+    process if their `num_batches` (or `steps_per_epoch`, or `None`) differ."""
+    distribution = runtime.current_distribution()
+    if distribution is None:
         return
     with collective_call(_iterating_method()):
-        agreement.check_same_num_batches(num_batches)
+        counts = agreement.gather_if_different(str(num_batches))
+    unknown = num_batches is None and not distribution.auto_shard_dataset
+    if counts is None and unknown and runtime.world_size() > 1:
+        raise ValueError(
+            "With `auto_shard_dataset=False` each process iterates over "
+            "its own data, whose number of batches is unknown here (a "
+            "generator, or a dataset of unknown cardinality): a process "
+            "whose data ends first would pair its next steps with the "
+            "others' steps. Pass the same `steps_per_epoch` (and "
+            "`validation_steps`) on every process."
+        )
+    if counts is None:
+        return
+    per_process = ", ".join(f"process {i}: {n}" for i, n in enumerate(counts))
+    raise ValueError(
+        "Every process must iterate over the same number of batches (every "
+        f"step needs every process). Received: {per_process} batches "
+        "('None' is unknown). Give every process as many batches (the same "
+        "global data; with `auto_shard_dataset=False`, e.g. drop the "
+        "remainder), or pass the same `steps_per_epoch` (and "
+        "`validation_steps`) on every process."
+    )
 
 
 def _iterating_method():
     """Names the trainer method that starts iterating, for errors."""
-    frame = inspect.currentframe()
-    while frame is not None:
-        name = frame.f_code.co_name
-        if name in ("fit", "evaluate", "predict") and "trainer" in (
-            frame.f_code.co_filename
-        ):
+    for frame, _ in traceback.walk_stack(inspect.currentframe()):
+        name, filename = frame.f_code.co_name, frame.f_code.co_filename
+        if name in ("fit", "evaluate", "predict") and "trainer" in filename:
             return f"the start of `{name}`"
-        frame = frame.f_back
     return "the start of iterating over a dataset"
 
 

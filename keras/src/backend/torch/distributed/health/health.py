@@ -1,7 +1,6 @@
-"""Collectives bounded by `start_timeout()` until the first step completes,
-then by `step_timeout()`. A process whose own code raises writes why to the
-job's store; one whose collective then fails raises `JobFailedError` naming
-the step, the collective and the processes that failed or did not arrive."""
+"""Collectives bounded by `start_timeout()`, then (once a step completed) by
+`step_timeout()`; a process' own error is written to the job's store, and a
+failed collective raises `JobFailedError` naming who failed or never came."""
 
 import contextlib
 import datetime
@@ -176,6 +175,7 @@ def _job_error(error, where):
         failed, silent = _peer_reports()
     collective = _collective_in(error.__traceback__)
     detail = " ".join(str(error).split())[:300]
+    silent_text = "Every other process also waits in a collective."
     if silent:
         silent_text = (
             f"{name_processes(silent).capitalize()} of {size} "
@@ -183,8 +183,6 @@ def _job_error(error, where):
             f" (no answer within {REPORT_GRACE_SECONDS:g} s: stopped, stuck "
             f"or gone); read {'their' if len(silent) > 1 else 'its'} log."
         )
-    else:
-        silent_text = "Every other process also waits in a collective."
     if failed:
         process, reason = failed[0]
         message = (
@@ -213,11 +211,9 @@ def _job_error(error, where):
 
 
 def peer_failures():
-    """`[(rank, what)]` of the other processes that reported an error or a
-    failed collective, without waiting."""
+    """`[(rank, what)]` of the other processes that reported a failure, now."""
     if _world_size() == 1:
         return []
-    _store()
     return [
         (r, f"a collective failed there during {waiting}" if e is None else e)
         for r, (e, waiting) in _reports().items()
@@ -272,8 +268,7 @@ def _collective_in(error_traceback):
 
 def _job_store():
     """A client of the job's rendezvous store, or `None` without one."""
-    host = os.environ.get("MASTER_ADDR")
-    port = os.environ.get("MASTER_PORT")
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if _state.get("coordinator") is not None:
         host, _, port = _state["coordinator"].rpartition(":")
     if not host or not port or _world_size() == 1:
@@ -286,8 +281,7 @@ def _job_store():
 
 def connect_store(required=False):
     """A new client of the job's store, or `None` (one process, no store, or
-    unreachable unless `required`: then it raises, as a process without it
-    would skip an agreement the others wait for in it)."""
+    unreachable unless `required`: the others would wait for its agreements)."""
     try:
         return _job_store()
     except Exception as error:  # Reports are best effort; steps go on.
@@ -303,8 +297,7 @@ def connect_store(required=False):
 
 
 def _store():
-    """This process' client of the job's store, connected on first use (a
-    job without a reachable store still runs, unreported)."""
+    """This process' client of the job's store, connected on first use."""
     if "store" not in _state:
         _state["store"] = connect_store()
     return _state["store"]

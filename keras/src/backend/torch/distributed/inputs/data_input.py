@@ -19,34 +19,14 @@ def distribute_global_batch(data, distribution):
     if not leaves:
         return data
     batch_size = int(leaves[0].shape[0])
-    if distribution.auto_shard_dataset:
-        # This process' rows of the global batch.
-        mesh = distribution.device_mesh.backend_mesh
-        dim = mesh.mesh_dim_names.index(distribution.batch_dim_name)
-        global_batch_size = batch_size
-        start, stop = layouts.chunk_bounds(
-            batch_size, mesh.size(dim), mesh.get_coordinate()[dim]
-        )
-    else:
-        global_batch_size, start, stop = None, 0, batch_size
-
-    def put(x):
-        if not _is_batch_array(x):
-            return x
-        if int(x.shape[0]) != batch_size:
-            raise ValueError(
-                "All inputs of a batch must have the same batch size. "
-                f"Received sizes {batch_size} and {int(x.shape[0])}."
-            )
-        layout = _data_layout(distribution, tuple(x.shape))
-        return distribute_data_input(
-            x[start:stop],
-            layout,
-            distribution.batch_dim_name,
-            global_batch_size,
-        )
-
-    return _map_structure(put, data)
+    if not distribution.auto_shard_dataset:
+        return global_batch(data, None, distribution, batch_size)
+    mesh = distribution.device_mesh.backend_mesh
+    dim = mesh.mesh_dim_names.index(distribution.batch_dim_name)
+    rows = layouts.chunk_bounds(
+        batch_size, mesh.size(dim), mesh.get_coordinate()[dim]
+    )
+    return global_batch(data, batch_size, distribution, batch_size, rows)
 
 
 def _data_layout(distribution, shape):
@@ -63,11 +43,9 @@ def _data_layout(distribution, shape):
 
 def _flatten(data):
     """`tree.flatten(data)`, without its cost for plain containers."""
-    if type(data) in (list, tuple):
-        return [leaf for x in data for leaf in _flatten(x)]
-    if type(data) is dict or not _plain(data):
-        return tree.flatten(data)
-    return [data]
+    leaves = []
+    _map_structure(leaves.append, data)
+    return leaves
 
 
 def _map_structure(function, data):
@@ -101,12 +79,10 @@ def distribute_data_input(
     def put(x):
         x = collectives.as_local_tensor(x)
         layouts.check_rank(x, layout, "data input")
-        shape = (global_batch_size,) + tuple(x.shape[1:])
+        local = tuple(x.shape)
+        shape = (global_batch_size,) + local[1:]
         runtime.log_debug(
-            "data input: local %s -> global %s %s",
-            tuple(x.shape),
-            shape,
-            placements,
+            "data input: local %s -> global %s %s", local, shape, placements
         )
         value = layouts.dtensor_from_local(x, mesh, placements, shape=shape)
         whole = layouts.without_empty_shards(shape, mesh, placements)
@@ -119,19 +95,27 @@ def distribute_data_input(
     return _map_structure(put, per_process_batch)
 
 
-def global_batch(rows, global_size, distribution):
-    """The global batch of `global_size` from this process' `rows`."""
+def global_batch(data, global_size, distribution, batch_size=None, rows=None):
+    """The global batch of `global_size` (`None`: gathered) from this process'
+    part `data`, or its `rows` `(start, stop)`; with `batch_size`, checks that
+    every array of `data` has as many rows."""
 
     def put(x):
         if not _is_batch_array(x):
             return x
-        shape = (global_size,) + tuple(x.shape[1:])
-        layout = distribution.get_data_layout(shape)
+        if batch_size is not None and int(x.shape[0]) != batch_size:
+            raise ValueError(
+                "All inputs of a batch must have the same batch size. "
+                f"Received sizes {batch_size} and {int(x.shape[0])}."
+            )
+        size = int(x.shape[0]) if global_size is None else global_size
+        layout = _data_layout(distribution, (size,) + tuple(x.shape[1:]))
+        x = x if rows is None else x[rows[0] : rows[1]]
         return distribute_data_input(
             x, layout, distribution.batch_dim_name, global_size
         )
 
-    return tree.map_structure(put, rows)
+    return _map_structure(put, data)
 
 
 def _global_size(x, layout, batch_dim_name):

@@ -9,52 +9,46 @@ from keras.src.backend.torch.distributed.core import runtime
 from keras.src.trainers.data_adapters.data_adapter import DataAdapter
 
 
+def _delegated(name):
+    """The wrapped adapter's attribute `name`, as a property."""
+    return property(lambda self: getattr(self._adapter, name))
+
+
 class SharedAdapter(DataAdapter):
     """Delegates to the adapter Keras made; subclasses yield the batches."""
 
-    num_batches = property(lambda self: self._adapter.num_batches)
-    batch_size = property(lambda self: self._adapter.batch_size)
-    has_partial_batch = property(lambda self: self._adapter.has_partial_batch)
-    partial_batch_size = property(lambda self: self._adapter.partial_batch_size)
+    num_batches = _delegated("num_batches")
+    batch_size = _delegated("batch_size")
+    has_partial_batch = _delegated("has_partial_batch")
+    partial_batch_size = _delegated("partial_batch_size")
+    get_numpy_iterator = _delegated("get_numpy_iterator")
+    get_jax_iterator = _delegated("get_jax_iterator")
+    get_tf_dataset = _delegated("get_tf_dataset")
+    on_epoch_begin = _delegated("on_epoch_begin")
+    on_epoch_end = _delegated("on_epoch_end")
 
     def __init__(self, adapter, distribution):
         self._adapter = adapter
         self._distribution = distribution
-        self._rows = BatchRows(distribution)
-
-    def get_numpy_iterator(self):
-        return self._adapter.get_numpy_iterator()
-
-    def get_jax_iterator(self):
-        return self._adapter.get_jax_iterator()
-
-    def get_tf_dataset(self):
-        return self._adapter.get_tf_dataset()
-
-    def on_epoch_begin(self):
-        self._adapter.on_epoch_begin()
-
-    def on_epoch_end(self):
-        self._adapter.on_epoch_end()
+        self._rows = batch_rows(distribution)
 
 
-class BatchRows:
-    """The rows of a global batch each process holds."""
+def batch_rows(distribution):
+    """`rows(global_size, rank=None)`: the `(start, stop)` of the rows of a
+    global batch process `rank` (default: this one) holds."""
+    mesh = distribution.device_mesh.backend_mesh
+    batch_dim = mesh.mesh_dim_names.index(distribution.batch_dim_name)
+    # The batch-axis coordinate of every rank of the job.
+    parts = {
+        int(mesh.mesh[index]): index[batch_dim]
+        for index in np.ndindex(*mesh.mesh.shape)
+    }
 
-    def __init__(self, distribution):
-        mesh = distribution.device_mesh.backend_mesh
-        batch_dim = mesh.mesh_dim_names.index(distribution.batch_dim_name)
-        self.num_parts = mesh.size(batch_dim)
-        # The batch-axis coordinate of every rank of the job.
-        self.parts = {
-            int(mesh.mesh[index]): index[batch_dim]
-            for index in np.ndindex(*mesh.mesh.shape)
-        }
+    def rows(global_size, rank=None):
+        part = parts[runtime.rank() if rank is None else rank]
+        return layouts.chunk_bounds(global_size, mesh.size(batch_dim), part)
 
-    def of(self, global_size, rank=None):
-        """`(start, stop)` of the rows of process `rank` (default: this)."""
-        part = self.parts[runtime.rank() if rank is None else rank]
-        return layouts.chunk_bounds(global_size, self.num_parts, part)
+    return rows
 
 
 def take_rows(batch, start, stop):

@@ -1,6 +1,5 @@
-"""Data sources read in parts: a batched map-style `DataLoader` (`loader_rows`)
-and a finite `PyDataset` (`pydataset_shares`) yield global `DTensor` batches of
-which each process read only its rows; other sources keep the default path."""
+"""Data sources read in parts, a batched map-style `DataLoader` (`loader_rows`)
+and a finite `PyDataset` (`pydataset_shares`): each process reads its rows."""
 
 import torch
 

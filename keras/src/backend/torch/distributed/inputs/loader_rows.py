@@ -11,6 +11,12 @@ from keras.src.backend.torch.distributed.core.collectives import all_gather_ints
 from keras.src.backend.torch.distributed.inputs import data_input
 from keras.src.backend.torch.distributed.inputs import data_parts
 
+_LOADER_OPTIONS = (
+    "num_workers collate_fn pin_memory timeout worker_init_fn generator "
+    "multiprocessing_context prefetch_factor persistent_workers "
+    "pin_memory_device"
+).split()
+
 
 class DataLoaderRows(data_parts.SharedAdapter):
     """A map-style `DataLoader` read one process' rows at a time."""
@@ -20,19 +26,9 @@ class DataLoaderRows(data_parts.SharedAdapter):
         loader = adapter.get_torch_dataloader()
         self._sampler = _ProcessRowsSampler(loader.batch_sampler, self._rows)
         # Like `loader`, batching with the sampler, in order.
+        options = {name: getattr(loader, name) for name in _LOADER_OPTIONS}
         self._loader = torch.utils.data.DataLoader(
-            loader.dataset,
-            batch_sampler=self._sampler,
-            num_workers=loader.num_workers,
-            collate_fn=loader.collate_fn,
-            pin_memory=loader.pin_memory,
-            timeout=loader.timeout,
-            worker_init_fn=loader.worker_init_fn,
-            multiprocessing_context=loader.multiprocessing_context,
-            generator=loader.generator,
-            prefetch_factor=loader.prefetch_factor,
-            persistent_workers=loader.persistent_workers,
-            pin_memory_device=loader.pin_memory_device,
+            loader.dataset, batch_sampler=self._sampler, **options
         )
 
     def get_torch_dataloader(self):
@@ -81,7 +77,6 @@ class _ProcessRowsSampler(torch.utils.data.Sampler):
     def __init__(self, batch_sampler, rows):
         self._batch_sampler = batch_sampler
         self._rows = rows
-        self.drawn = collections.deque()
 
     def __len__(self):
         return len(self._batch_sampler)
@@ -95,7 +90,7 @@ class _ProcessRowsSampler(torch.utils.data.Sampler):
         for indices in self._batch_sampler:
             indices = list(indices)
             digest = zlib.crc32(repr(indices).encode(), digest)
-            start, stop = self._rows.of(len(indices))
+            start, stop = self._rows(len(indices))
             drawn.append((len(indices), stop - start, indices, digest))
             yield indices[start:stop] if stop > start else indices[:1]
 

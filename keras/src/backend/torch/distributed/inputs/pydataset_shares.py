@@ -1,7 +1,6 @@
-"""A finite `PyDataset` read in shares: it returns whole batches, so processes
-take turns reading them (with its workers, in line or through Keras'
-`OrderedEnqueuer`) and scatter the rows to their holders, in one process' order.
-"""
+"""A finite `PyDataset` read in shares: processes take turns reading its whole
+batches (with its workers, in line or through Keras' `OrderedEnqueuer`) and
+scatter the rows to their holders, in one process' order."""
 
 import collections
 import inspect
@@ -34,10 +33,8 @@ class PyDatasetShares(data_parts.SharedAdapter):
 
     def get_torch_dataloader(self):
         # Wrapped as `PyDatasetAdapter` does, so passes draw torch's RNG alike.
-        batches = (
-            self._batches() if self._queue is None else self._queued_batches()
-        )
-        return data_adapter_utils.get_torch_dataloader(batches)
+        batches = self._batches if self._queue is None else self._queued_batches
+        return data_adapter_utils.get_torch_dataloader(batches())
 
     def on_epoch_begin(self):
         if self._queue is not None:
@@ -92,22 +89,21 @@ class PyDatasetShares(data_parts.SharedAdapter):
 
     def _scatter_rows(self, batch, src):
         """Scatters `batch` from `src`; returns own `(rows, global_size)`. A
-        `ReadFailure` of `src` is raised on every process."""
+        read error of `src` is raised on every process."""
         parts = batch
-        if batch is not None and not isinstance(batch, ReadFailure):
+        if batch is not None and not isinstance(batch, Exception):
             size = data_parts.batch_size(batch)
             parts = [
-                (data_parts.take_rows(batch, *self._rows.of(size, rank)), size)
+                (data_parts.take_rows(batch, *self._rows(size, rank)), size)
                 for rank in range(runtime.world_size())
             ]
         return _scatter_objects(parts, src)
 
 
 class _QueuedBatches:
-    """Keras' `OrderedEnqueuer`'s batches, read in shares: between its start
-    and stop (a window), batch `j` on process `(turn + j) % N`, turns going on
-    across windows; `stop()` keeps what the enqueuer would have read ahead
-    (its queue plus the batch its thread was putting) for `next()`."""
+    """Keras' `OrderedEnqueuer`'s batches read in shares: batch `j` of a window
+    (start to stop) on process `(turn + j) % N`; `stop()` keeps what the
+    enqueuer would have read ahead (queue, batch being put) for `next()`."""
 
     def __init__(self, adapter):
         self._adapter = adapter
@@ -163,9 +159,8 @@ class _QueuedBatches:
 
 
 def _pass_order(adapter, epoch):
-    """A pass' batch order as Keras draws it, on every process: from
-    `random.Random(epoch)`, or where the adapter counts no epochs (`epoch`
-    None) process 0's global `random`."""
+    """A pass' batch order as Keras draws it, agreed: `random.Random(epoch)`'s
+    or, where the adapter counts no epochs (`None`), process 0's `random`'s."""
     order = list(range(adapter.py_dataset.num_batches))
     if not adapter.shuffle:
         return order
@@ -257,28 +252,19 @@ class _Share(PyDataset):
         return self._dataset[self._indices[index]]
 
 
-class ReadFailure:
-    """A batch this process failed to read: the error, raised here once the
-    others know (in the sizes of its scatter, with no collective more)."""
-
-    def __init__(self, error):
-        self.error = error
-
-
 def _read(read):
-    """`read()`, or a `ReadFailure` of the error a user's dataset raised."""
+    """`read()`, or the error the dataset raised, for `_scatter_objects`."""
     try:
         return read()
     except Exception as e:  # Raised on every process at its scatter.
-        return ReadFailure(e)
+        return e
 
 
 def _scatter_objects(objects, src):
-    """Gives process `i` `objects[i]` from process `src`; returns its own.
-    `objects` a `ReadFailure` on `src`: its error is raised there, and on the
-    others one naming `src`."""
+    """Gives process `i` `objects[i]` from process `src`; returns its own. An
+    error as `objects` is raised on `src`, one naming `src` on the others."""
     device = runtime.comm_device()
-    failed = isinstance(objects, ReadFailure)
+    failed = isinstance(objects, Exception)
     sizes = torch.zeros(runtime.world_size(), dtype=torch.int64, device=device)
     if failed:
         sizes -= 1
@@ -287,7 +273,7 @@ def _scatter_objects(objects, src):
         sizes = torch.tensor([len(d) for d in data], device=device)
     dist.broadcast(sizes, src=src)
     if failed:
-        raise objects.error
+        raise objects
     if int(sizes[0]) < 0:
         raise RuntimeError(
             f"Process {src} failed to read a batch of the PyDataset (its "

@@ -1,8 +1,6 @@
-"""`tf.data` input under a multi-process distribution (imported lazily: the
-data adapters need the backend). A dataset of a static batch size split evenly
-by the batch-axis processes is sharded upstream's way; any other is read whole
-by every process, which keeps its rows, so it must yield the same batches
-everywhere (seed its shuffle), where upstream would refuse it."""
+"""`tf.data` input under a multi-process distribution: sharded upstream's way
+if its static batch size splits evenly, else read whole by every process, which
+keeps its rows (so it must yield the same batches everywhere: seed shuffles)."""
 
 from keras.src import tree
 from keras.src.backend.torch.distributed.core import runtime
@@ -30,9 +28,8 @@ def tf_dataset_adapter(dataset, class_weight=None, distribution=None):
 
 
 def _shardable_batch_size(dataset, distribution):
-    """The global batch size, or `None` if `dataset` must be read whole (unless
-    shards are the batch-axis processes in mesh order and batches split evenly,
-    upstream's part `data_shard_id` is not this process' rows)."""
+    """The global batch size if upstream's part `data_shard_id` is this
+    process' rows (batch-axis processes, batches split evenly), else `None`."""
     from tensorflow.python.data.experimental.ops import (
         distribute as tf_data_distribute,
     )
@@ -68,9 +65,7 @@ class _ProcessPartsAdapter(TFDatasetAdapter):
         self._distribution = distribution
         self._global_batch_size = batch_size
 
-    @property
-    def batch_size(self):
-        return self._global_batch_size
+    batch_size = property(lambda self: self._global_batch_size)
 
     def get_torch_dataloader(self):
         return self  # Iterable: every iteration is a fresh pass.
