@@ -1,2 +1,1 @@
-"""What DTensor refuses or computes otherwise than one process does, each
-workaround naming the torch behaviour it stands in for."""
+"""Workarounds for what DTensor refuses or computes unlike one process."""

@@ -1,7 +1,6 @@
-"""Ops DTensor refuses (no sharding strategy, refused placements), computed
-on global values by a dispatch mode around layer calls and steps: unlike
-`register_sharding` it sees every op, backward included. DTensor refuses
-alike on every process, so the gathers pair up."""
+"""Ops DTensor refuses, computed on global values by dispatch modes around
+layer calls and steps (unlike `register_sharding`, they see every op, backward
+included). DTensor refuses alike on every process, so the gathers pair up."""
 
 import contextlib
 import functools
@@ -28,22 +27,15 @@ _ARGMAX, _ARGMIN = torch.ops.aten.argmax.default, torch.ops.aten.argmin.default
 # (`IndexError`: its planner padding a sharded dim, torch 2.11).
 _REFUSALS = (RuntimeError, ValueError, AssertionError, IndexError)
 _DTENSOR_PACKAGE = os.path.join("torch", "distributed", "tensor", "")
-# The CPU allocator's out-of-memory message (a plain `RuntimeError`).
-_CPU_OUT_OF_MEMORY = "DefaultCPUAllocator: can't allocate memory"
 
 _state = threading.local()
 
 fallback_counts = global_values.fallback_counts
 reset_fallback_counts = global_values.reset_fallback_counts
 
-# Reasons counted for what DTensor computes, but not as wanted.
 _STRIDED_SHARD = (
     "a strided shard (a view merging a sharded dimension into an outer one), "
     "gathered along its mesh axes"
-)
-_SPLIT_POSITIONS = (
-    "positions (argmax, argmin) taken over a sharded dimension, which "
-    "torch 2.15 takes per shard"
 )
 _LOCAL_SCALAR = (
     "a number read from a partial sum or a shard, where DTensor reads this "
@@ -53,35 +45,27 @@ _LOCAL_SCALAR = (
 
 @contextlib.contextmanager
 def dtensor_fallback(lazy=False):
-    """Computes ops DTensor refuses on global values, in this thread; nothing
-    more when nested or under `torch.compile`. With `lazy` (a step that may run
-    on local rows) the modes, which cost every op, go on only at a nested entry
-    or a call of the yielded function, then stay on to the outermost exit."""
+    """Computes ops DTensor refuses on global values, in this thread (nothing
+    more nested or compiled); with `lazy`, the modes (a cost on every op) go on
+    at a nested entry or a call of the yielded function, until the exit."""
     entered = getattr(_state, "step_modes", None)
-    if entered or torch.compiler.is_compiling():
-        yield _on_already
-    elif entered is not None:
-        _enter_modes(entered)
-        yield _on_already
-    else:
-        _state.step_modes = entered = []
-        try:
-            if not lazy:
-                _enter_modes(entered)
-            yield functools.partial(_enter_modes, entered)
-        finally:
-            _state.step_modes = None
-            for mode in reversed(entered):
-                mode.__exit__(None, None, None)
-
-
-def _on_already():
-    """The modes are on already: nothing to turn on."""
+    if entered is not None or torch.compiler.is_compiling():
+        _enter_modes(entered)  # Nothing while compiling or once on.
+        yield lambda: None
+        return
+    _state.step_modes = entered = []
+    try:
+        if not lazy:
+            _enter_modes(entered)
+        yield functools.partial(_enter_modes, entered)
+    finally:
+        _state.step_modes = None
+        for mode in reversed(entered):
+            mode.__exit__(None, None, None)
 
 
 def _enter_modes(entered):
-    """Enters the modes for the rest of the outermost `dtensor_fallback`,
-    once."""
+    """Enters the modes for the rest of the outermost `dtensor_fallback`."""
     if entered or torch.compiler.is_compiling():
         return
     for mode in (_FunctionFallbackMode(), _FallbackMode()):
@@ -103,12 +87,9 @@ class _FallbackMode(TorchDispatchMode):
             p.is_replicate() for p in args[0].placements
         ):
             return fall_back(_LOCAL_SCALAR, str(func))
-        if func in (_ARGMAX, _ARGMIN) and _reduces_a_split_dim(args, kwargs):
-            result = sharded_positions.positions(func, args, kwargs)
-            if result is not None:
-                return result
-            return fall_back(_SPLIT_POSITIONS, str(func))
         result = linear_partials.on_partial_sums(func, args, kwargs)
+        if func in (_ARGMAX, _ARGMIN):
+            result = sharded_positions.positions(func, args, kwargs)
         if result is not None:
             return result
         mutated = global_values.mutated_operands(func, args, kwargs)
@@ -124,9 +105,8 @@ class _FallbackMode(TorchDispatchMode):
         else:
             if mutated:
                 return outputs
-            name = f"{func} (strided shard)"
             return global_values.map_leaves(
-                lambda x: _without_strided_shards(x, name), outputs
+                lambda x: _without_strided_shards(x, func), outputs
             )
         if torch.Tag.inplace_view in func.tags:
             raise _InPlaceViewRefused(
@@ -141,9 +121,8 @@ class _FallbackMode(TorchDispatchMode):
 
 
 def is_refusal(error):
-    """Whether `error` is DTensor refusing an op on these placements: not
-    out of memory (global values need more) nor an assertion outside DTensor
-    (a bug a retry would hide)."""
+    """Whether `error` is DTensor refusing an op: neither out of memory (global
+    values need more) nor an assertion outside DTensor (a bug to surface)."""
     if is_out_of_memory(error):
         return False
     if isinstance(error, AssertionError):
@@ -158,7 +137,7 @@ def is_out_of_memory(error):
     # An error raised twice makes the chain a cycle.
     while cause is not None and id(cause) not in seen:
         if isinstance(cause, torch.cuda.OutOfMemoryError) or (
-            _CPU_OUT_OF_MEMORY in str(cause)
+            "DefaultCPUAllocator: can't allocate memory" in str(cause)
         ):
             return True
         seen.add(id(cause))
@@ -189,9 +168,9 @@ class _FunctionFallbackMode(TorchFunctionMode):
         )
 
 
-def _without_strided_shards(x, name):
-    """`x` gathered (counted under `name`) along mesh axes where it is a
-    strided shard: DTensor plans every later op on it with a slow search."""
+def _without_strided_shards(x, func):
+    """`x`, an output of `func`, gathered along mesh axes where it is a strided
+    shard: DTensor plans every later op on it with a slow search."""
     if not isinstance(x, DTensor):
         return x
     placements = [
@@ -202,18 +181,6 @@ def _without_strided_shards(x, name):
         return x
     gathered = x.redistribute(x.device_mesh, placements)
     received = gathered.to_local().numel() - x.to_local().numel()
+    name = f"{func} (strided shard)"
     global_values.count(name, _STRIDED_SHARD, [], received * x.element_size())
     return gathered
-
-
-def _reduces_a_split_dim(args, kwargs):
-    """Whether `argmax(x, dim)` / `argmin` reduces a sharded or partial
-    dimension of `x` (all of them when `dim` is None)."""
-    x = args[0]
-    dim = args[1] if len(args) > 1 else kwargs.get("dim")
-    if dim is not None:
-        dim %= max(x.ndim, 1)
-    return any(
-        p.is_partial() or (p.is_shard() and dim in (None, p.dim % x.ndim))
-        for p in x.placements
-    )

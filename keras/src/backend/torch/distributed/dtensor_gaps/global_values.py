@@ -77,9 +77,7 @@ def on_global_values(
         # (a refusal that is a reason, not an error, adds none).
         raise e from (refusal if isinstance(refusal, BaseException) else None)
     count(name, refusal, operands)
-    for operand in mutated:
-        if not isinstance(operand, DTensor):
-            continue
+    for operand in (x for x in mutated if isinstance(x, DTensor)):
         # `value / n` into a partial sum over `n` (no redistributing to it).
         own_mesh = operand.device_mesh
         local = _laid_out(gathered[id(operand)], own_mesh, [operand]).to_local()
@@ -135,8 +133,7 @@ def _part_box(shape, placements, mesh, coordinate):
 
 
 def _laid_out(value, mesh, operands):
-    """A tensor `value` laid out like the first same-shape operand (partials
-    reduced)."""
+    """`value` laid out like the first same-shape operand, partials reduced."""
     if not isinstance(value, torch.Tensor):
         return value
     whole = [Replicate()] * mesh.ndim

@@ -49,31 +49,21 @@ def on_partial_sums(func, args, kwargs):
     mesh = args[linear[0]].device_mesh
     if any(x.device_mesh != mesh for _, x in operands):
         return None
-    partial_axes = [
-        axis
-        for axis in range(mesh.ndim)
-        if any(args[i].placements[axis].is_partial() for i in linear)
-    ]
-    if not partial_axes:
-        return None
-    dim = args[dim_position] % args[linear[0]].ndim
-    placements = _result_placements(
-        operands, linear, partial_axes, dim, mesh.ndim
-    )
+    placements = _result_placements(operands, linear, args[dim_position])
     if placements is None:
         return None
     local_args = list(args)
     for i, x in operands:
         target = [
-            x.placements[axis] if axis in partial_axes else p
+            x.placements[axis] if p.is_partial() else p
             for axis, p in enumerate(placements)
         ]
         x = layouts.redistribute(x, x.device_mesh, target)
         local_args[i] = x.to_local()
         # A replicated operand's term of a partial sum: zeros off first ranks.
         if i in linear and any(
-            x.placements[axis].is_replicate() and mesh.get_local_rank(axis)
-            for axis in partial_axes
+            p.is_partial() and q.is_replicate() and mesh.get_local_rank(axis)
+            for axis, (p, q) in enumerate(zip(placements, x.placements))
         ):
             local_args[i] = torch.zeros_like(local_args[i])
     return layouts.dtensor_from_local(
@@ -81,12 +71,15 @@ def on_partial_sums(func, args, kwargs):
     )
 
 
-def _result_placements(operands, linear, partial_axes, dim, ndim):
-    """The result's placements, or `None` if the op can't run on locals."""
+def _result_placements(operands, linear, dim):
+    """The result's placements, partial on the mesh axes where a linear operand
+    is; `None` if none is or the op (along `dim`) can't run on locals."""
     placements = []
     reference = operands[0][1]
-    for axis in range(ndim):
-        if axis in partial_axes:
+    for axis in range(reference.device_mesh.ndim):
+        if any(
+            i in linear and x.placements[axis].is_partial() for i, x in operands
+        ):
             if not all(
                 x.placements[axis].is_replicate()
                 or (i in linear and x.placements[axis] == Partial("sum"))
@@ -103,7 +96,7 @@ def _result_placements(operands, linear, partial_axes, dim, ndim):
             continue
         (shard,) = shards
         # Not a strided shard: its chunks are not `torch.chunk`'s.
-        if type(shard) is not Shard or shard.dim % reference.ndim == dim:
+        if type(shard) is not Shard or (shard.dim - dim) % reference.ndim == 0:
             return None
         if any(
             x.ndim != reference.ndim
@@ -112,7 +105,7 @@ def _result_placements(operands, linear, partial_axes, dim, ndim):
         ):
             return None
         placements.append(shard)
-    return placements
+    return placements if Partial("sum") in placements else None
 
 
 def _sum_with_shards(args):
@@ -126,8 +119,7 @@ def _sum_with_shards(args):
     ):
         return None
     mesh = a.device_mesh
-    placements = []
-    split = False
+    placements, split = [], False
     for axis in range(mesh.ndim):
         pa, pb = a.placements[axis], b.placements[axis]
         if pa.is_partial() or pb.is_partial():

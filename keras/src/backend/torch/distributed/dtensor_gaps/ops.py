@@ -1,6 +1,5 @@
-"""Ops DTensor alone would not compute as one process does: it convolves a
-sharded kernel wrongly, refuses some reshapes, mis-reduces a sharded lookup
-with sharded indices and reduces a partial sum `divide_no_nan` divides."""
+"""Ops DTensor computes unlike one process: a convolution by a sharded kernel,
+some reshapes, a sharded lookup by sharded indices, `divide_no_nan` of sums."""
 
 import torch
 
@@ -41,9 +40,8 @@ def reshape(x, newshape):
 
 
 def take_operands(x, indices):
-    """`(x, indices)` for `take`, the (small) indices gathered on mesh axes
-    where the table is sharded too: DTensor's masked partial sum would get a
-    mask of the wrong shape."""
+    """`(x, indices)` for `take`, indices gathered on mesh axes sharding the
+    table too (DTensor's masked partial sum would get a wrongly shaped mask)."""
     if not isinstance(x, DTensor) or not isinstance(indices, DTensor):
         return x, indices
     placements = [

@@ -3,7 +3,6 @@ cell, some pooling kernels): a signature's first meeting computes the op both
 ways, and the processes agree whether it runs on the local rows."""
 
 import collections
-import threading
 
 import torch
 
@@ -15,28 +14,24 @@ from keras.src.backend.torch.distributed.core.runtime import Replicate
 from keras.src.backend.torch.distributed.core.runtime import Shard
 from keras.src.backend.torch.distributed.dtensor_gaps import global_values
 
-# `{signature: whether the op is per-sample there}`.
+# `{signature: whether the op is per-sample there}`; each access is atomic.
 _per_sample = {}
-_lock = threading.Lock()
 ON_ROWS = "computed on each process' rows (per-sample)"
 
 
 def forget():
     """Forgets which signatures were found per-sample."""
-    with _lock:
-        _per_sample.clear()
+    _per_sample.clear()
 
 
 def on_local_rows(func, args, kwargs, refusal):
-    """The results of `func` (refused by DTensor with `refusal`) computed on
-    each process' rows as batch-sharded `DTensor`s (on global values at a
-    signature's first meeting), or `None` where the op is not per-sample."""
+    """`func`'s results (refused with `refusal`) from each process' rows, as
+    batch-sharded `DTensor`s (at first on global values); `None` if not so."""
     split = _batch_split(args, kwargs)
     if split is None:
         return None
     signature = _signature(func, args, kwargs, split)
-    with _lock:
-        known = _per_sample.get(signature)
+    known = _per_sample.get(signature)
     if known is False:
         return None
     if known:
@@ -68,13 +63,11 @@ def on_local_rows(func, args, kwargs, refusal):
     # Every process of the mesh takes the same path from now on.
     for group in (split.mesh.get_group(d) for d in range(split.mesh.ndim)):
         differs = collectives.any_process(differs, group)
-    with _lock:
-        _per_sample[signature] = not differs
+    _per_sample[signature] = not differs
     return outputs
 
 
-# How an op's operands split by rows over one mesh dimension: `rows`, their
-# `id`s; `local_rows`, this process' count; `by_rows`, their placements.
+# Operands split by rows on `mesh_dim`: `rows` their ids, `by_rows` placements.
 _Split = collections.namedtuple(
     "_Split", "mesh mesh_dim global_rows local_rows rows by_rows"
 )
@@ -82,8 +75,7 @@ _Split = collections.namedtuple(
 
 def _batch_split(args, kwargs):
     """The `_Split` of the operands, or `None`: `DTensor`s sharded on axis 0
-    over one mesh dimension with equal row counts (a row or more each), any
-    other operand whole over it."""
+    over one mesh dim, equal row counts (a row or more each), others whole."""
     operands = global_values.leaves((args, kwargs))
     operands = [x for x in operands if isinstance(x, DTensor)]
     mesh = operands[0].device_mesh
@@ -104,8 +96,7 @@ def _batch_split(args, kwargs):
     ):
         return None
     global_rows, parts = split[0].shape[0], mesh.size(mesh_dim)
-    start, stop = layouts.chunk_bounds(global_rows, parts, parts - 1)
-    if stop <= start:
+    if layouts.chunk_bounds(global_rows, parts, parts - 1)[0] == global_rows:
         return None  # A process without rows: its kernels may refuse them.
     # A whole operand of as many rows (a gradient made whole by a sum over
     # the batch) is taken by rows too.
@@ -126,9 +117,7 @@ def _signature(func, args, kwargs, split):
 
     def key(x):
         if isinstance(x, DTensor):
-            shape = tuple(x.shape)
-            if id(x) in split.rows:
-                shape = shape[1:]
+            shape = tuple(x.shape[1:] if id(x) in split.rows else x.shape)
             return ("dtensor", tuple(x.placements), shape, x.dtype)
         if isinstance(x, torch.Tensor):
             return ("tensor", tuple(x.shape), x.dtype)
@@ -181,8 +170,7 @@ def _computed_on_rows(func, args, kwargs, split, counted=False):
 
 
 def _same(a, b):
-    """Whether `a` equals `b`, floats to float32 rounding (the same kernel
-    on fewer rows)."""
+    """Whether `a` equals `b`, floats to float32 rounding (fewer rows)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     if a.is_floating_point() or a.is_complex():

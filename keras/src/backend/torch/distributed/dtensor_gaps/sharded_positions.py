@@ -6,40 +6,46 @@ import torch
 
 from keras.src.backend.torch.distributed.core import layouts
 from keras.src.backend.torch.distributed.core import runtime
-from keras.src.backend.torch.distributed.core.runtime import DTensor
 from keras.src.backend.torch.distributed.core.runtime import Replicate
 from keras.src.backend.torch.distributed.core.runtime import Shard
+from keras.src.backend.torch.distributed.dtensor_gaps import global_values
+
+_ON_GLOBAL_VALUES = (
+    "positions (argmax, argmin) taken over a sharded dimension, which "
+    "torch 2.15 takes per shard"
+)
 
 
 def positions(func, args, kwargs):
-    """`func` (`aten.argmax`/`argmin`) of `x` over a `dim` one mesh dim splits,
-    replicated over it; `None` without `dim`, for a partial or non-float `x`,
-    or `dim` split several ways or into empty parts (alike on all processes)."""
+    """`aten.argmax`/`argmin` reducing a sharded or partial dim of `x` (else
+    `None`: DTensor's is right): by shards where one mesh dim splits `dim` into
+    non-empty parts of a float `x` with no partial, else on global values."""
     x = args[0]
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
     keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
-    if (
-        dim is None
-        or x.ndim == 0
-        or not x.dtype.is_floating_point
-        or not isinstance(x, DTensor)
-        or not all(p.is_replicate() or type(p) is Shard for p in x.placements)
-    ):
-        return None
-    dim %= x.ndim
+    if dim is not None:
+        dim %= max(x.ndim, 1)
     splitting = [
         mesh_dim
         for mesh_dim, p in enumerate(x.placements)
-        if p.is_shard() and p.dim % x.ndim == dim
+        if p.is_shard() and dim in (None, p.dim % x.ndim)
     ]
-    if len(splitting) != 1:
+    if not splitting and not any(p.is_partial() for p in x.placements):
         return None
-    (mesh_dim,) = splitting
     mesh = x.device_mesh
-    num_parts = mesh.size(mesh_dim)
-    start, stop = layouts.chunk_bounds(x.shape[dim], num_parts, num_parts - 1)
-    if stop <= start:
-        return None
+    num_parts = mesh.size(splitting[0]) if splitting else 1
+    if (
+        dim is None
+        or len(splitting) != 1
+        or not x.dtype.is_floating_point
+        or not all(p.is_replicate() or type(p) is Shard for p in x.placements)
+        or layouts.chunk_bounds(x.shape[dim], num_parts, num_parts - 1)[0]
+        == x.shape[dim]
+    ):
+        return global_values.on_global_values(
+            func, args, kwargs, _ON_GLOBAL_VALUES, str(func)
+        )
+    (mesh_dim,) = splitting
     part = mesh.get_local_rank(mesh_dim)
     offset = layouts.chunk_bounds(x.shape[dim], num_parts, part)[0]
     extreme, position = (torch.min, torch.argmin)
@@ -55,8 +61,7 @@ def positions(func, args, kwargs):
     # Parts are in order along `dim`: the first extreme is the lowest.
     best = position(gathered[:, 0], dim=0, keepdim=True)
     local = torch.gather(gathered[:, 1], 0, best)[0].to(torch.int64)
-    shape = list(x.shape)
-    shape[dim] = 1
+    shape = [1 if d == dim else n for d, n in enumerate(x.shape)]
     placements = list(x.placements)
     placements[mesh_dim] = Replicate()
     if not keepdim:

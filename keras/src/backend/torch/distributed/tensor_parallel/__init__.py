@@ -1,2 +1,1 @@
-"""Tensor parallelism: `shard_local` (einsum, batched matmul and attention on
-local shards), `pairing_check` (column/row pairs a layout must keep)."""
+"""Tensor parallelism: shard-local einsum, matmul, attention; pairing checks."""

@@ -1,8 +1,6 @@
-"""The auto plan's column and row pairs, checked against what layers read:
-width pairing cannot tell a kernel reading another's output from one reading
-the block's stream when both are as wide. A block is traced on stand-ins (a
-functional model's graph walked back) at its first symbolic call, and a
-kernel that reads otherwise is laid out again."""
+"""The auto plan's column and row pairs, checked at a block's first symbolic
+call against what its layers read (width alone cannot tell a kernel reading
+another's output from one reading the stream); a mismatch is laid out again."""
 
 import contextlib
 import threading
@@ -43,8 +41,7 @@ def check_layer(layer, distribution, args, kwargs):
     if distribution.paired_role(layer) is not None:
         inputs = tree.flatten((args, kwargs))
         reads = bool(inputs) and _graph_reads_column(inputs[0], distribution)
-        _check(layer, distribution, reads)
-        return
+        return _check(layer, distribution, reads)
     inners = layer._flatten_layers(include_self=False)
     paired = [(inner, distribution.paired_role(inner)) for inner in inners]
     paired = [(inner, role) for inner, role in paired if role is not None]
@@ -71,8 +68,7 @@ def check_layer(layer, distribution, args, kwargs):
 
 
 def _check(layer, distribution, reads_column_output):
-    """Moves the kernels of `layer` its pairing check lays out again, each
-    keeping its parameter object."""
+    """Lays out again the kernels of `layer` its check moves, in place."""
     for variable, layout in distribution.check_pairing(
         layer, reads_column_output
     ):
@@ -80,12 +76,9 @@ def _check(layer, distribution, reads_column_output):
         if isinstance(value, DTensor):
             torch_layout = layouts.as_torch_layout(layout)
             mesh = torch_layout.device_mesh
-            with torch.no_grad():
-                whole = [Replicate()] * mesh.ndim
-                moved = value.detach().redistribute(mesh, whole)
-                moved = moved.redistribute(mesh, torch_layout.placements)
-            grad = value.requires_grad
-            parameter = torch.nn.Parameter(moved, requires_grad=grad)
+            whole = value.detach().redistribute(mesh, [Replicate()] * mesh.ndim)
+            moved = whole.redistribute(mesh, torch_layout.placements)
+            parameter = torch.nn.Parameter(moved, value.requires_grad)
             torch.utils.swap_tensors(value, parameter)
             variable._layout = layout
         runtime.log_debug(
@@ -125,42 +118,34 @@ class _Trace(TorchFunctionMode):
     def __init__(self, distribution):
         super().__init__()
         self.distribution = distribution
-        self.reads = weakref.WeakKeyDictionary()
-        self._carried = {}
 
     def run(self, layer, args, kwargs):
-        """Calls `layer` on meta stand-ins, else on zeros; `_CallFailed` if
-        both fail."""
-        try:
-            self._run(layer, args, kwargs, "meta")
-        except _CallFailed:
-            self.reads.clear()
-            self._carried.clear()
-            self._run(layer, args, kwargs, None)
-
-    def _run(self, layer, args, kwargs, device):
-        """Calls `layer` on stand-ins on `device` (`None`: the current one)."""
+        """Calls `layer` on stand-ins on the meta device, else on zeros on the
+        current one; `_CallFailed` if both fail."""
         from keras.src import backend
 
         # Keras converts a mapped weight to the current device.
-        meta = device is not None
-        with backend.device_scope(device) if meta else contextlib.nullcontext():
-            args, kwargs = tree.map_structure(
-                lambda x: _zeros(x) if isinstance(x, KerasTensor) else x,
-                (args, kwargs),
-            )
-            weights = [(v, _zeros(v)) for v in layer.variables]
-            _state.trace = self
-            try:
-                scope = StatelessScope(state_mapping=weights)
-                with scope, torch.no_grad(), self:
-                    layer.call(*args, **kwargs)
-            except Exception as error:  # noqa: BLE001 - the layer's own code.
-                if fallback.is_out_of_memory(error):
-                    raise
-                raise _CallFailed(str(error)) from error
-            finally:
-                _state.trace = None
+        for scope in (backend.device_scope("meta"), contextlib.nullcontext()):
+            self.reads, self._carried = weakref.WeakKeyDictionary(), {}
+            with scope:
+                stand_ins = tree.map_structure(
+                    lambda x: _zeros(x) if isinstance(x, KerasTensor) else x,
+                    (args, kwargs),
+                )
+                weights = [(v, _zeros(v)) for v in layer.variables]
+                _state.trace = self
+                try:
+                    stateless = StatelessScope(state_mapping=weights)
+                    with stateless, torch.no_grad(), self:
+                        layer.call(*stand_ins[0], **stand_ins[1])
+                    return
+                except Exception as error:  # noqa: BLE001 - the layer's code.
+                    if fallback.is_out_of_memory(error):
+                        raise
+                    failure = error
+                finally:
+                    _state.trace = None
+        raise _CallFailed(str(failure)) from failure
 
     def call_layer(self, call_function, layer, args, kwargs):
         """Records what a paired kernel reads; marks outputs by role."""
@@ -203,8 +188,7 @@ class _Trace(TorchFunctionMode):
 
 
 def _zeros(x):
-    """Zeros (not uninitialized memory: an integer weight may be an index)
-    shaped as `x`, an unknown dimension small."""
+    """Zeros (an int weight may be an index) like `x`, unknown dims small."""
     from keras.src import ops
 
     shape = tuple(UNKNOWN_DIMENSION if d is None else d for d in x.shape)

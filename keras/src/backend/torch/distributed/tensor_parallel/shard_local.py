@@ -1,7 +1,6 @@
-"""Einsum, batched matmul and attention computed on each process' shards:
-on `DTensor`s torch computes these through views merging a head or batch
-dimension into a strided shard (which `fallback` gathers), or through
-attention's math decomposition: every process would compute every head."""
+"""Einsum, batched matmul and attention on each process' shards, where torch
+on `DTensor`s would merge a sharded head or batch dimension into a strided
+shard (which `fallback` gathers) or have every process compute every head."""
 
 import functools
 
@@ -20,9 +19,8 @@ _STACK_LABELS = "abcdefghlmnopq"
 
 
 def local_einsum(function):
-    """Wraps the backend's `einsum` (`function`) to run on local shards where
-    each mesh axis shards one label evenly in every operand that has it (a
-    contracted one gives a partial sum); else with `_gather_uneven_dims`."""
+    """Wraps the backend's `einsum` to run on local shards where each mesh axis
+    shards one label evenly in every operand having it; else via DTensor."""
 
     @functools.wraps(function)
     def einsum(subscripts, *operands, **kwargs):
@@ -31,17 +29,15 @@ def local_einsum(function):
         compute = functools.partial(function, subscripts, **kwargs)
         output = _shard_local_einsum(subscripts, operands, compute)
         if output is None:
-            operands = [_gather_uneven_dims(x) for x in operands]
-            return function(subscripts, *operands, **kwargs)
+            output = compute(*[_gather_uneven_dims(x) for x in operands])
         return output
 
     return einsum
 
 
 def _gather_uneven_dims(x):
-    """An einsum operand with the dimensions DTensor's einsum views cannot
-    keep sharded gathered: uneven ones, or of size 1 (even over a mesh axis
-    of size 1); its gradient comes back sharded like the operand."""
+    """An einsum operand with dims DTensor's einsum views cannot keep sharded
+    (uneven, or of size 1) gathered; its gradient comes back sharded alike."""
     x = x.value if isinstance(x, KerasVariable) else x
     if not isinstance(x, DTensor):
         return x
@@ -77,8 +73,7 @@ def local_matmul(function):
 
 
 def _shard_local_einsum(subscripts, operands, compute):
-    """`compute(*local operands)` as a `DTensor` where einsum `subscripts`
-    runs per shard, or `None`."""
+    """`compute(*local operands)` as a `DTensor` where it splits, or `None`."""
     if torch.compiler.is_compiling():
         # Dynamo fails on this path (`InternalTorchDynamoError`).
         return None
@@ -100,16 +95,11 @@ def _shard_local_einsum(subscripts, operands, compute):
         for labels, x in zip(inputs, operands)
     ):
         return None
-    split_labels = [
-        _split_label(inputs, operands, mesh_dim, mesh.size(mesh_dim))
-        for mesh_dim in range(mesh.ndim)
-    ]
+    split_labels = [_split_label(inputs, operands, d) for d in range(mesh.ndim)]
     # With no split label, DTensor's backward keeps a projection's partial
     # output gradient partial (reduced once, later); here it would be reduced.
     if False in split_labels or (projection and not any(split_labels)):
         return None
-    # An operand's gradient is partial where the split label is one it lacks
-    # (each output part reads all of it).
     local_operands = []
     for labels, x in zip(inputs, operands):
         grad = [_placement(s, labels) for s in split_labels]
@@ -128,7 +118,7 @@ def _placement(label, labels):
     return Shard(labels.index(label)) if label in labels else Partial()
 
 
-def _split_label(inputs, operands, mesh_dim, num_shards):
+def _split_label(inputs, operands, mesh_dim):
     """The one label sharded on `mesh_dim`; `None` if none, `False` if the
     layout does not split (see `local_einsum`)."""
     placements = [x.placements[mesh_dim] for x in operands]
@@ -140,6 +130,7 @@ def _split_label(inputs, operands, mesh_dim, num_shards):
     if len(found) != 1:
         return False if found else None
     (label,) = found
+    num_shards = operands[0].device_mesh.size(mesh_dim)
     # Slicing an operand replicated along the label costs nothing forward,
     # but an all-gather of its gradient backward.
     if any(
@@ -162,8 +153,7 @@ def local_attention(function):
             query, key, value, args, kwargs
         ):
             return function(query, key, value, *args, **kwargs)
-        if kwargs.get("flash_attention") is None:
-            kwargs["flash_attention"] = False
+        kwargs["flash_attention"] = kwargs.get("flash_attention") or False
         for name in ("mask", "bias"):
             if isinstance(kwargs.get(name), DTensor):
                 kwargs[name] = kwargs[name].to_local()
