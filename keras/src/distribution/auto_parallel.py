@@ -11,12 +11,6 @@ from keras.src.distribution.distribution_lib import ModelParallel
 from keras.src.distribution.distribution_lib import TensorLayout
 from keras.src.distribution.distribution_lib import list_devices
 
-DEFAULT_BATCH_DIM_NAME = "batch"
-DEFAULT_MODEL_DIM_NAME = "model"
-# Prefixes of `layout_reason`: a `LayoutMap` rule, or the plan.
-RULE_PREFIX = "rule: "
-AUTO_PREFIX = "auto: "
-
 
 @keras_export("keras.distribution.AutoModelParallel")
 class AutoModelParallel(ModelParallel):
@@ -54,12 +48,8 @@ class AutoModelParallel(ModelParallel):
     ):
         device_mesh, layout_map = _mesh_and_map(device_mesh, layout_map)
         names = list(device_mesh.axis_names)
-        batch_dim_name = batch_dim_name or _axis(
-            names, DEFAULT_BATCH_DIM_NAME, 0
-        )
-        model_dim_name = model_dim_name or _axis(
-            names, DEFAULT_MODEL_DIM_NAME, -1
-        )
+        batch_dim_name = batch_dim_name or _axis(names, "batch", 0)
+        model_dim_name = model_dim_name or _axis(names, "model", -1)
         if model_dim_name not in names:
             raise ValueError(
                 f"`model_dim_name='{model_dim_name}'` is not an axis of the "
@@ -87,12 +77,11 @@ class AutoModelParallel(ModelParallel):
             return variable._layout
         layout = self._layout_map[variable.path]
         if layout is not None:
-            self._reasons[variable.path] = RULE_PREFIX + _rule_key(
-                self._layout_map, variable.path
-            )
+            key = _rule_key(self._layout_map, variable.path)
+            self._reasons[variable.path] = "rule: " + key
             return layout
         axes, reason = self._plan.layout_axes(variable)
-        self._reasons[variable.path] = AUTO_PREFIX + reason
+        self._reasons[variable.path] = "auto: " + reason
         return TensorLayout(axes, self.device_mesh)
 
     def gathered_for_call(self, variable):
@@ -109,20 +98,19 @@ class AutoModelParallel(ModelParallel):
         return self._plan.paired_role(layer)
 
     def check_pairing(self, layer, reads_column_output):
-        """Lays `layer`'s kernel (and bias) out again if its first call reads
-        otherwise than its widths paired it: row parallel if
-        `reads_column_output` (its input computed from a column-parallel
-        kernel's output), else column. Returns `[(variable, TensorLayout)]`."""
+        """`[(variable, TensorLayout)]` laying `layer`'s kernel and bias out
+        again, row parallel if `reads_column_output` (its first call reads a
+        column-parallel output), else column, where widths paired it not so."""
         role = auto_plan.ROW if reads_column_output else auto_plan.COLUMN
         weights = [
             (v, v._layout.axes)
             for v in layer.weights
             if getattr(v, "_layout", None) is not None
-            and not self._reasons.get(v.path, "").startswith(RULE_PREFIX)
+            and not self._reasons.get(v.path, "").startswith("rule: ")
         ]
         relaid = self._plan.check_pairing(layer, role, weights)
         for variable, _, reason in relaid:
-            self._reasons[variable.path] = AUTO_PREFIX + reason
+            self._reasons[variable.path] = "auto: " + reason
         return [
             (v, TensorLayout(axes, self.device_mesh)) for v, axes, _ in relaid
         ]
@@ -142,8 +130,7 @@ def _mesh_and_map(device_mesh, layout_map):
         )
     if device_mesh is None and layout_map is None:
         devices = list_devices()
-        names = (DEFAULT_BATCH_DIM_NAME, DEFAULT_MODEL_DIM_NAME)
-        device_mesh = DeviceMesh((1, len(devices)), names, devices)
+        device_mesh = DeviceMesh((1, len(devices)), ("batch", "model"), devices)
     elif device_mesh is None:
         device_mesh = layout_map.device_mesh
     elif layout_map is not None and layout_map.device_mesh is not device_mesh:
@@ -166,6 +153,5 @@ def _axis(names, name, index):
 def _rule_key(layout_map, path):
     # Not `path in layout_map`: `LayoutMap` answers every lookup.
     keys = list(layout_map)
-    if path in keys:
-        return path
-    return next((key for key in keys if re.fullmatch(key, path)), path)
+    matches = (key for key in keys if re.fullmatch(key, path))
+    return path if path in keys else next(matches, path)

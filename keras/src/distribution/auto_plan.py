@@ -1,11 +1,6 @@
-"""`AutoModelParallel`'s plan: Megatron-style tensor parallelism over the model
-axis, FSDP-like sharding over a batch axis longer than one, decided as each
-variable is created (`from_preset` loads weights in the constructor). Layers are
-built in data-flow order: a kernel reading the block's stream is column
-parallel, a later one reading its output row parallel (`plan_pairs`). Heads the
-model axis does not divide are replicated, gathered per call or split on input
-features, never sharded unevenly. A wrong guess costs collectives, never
-correctness: the plan decides where data lives, not what is computed."""
+"""`AutoModelParallel`'s plan, made as each variable is created (layers build in
+data-flow order): Megatron-style tensor parallelism over the model axis, FSDP-
+like sharding over a batch axis. Wrong guesses cost collectives, not results."""
 
 import math
 import weakref
@@ -22,8 +17,7 @@ STACK = "stack"
 # keep their output whole: softmax or top-k reads every feature.
 NARROW_WIDTH = 256
 # Fractions of the model so far that storage beyond an even share may reach:
-# kernels replicated to save collectives (key/value heads), and all weights
-# (past it, would-be replicated weights are sharded and gathered where used).
+# kernels replicated to save collectives, and all weights (past it, sharded).
 REPLICATION_BUDGET = 0.03
 SHARE_BOUND = 0.04
 
@@ -109,7 +103,7 @@ class Plan:
             if variable.name == "kernel" and shape == pairing.shape:
                 relaid.append((variable, axes, reason))
             elif variable.name == "bias":
-                new, why = self._vector_axes(variable, layer)
+                new, why = self._vector_axes(shape, layer)
                 if self.batch_dim_name in old:
                     new, why = self._mesh.with_batch(shape, new, why)
                 if new != tuple(old) and self._share.relaid(
@@ -126,7 +120,7 @@ class Plan:
             return (None,) * len(shape), "replicated: not a float tensor"
         layer, parent = layer_reading.creating_layers()
         if len(shape) == 1 or variable.name == "bias":
-            axes, reason = self._vector_axes(variable, layer)
+            axes, reason = self._vector_axes(shape, layer)
             if variable.trainable and self._gathered_with_block(layer, parent):
                 return self._mesh.with_batch(shape, axes, reason)
             return axes, reason
@@ -144,17 +138,13 @@ class Plan:
             # layer's own matrices.
             scope = parent if kind in ("dense", "conv") else layer
             axes, reason = self._matmul_axes(layer, scope, parent, shape, kind)
-        if (
-            variable.trainable
-            and self.batch_dim_name in axes
-            and layer is not None
-        ):
+        trainable = variable.trainable and layer is not None
+        if trainable and self.batch_dim_name in axes:
             self._batch_sharded.add(layer)
         return axes, reason
 
-    def _vector_axes(self, variable, layer):
+    def _vector_axes(self, shape, layer):
         """Bias follows its layer's sharded output; other vectors replicate."""
-        shape = tuple(variable.shape)
         replicated = (None,) * len(shape)
         role = self._role(layer)
         if role[0] == STACK and len(shape) > 1:
@@ -207,8 +197,9 @@ class Plan:
             self._pairs.open_width(parent, math.prod(size[c] for c in out_only))
             indivisible = all(size[c] % self.model_size for c in heads_out)
             beside_heads = self._pairs.key(parent) in self._head_parallel
-            if indivisible and beside_heads and self._within_budget(shape):
-                axes, batch = self._mesh.shard(shape)
+            axes, batch = self._mesh.shard(shape)
+            within = self._share.within(shape, axes, REPLICATION_BUDGET)
+            if indivisible and beside_heads and within:
                 reason = (
                     f"replicated over model: heads indivisible by "
                     f"{self.model_size} beside sharded query heads "
@@ -234,8 +225,7 @@ class Plan:
         else:
             in_width = math.prod(size[c] for c in contracted)
             out_width = math.prod(size[c] for c in out_only)
-            ambiguous = self._pairs.ambiguous(in_width, parent)
-            role = self._pairs.role(parent, in_width, out_width)
+            role, ambiguous = self._pairs.role(in_width, out_width, parent)
             letters = out_only if role == COLUMN else contracted
             what = f"{role}-parallel"
             if ambiguous:
@@ -250,14 +240,12 @@ class Plan:
         axes, reason = self._mesh.shard(
             shape, order, lambda d: f"{what} ({layer.equation}: {kernel[d]})"
         )
-        sharded = [
-            kernel[d] for d, a in enumerate(axes) if a == self.model_dim_name
-        ]
-        if sharded:
+        if self.model_dim_name in axes:
+            letter = kernel[axes.index(self.model_dim_name)]
             if pairing is not None and axes[order[0]] == self.model_dim_name:
                 self._pairs.pairings[layer] = pairing
-            self._roles[layer] = (role, size[sharded[0]], sharded[0])
-            if role == COLUMN and sharded[0] in heads_out:
+            self._roles[layer] = (role, size[letter], letter)
+            if role == COLUMN and letter in heads_out:
                 self._head_parallel.add(self._pairs.key(parent))
         return axes, reason
 
@@ -277,16 +265,11 @@ class Plan:
         """Whether `parent` is a block whose kernels no other axis gathers."""
         return self.batch_size == 1 and _is_block(parent)
 
-    def _within_budget(self, shape):
-        """Whether replicating `shape` over the model axis fits the budget."""
-        axes = self._mesh.shard(shape)[0]
-        return self._share.within(shape, axes, REPLICATION_BUDGET)
-
     def _matmul_axes(self, layer, scope, parent, shape, kind):
         in_dim, out_dim = len(shape) - 2, len(shape) - 1
         in_width, out_width = shape[in_dim], shape[out_dim]
         widths = f"{kind} ({in_width}->{out_width})"
-        reads = self._pairs.reads(in_width, scope, parent)
+        reads = self._pairs.reads(in_width, (scope, parent))[0]
         # A narrow projection starting a pair, or beside the block's column
         # kernels with an output the model axis does not divide, stays whole.
         if (
@@ -297,8 +280,7 @@ class Plan:
         ):
             reason = f"replicated over model: narrow output ({widths})"
             return self._mesh.shard(shape)[0], reason
-        ambiguous = self._pairs.ambiguous(in_width, scope, parent)
-        role = self._pairs.role(scope, in_width, out_width, fallback=parent)
+        role, ambiguous = self._pairs.role(in_width, out_width, scope, parent)
         orders = {COLUMN: [out_dim, in_dim], ROW: [in_dim, out_dim]}
         order = orders[role]
         what = f"{role}-parallel {widths}"

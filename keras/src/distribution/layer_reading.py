@@ -37,10 +37,7 @@ def layer_kind(layer):
 def parse_equation(equation):
     """`EinsumDense` equation's `(input, kernel, output)` letters, or `None`."""
     match = _EQUATION.match(equation.replace(" ", ""))
-    if match is None:
-        return None
-    inputs, kernel, output = match.groups()
-    return inputs.replace(".", ""), kernel, output.replace(".", "")
+    return match and tuple(part.replace(".", "") for part in match.groups())
 
 
 def einsum_bias_axes(layer, shape, letter, axis_name):

@@ -1,8 +1,6 @@
-"""Column/row kernel pairs for `auto_plan`, from widths alone: within an
-enclosing layer, a kernel reading the block's stream is column parallel and
-leaves its output width "open"; a later one reading an open width is row
-parallel. Ambiguous widths (feed-forward as wide as the block) keep a `Pairing`
-until the first call checks it (`AutoModelParallel.check_pairing`)."""
+"""Column/row kernel pairs for `auto_plan`, from widths: a kernel reading its
+block's stream is column parallel, one reading a width a column kernel left open
+row parallel; ambiguous widths keep a `Pairing` until the first call checks."""
 
 import collections
 import weakref
@@ -14,10 +12,9 @@ ROW = "row"
 class Pairing(
     collections.namedtuple("Pairing", "role shape orders label letters")
 ):
-    """How a kernel paired by widths alone (as `role`) lays out as either
-    role: `orders` maps each to the dimensions to shard, by preference;
-    `label`: its kind and widths, or an `EinsumDense`'s equation (`letters`:
-    its kernel's)."""
+    """A kernel paired by widths alone (as `role`): `orders` maps each role to
+    the dimensions to shard, by preference; `label`, its kind and widths or an
+    `EinsumDense`'s equation (`letters`: its kernel's)."""
 
     def describe(self, role, dim):
         if self.letters is None:
@@ -38,7 +35,7 @@ class Pairs:
     def key(self, layer):
         return self if layer is None else layer
 
-    def _read(self, in_width, scopes):
+    def reads(self, in_width, scopes):
         """`(COLUMN, None)` if the first of `scopes` holding `in_width` has it
         as the stream, `(ROW, its open widths)` if open, else `(None, None)`."""
         for key in map(self.key, scopes):
@@ -48,29 +45,23 @@ class Pairs:
                 return ROW, self._open[key]
         return None, None
 
-    def reads(self, in_width, scope, fallback):
-        """`COLUMN` (reads the stream), `ROW` (an open width) or `None`."""
-        return self._read(in_width, (scope, fallback))[0]
-
-    def ambiguous(self, in_width, scope, fallback=None):
-        """Whether column kernels both read and left open `in_width`."""
-        keys = [self.key(k) for k in (scope, fallback)]
-        return any(in_width in self._stream.get(k, ()) for k in keys) and any(
-            in_width in self._open.get(k, ()) for k in keys
+    def role(self, in_width, out_width, scope, fallback=None):
+        """`(role, ambiguous)`, recorded: the stream (query/key/value, gate/up)
+        means column, an open width row, anything else starts a pair;
+        ambiguous if column kernels both read and left open `in_width`."""
+        keys = [self.key(scope), self.key(fallback)]
+        ambiguous = all(
+            any(in_width in widths.get(key, ()) for key in keys)
+            for widths in (self._stream, self._open)
         )
-
-    def role(self, scope, in_width, out_width, fallback=None):
-        """Column or row parallel, from what a kernel reads; records it. The
-        stream (query/key/value, gate/up) means column, an open width row;
-        anything else starts a pair."""
-        role, open_widths = self._read(in_width, (scope, fallback))
+        role, open_widths = self.reads(in_width, keys)
         if role == ROW:
             open_widths.discard(in_width)
-            return ROW
+            return ROW, ambiguous
         if role is None:
-            self._stream.setdefault(self.key(scope), set()).add(in_width)
+            self._stream.setdefault(keys[0], set()).add(in_width)
         self.open_width(scope, out_width)
-        return COLUMN
+        return COLUMN, ambiguous
 
     def open_width(self, scope, width):
         """Leaves `width` open in `scope`, for a later row kernel."""

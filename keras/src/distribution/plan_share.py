@@ -1,8 +1,5 @@
-"""What each process stores of a model, as `auto_plan` plans it. Laid out
-before the model's size is known, `PlanShare` bounds each process' excess over
-an even share for every prefix of the model, which bounds the whole model but
-for what cannot be sharded (no dimension divisible by the model axis, or
-before the first sharded variable)."""
+"""What each process stores of a model as `auto_plan` lays it out: its excess
+over an even share, bounded for every prefix of the model (its size unknown)."""
 
 import math
 
@@ -10,14 +7,12 @@ from keras.src.distribution import plan_axes
 
 
 class PlanShare:
-    """The running account of what each process stores beyond an even share."""
+    """The running account of what each process stores beyond an even share;
+    `sharded`: whether any variable is model-sharded yet."""
 
     def __init__(self, mesh):
         self.mesh = mesh
-        self.elements = 0
-        self.excess = 0.0
-        # Whether any variable is model-sharded yet.
-        self.sharded = False
+        self.elements, self.excess, self.sharded = 0, 0.0, False
 
     def record(self, shape, axes):
         """Counts a float variable of `shape` laid out over `axes`."""
@@ -38,24 +33,23 @@ class PlanShare:
         before the first kernel, the whole model so far, always exceeds)."""
         mesh = self.mesh
         if (
-            self.sharded
-            and not self.within(shape, axes, fraction)
-            and mesh.model_size != 1
-            and mesh.model_dim_name not in axes
+            not self.sharded
+            or mesh.model_dim_name in axes
+            or self.within(shape, axes, fraction)
         ):
-            sharded = plan_axes.on_free_dimension(
-                shape, axes, mesh.model_dim_name, mesh.model_size
-            )
-            if sharded is not None:
-                dim = sharded.index(mesh.model_dim_name)
-                how = ", gathered for each call" if gathered else ""
-                return (
-                    sharded,
-                    f"dimension {dim} over model{how}: replicated weights "
-                    f"past {fraction:.0%} of the model ({reason})",
-                    True,
-                )
-        return axes, reason, False
+            return axes, reason, False
+        sharded = plan_axes.on_free_dimension(
+            shape, axes, mesh.model_dim_name, mesh.model_size
+        )
+        if sharded is None:
+            return axes, reason, False
+        dim = sharded.index(mesh.model_dim_name)
+        how = ", gathered for each call" if gathered else ""
+        reason = (
+            f"dimension {dim} over model{how}: replicated weights "
+            f"past {fraction:.0%} of the model ({reason})"
+        )
+        return sharded, reason, True
 
     def relaid(self, shape, old, new, fraction):
         """Whether `new` axes (not `old`) fit `fraction`; if so, counts them."""

@@ -1,12 +1,8 @@
-"""Weights sharded over the batch axis, gathered one layer at a time (FSDP).
-
-Left to DTensor, a kernel sharded on its input features makes every process
-compute the whole batch. As FSDP2's `fully_shard`, a layer call gathers its
-weights (in the compute dtype) in one collective, frees them on return and
-re-gathers them at the first gradient reaching its outputs."""
+"""Weights sharded over the batch axis, gathered one layer call at a time, as
+FSDP2's `fully_shard` (left to DTensor, every process would compute the whole
+batch): freed on return, re-gathered at the first gradient reaching outputs."""
 
 import contextlib
-import os
 
 import torch
 
@@ -23,13 +19,10 @@ RESHARD_ENV = "KERAS_DISTRIBUTION_RESHARD_AFTER_FORWARD"
 def gathered_mesh_dims(distribution):
     """The mesh dims a call gathers weights along (`GATHER_WEIGHTS_ENV`): a
     tuple (empty: none), or `None` for every dim a weight is sharded on."""
-    choice = os.environ.get(GATHER_WEIGHTS_ENV, "batch").lower()
-    choices = ("batch", "all", "off")
-    if choice not in choices:
-        raise ValueError(
-            f"{GATHER_WEIGHTS_ENV} must be one of {choices}. "
-            f"Received: {GATHER_WEIGHTS_ENV}={choice!r}"
-        )
+    meaning = "gathers a layer's weights over the batch axis for its call"
+    choice = fsdp_schedule.env_choice(
+        GATHER_WEIGHTS_ENV, "batch", ("batch", "all", "off"), meaning
+    )
     if choice != "batch":
         return () if choice == "off" else None
     names = list(distribution.device_mesh.axis_names)
@@ -39,14 +32,8 @@ def gathered_mesh_dims(distribution):
 
 def reshards_after_forward():
     """Whether a layer's gathered weights are freed when its call returns."""
-    choice = os.environ.get(RESHARD_ENV, "1")
-    if choice not in ("0", "1"):
-        raise ValueError(
-            f"{RESHARD_ENV} must be '1' (free a layer's gathered weights "
-            "after its call, gather them again for its backward) or '0' "
-            f"(keep them until its backward). Received: {RESHARD_ENV}="
-            f"{choice!r}"
-        )
+    meaning = "frees them after the call, gathers them again for its backward"
+    choice = fsdp_schedule.env_choice(RESHARD_ENV, "1", ("1", "0"), meaning)
     return choice == "1"
 
 
@@ -83,28 +70,20 @@ def has_gathered_weights(model, distribution):
 def gathered_weights(layer, distribution, enabled=True):
     """Gathers the sharded weights of `layer`'s call; yields a function to
     call on the outputs: it frees them and arranges re-gathering."""
-    weights = _weights_to_gather(layer, distribution) if enabled else []
+    call = _call_gather(layer, distribution) if enabled else None
     enclosing = list(fsdp_call.calls_now())
-    if not weights:
+    if call is None:
         # These outputs' gradient may reach the enclosing call's weights
         # before its outputs' does (an activity regularizer's loss).
         watch = enclosing and enabled
         yield (lambda outputs: _watch(enclosing, outputs)) if watch else _same
         return
-    call = fsdp_call.CallGather(weights)
     schedule = fsdp_schedule.running_schedule()
-    last = schedule is not None and schedule.is_last(
-        schedule.take_ahead(layer, call), layer
-    )
+    last = schedule is not None and schedule.take_ahead(layer, call)
     call.enter()
     fsdp_call.calls_now().append(call)
     if schedule is not None:
-        schedule.gather_ahead(
-            layer,
-            lambda following: fsdp_call.CallGather.of(
-                _weights_to_gather(following, distribution)
-            ),
-        )
+        schedule.gather_ahead(layer, lambda x: _call_gather(x, distribution))
     try:
         # Notes the gathered values autograd saves: those backward re-gathers.
         noting = torch.is_grad_enabled() and reshards_after_forward()
@@ -153,19 +132,20 @@ def _watch(calls, outputs):
     return outputs
 
 
-def _weights_to_gather(layer, distribution):
-    """`GatheredWeight`s of `layer`'s sharded call variables, less those in
-    use (inside its own call, a recurrent cell, or one that gathered them)."""
+def _call_gather(layer, distribution):
+    """The `CallGather` (or `None`) of `layer`'s sharded call variables, less
+    those in use (inside its own call, a recurrent cell, or one gathering)."""
     mesh_dims = gathered_mesh_dims(distribution)
     if mesh_dims == ():
-        return []
-    gathered_now = fsdp_call.gathered_variables()
+        return None
+    calls = fsdp_call.calls_now()
+    gathered_now = {id(w.variable) for call in calls for w in call.weights}
     weights = []
     for v in _call_variables(layer):
         targets = _gathered_to(v, v._value, distribution, mesh_dims)
         if id(v) not in gathered_now and targets and not v._value.is_meta:
             weights.append(fsdp_call.GatheredWeight(v, targets))
-    return weights
+    return fsdp_call.CallGather(weights) if weights else None
 
 
 def _call_variables(layer):

@@ -17,26 +17,15 @@ def calls_now():
     return vars(_thread_state).setdefault("calls", [])
 
 
-def gathered_variables():
-    """The ids of the variables whose gathered values are in use."""
-    return vars(_thread_state).setdefault("variables", set())
-
-
 class CallGather:
     """A layer call's `GatheredWeight`s, gathered and freed together."""
 
     def __init__(self, weights):
-        self.weights = weights
-        self.released = []
-        # Prefetches for the call (`gather_ahead`) and its backward ops.
+        self.weights, self.released = weights, []
+        # Prefetches for the call (`gather_ahead`) and, with the weights they
+        # restore, its backward ops; a function prefetching the previous call's.
         self.ahead = self.ahead_key = self.restoring = None
-        self.restoring_weights = []
-        # Set by `fsdp_schedule`: prefetches the previous call's weights.
         self.restore_ahead_of = None
-
-    @classmethod
-    def of(cls, weights):
-        return cls(weights) if weights else None
 
     def _gather(self, weights, async_op=False):
         # In the compute dtype: `to` returns the shard itself if it is.
@@ -68,11 +57,10 @@ class CallGather:
 
     def drop_ahead(self):
         """Waits for the gathers started ahead and forgets them."""
-        for pending in (self.ahead, self.restoring):
+        for pending in (self.ahead, self.restoring and self.restoring[0]):
             if pending is not None:
                 pending.wait()
         self.ahead = self.restoring = None
-        self.restoring_weights = []
 
     def enter(self):
         """Gathers the values and lets them stand for the variables."""
@@ -81,7 +69,6 @@ class CallGather:
         for w, value in zip(self.weights, pending.values()):
             w.saved, w.value, w.version = False, value, value._version
             w.variable._value = value
-            gathered_variables().add(id(w.variable))
             with torch.no_grad():
                 local = fsdp_gather.local_tensor(value)
             self._storages[local.untyped_storage().data_ptr()] = w
@@ -95,7 +82,6 @@ class CallGather:
         """Gives the variables their sharded values back."""
         for weight in self.weights:
             weight.variable._value = weight.sharded
-            gathered_variables().discard(id(weight.variable))
 
     def release(self, outputs, reshard):
         """Writes back assignments; if `reshard`, frees storage: whether any."""
@@ -116,8 +102,7 @@ class CallGather:
         if self.restoring is not None or not weights:
             return False
         with torch.no_grad():
-            self.restoring = self._gather(weights, async_op=True)
-        self.restoring_weights = weights
+            self.restoring = self._gather(weights, async_op=True), weights
         return True
 
     def on_gradient(self, grad):
@@ -130,9 +115,9 @@ class CallGather:
         """Regathers freed values autograd still holds; returns whether any."""
         freed, fresh = self._freed(), {}
         if self.restoring is not None:
-            started = self.restoring.local_values()
-            fresh = dict(zip(map(id, self.restoring_weights), started))
-            self.restoring, self.restoring_weights = None, []
+            pending, weights = self.restoring
+            fresh = dict(zip(map(id, weights), pending.local_values()))
+            self.restoring = None
         missing = [w for w in freed if id(w) not in fresh]
         if missing:
             with torch.no_grad():

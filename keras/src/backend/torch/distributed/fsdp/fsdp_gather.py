@@ -1,8 +1,6 @@
-"""One collective for all the weights a layer call gathers, as FSDP2 does
-(`redistribute` would cost 2-3 per weight): shards padded to the largest
-(DTensor shards as `torch.chunk`: the last can be smaller or empty), gathered
-flat, one buffer per dtype, each copied to its own storage (which `fsdp`
-frees); partial-sum gradients take one reduce-scatter."""
+"""One all-gather for all the weights of a layer call, as FSDP2 (`redistribute`
+costs 2-3 per weight): shards (`torch.chunk`'s) padded to the largest, one flat
+buffer per dtype; partial-sum gradients take one reduce-scatter."""
 
 import math
 
@@ -73,15 +71,15 @@ gather = PendingGather
 def _flat_mesh_dim(shard, target):
     """The mesh dim along which a flat buffer gathers `shard` (its only
     change: a plain `Shard`, not nested, to `Replicate`), or `None`."""
-    pairs = list(zip(shard.placements, target))
-    changed = [dim for dim, (now, then) in enumerate(pairs) if now != then]
+    placements = shard.placements
+    changed = [dim for dim, p in enumerate(target) if p != placements[dim]]
     if len(changed) != 1:
         return None
     (mesh_dim,) = changed
-    placement = shard.placements[mesh_dim]
+    placement = placements[mesh_dim]
     if type(placement) is not Shard or not target[mesh_dim].is_replicate():
         return None
-    others = [p for dim, p in enumerate(shard.placements) if dim != mesh_dim]
+    others = [p for dim, p in enumerate(placements) if dim != mesh_dim]
     return None if any(p.is_shard(placement.dim) for p in others) else mesh_dim
 
 
@@ -100,7 +98,7 @@ def _completed_gradient(grad):
     return _like(local, grad, grad.placements)
 
 
-def _like(local, shard, placements):
+def _like(local, shard, placements, stride=None):
     """A `DTensor` of `local` to `placements`, as global as `shard`."""
     return DTensor.from_local(
         local,
@@ -108,7 +106,7 @@ def _like(local, shard, placements):
         placements,
         run_check=False,
         shape=shard.shape,
-        stride=shard.stride(),
+        stride=shard.stride() if stride is None else stride,
     )
 
 
@@ -179,11 +177,11 @@ class _FlatGather:
                 ).to_local()
                 continue
             wanted = list(target)
-            if placement.is_partial() or placement.is_replicate():
+            if placement.is_partial():
                 wanted[self.mesh_dim] = placement
             if tuple(grad.placements) != tuple(wanted):
                 grad = grad.redistribute(self.mesh, wanted)
-            if wanted[self.mesh_dim].is_partial():
+            if placement.is_partial():
                 summed.append((index, layout, grad.to_local()))
             else:
                 # This process' part, in a storage of its own.
@@ -239,14 +237,8 @@ class _FlatGather:
                 Replicate() if p.is_partial() else q
                 for p, q in zip(summed, grad.placements)
             ]
-            grads[index] = DTensor.from_local(
-                local,
-                self.mesh,
-                placements,
-                run_check=False,
-                shape=grad.shape,
-                stride=layouts.contiguous_strides(grad.shape),
-            )
+            stride = layouts.contiguous_strides(grad.shape)
+            grads[index] = _like(local, grad, placements, stride)
         return grads
 
 

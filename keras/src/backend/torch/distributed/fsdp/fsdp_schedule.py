@@ -19,19 +19,26 @@ def running_schedule():
     return getattr(_running, "schedule", None)
 
 
+def env_choice(name, default, choices, meaning):
+    """Environment variable `name` (lower case) or `default`, which must be one
+    of `choices`; `meaning` says what the first choice does, for the error."""
+    choice = os.environ.get(name, default).lower()
+    if choice not in choices:
+        raise ValueError(
+            f"{name} must be {' or '.join(map(repr, choices))} ('{choices[0]}' "
+            f"{meaning}). Received: {name}={choice!r}"
+        )
+    return choice
+
+
 def gathers_ahead(distribution):
     """Whether layer calls gather ahead: `GATHER_AHEAD_ENV` if set, else not
     on CPU meshes, where it costs memory without overlap."""
-    choice = os.environ.get(GATHER_AHEAD_ENV)
-    if choice is None:
-        device = str(np.asarray(distribution.device_mesh.devices).flat[0])
-        return not device.lower().startswith("cpu")
-    if choice not in ("0", "1"):
-        raise ValueError(
-            f"{GATHER_AHEAD_ENV} must be '1' (gather the next layer's "
-            f"weights ahead) or '0'. Received: {GATHER_AHEAD_ENV}={choice!r}"
-        )
-    return choice == "1"
+    if GATHER_AHEAD_ENV in os.environ:
+        meaning = "gathers the next layer's weights ahead"
+        return env_choice(GATHER_AHEAD_ENV, "", ("1", "0"), meaning) == "1"
+    device = str(np.asarray(distribution.device_mesh.devices).flat[0])
+    return not device.lower().startswith("cpu")
 
 
 @contextlib.contextmanager
@@ -52,28 +59,23 @@ class GatherSchedule:
 
     def __init__(self, ahead=True):
         self.ahead = ahead
-        # Weak references to the previous (`_order`) and this step's layers.
-        self._order, self._calls = [], []
-        # `(weak reference to its layer, call)` gathered ahead.
-        self._ahead = None
-        # This step's calls freed after the forward pass, in call order.
-        self._released = []
+        # Weak references to the previous (`_order`) and this step's layers;
+        # `(weak reference to its layer, call)` gathered ahead; this step's
+        # calls freed after the forward pass, in call order.
+        self._order, self._calls, self._ahead, self._released = [], [], None, []
 
     def take_ahead(self, layer, call):
-        """Gives `call` (of `layer`) its prefetch; returns its position."""
+        """Gives `call` (of `layer`) its prefetch; returns whether it was the
+        previous step's last gather, which keeps its weights: the backward
+        pass starts with it."""
         self._calls.append(weakref.ref(layer))
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[0]() is not layer:
             ahead[1].drop_ahead()
             ahead = None
         call.take(None if ahead is None else ahead[1])
-        return len(self._calls) - 1
-
-    def is_last(self, position, layer):
-        """Whether `layer`'s call at `position` was the previous step's last
-        gather, which keeps its weights: the backward pass starts with it."""
         order = self._order
-        return position == len(order) - 1 and order[position]() is layer
+        return len(self._calls) == len(order) and order[-1]() is layer
 
     def gather_ahead(self, layer, call_of):
         """Starts gathering the weights of the call after `layer`'s; `call_of`
