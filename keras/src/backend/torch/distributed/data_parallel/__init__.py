@@ -1,2 +1,1 @@
-"""Data parallelism on each process' rows: a per-sample model and its loss
-computed on plain tensors, what couples samples through DTensor."""
+"""Data parallelism on each process' rows, as plain tensors."""

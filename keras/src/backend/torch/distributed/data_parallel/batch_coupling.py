@@ -1,11 +1,10 @@
-"""Whether a model call couples a batch's samples, found by a probe: through
-DTensor a `Partial` result is a sum over the batch (`PartialWatch`); on the
-local rows coupling makes outputs differ from this process' rows of DTensor's,
-and the first differing layer goes through DTensor."""
+"""The probe of whether a model call couples a batch's samples: a `Partial`
+result through DTensor is a sum over the batch (`PartialWatch`); outputs on
+the local rows may differ from DTensor's rows (`first_differing_layer`)."""
 
 import contextlib
-import dataclasses
 import threading
+import typing
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -15,14 +14,11 @@ from keras.src.backend.common import global_state
 from keras.src.backend.torch.distributed.core import collectives
 from keras.src.backend.torch.distributed.core.runtime import DTensor
 
-DIFFERS = "its outputs on the local rows differ from DTensor's"
-
 # Per thread: the depth of `explained` blocks, the calls `recording` keeps.
 _thread = threading.local()
 
 
-@dataclasses.dataclass(frozen=True)
-class Verdict:
+class Verdict(typing.NamedTuple):
     """The probe's finding: `per_sample`, the `reason` (why not, or why
     layers couple), the `DrawPlan` (`draws`) and `coupled` layers."""
 
@@ -78,41 +74,28 @@ class PartialWatch(TorchFunctionMode):
 def coupling_layers(model, watch):
     """`(layers, reason)` of the layers coupling samples in the probe's call;
     `None` if the model itself does."""
-    layers, reasons = [], []
+    summing = {}  # {layer: reason}
     for name, layer in watch.reductions:
         if layer is None or layer is model:
             return None
-        if layer not in layers:
-            layers.append(layer)
-            reasons.append(f"sums over the batch ({name})")
-    for layer in model._flatten_layers(include_self=True, recursive=True):
-        if not layer._get_own_losses():
-            continue
-        if layer is model:
-            return None
-        if layer not in layers:
-            layers.append(layer)
-        reasons.append("adds a loss")
-    return tuple(layers), ", ".join(dict.fromkeys(reasons))
+        summing.setdefault(layer, f"sums over the batch ({name})")
+    flat = model._flatten_layers(include_self=True, recursive=True)
+    losing = [layer for layer in flat if layer._get_own_losses()]
+    if model in losing:
+        return None
+    reasons = list(summing.values()) + (["adds a loss"] if losing else [])
+    layers = tuple(dict.fromkeys([*summing, *losing]))
+    return layers, ", ".join(dict.fromkeys(reasons))
 
 
-def verdict_of(watch, coupled, outputs, local_outputs=None, reason=None):
-    """The probe's `Verdict` from `watch`, `coupling_layers`' answer, this
-    process' rows of DTensor's outputs, and the local ones or a `reason`."""
-    if coupled is None and watch.reductions:
-        name = watch.reductions[0][0]
-        return Verdict(False, f"sums over the batch ({name})")
-    if coupled is None:
-        return Verdict(False, "adds a loss (taken over the global batch)")
-    if outputs is None:
-        return Verdict(False, "an output is not a batch of rows")
-    if reason is not None:
-        return Verdict(False, reason)
-    if local_outputs is None or len(local_outputs) != len(outputs):
-        return Verdict(False, "its outputs on the local rows differ in shape")
-    if not all(map(same, outputs, local_outputs)):
-        return Verdict(False, DIFFERS)
-    return Verdict(True, coupled[1], coupled=coupled[0])
+def model_reason(watch, coupled):
+    """Why the probe's call goes through DTensor: the model couples samples
+    itself (`coupling_layers` gave `None`), or an output is not rows."""
+    if coupled is not None:
+        return "an output is not a batch of rows"
+    if watch.reductions:
+        return f"sums over the batch ({watch.reductions[0][0]})"
+    return "adds a loss (taken over the global batch)"
 
 
 @contextlib.contextmanager
@@ -131,9 +114,8 @@ def record(layer, outputs):
     compiling = torch.compiler.is_compiling()
     calls = None if compiling else getattr(_thread, "calls", None)
     if calls is not None:
-        calls.append(
-            (layer, [x for x in tree.flatten(outputs) if x is not None])
-        )
+        leaves = [x for x in tree.flatten(outputs) if x is not None]
+        calls.append((layer, leaves))
     return outputs
 
 
@@ -141,9 +123,8 @@ def first_differing_layer(model, dtensor_calls, local_calls, own_rows, skip):
     """The index in `model._flatten_layers(include_self=False)` of the first
     layer whose local outputs differ from DTensor's rows; -1: none or `skip`."""
     layers = list(model._flatten_layers(include_self=False))
-    seen = {}
-    for layer, local in local_calls:
-        count = seen[id(layer)] = seen.get(id(layer), -1) + 1
+    for i, (layer, local) in enumerate(local_calls):
+        count = sum(called is layer for called, _ in local_calls[:i])
         outputs = [o for called, o in dtensor_calls if called is layer]
         # A layer called inside one called through DTensor returns DTensors.
         if (
@@ -160,26 +141,22 @@ def first_differing_layer(model, dtensor_calls, local_calls, own_rows, skip):
     return -1
 
 
-def agreed(verdict, mesh, differing=-1):
-    """`(verdict, position of the layer to try next or -1)` agreed on `mesh`:
-    a call may match on some processes only (one reading the first row)."""
+def agreed(reason, mesh, differing=-1):
+    """`(reason or None, position of the layer to try next or -1)` agreed on
+    `mesh`: a call may match on some processes only (one reading row 0)."""
     if mesh.size() == 1:
-        return verdict, differing
-    code = 0 if verdict.per_sample else 1 if differing >= 0 else 2
+        return reason, differing
+    code = 0 if reason is None else 1 if differing >= 0 else 2
     answers = collectives.all_gather_ints([code, differing], mesh.get_group())
     worst = max(code for code, _ in answers)
-    if worst and verdict.per_sample:
-        verdict = Verdict(
-            False, "its outputs on another process' rows differ from DTensor's"
-        )
-    if worst != 1:
-        return verdict, -1
-    return verdict, min(position for code, position in answers if code == 1)
+    if worst and reason is None:
+        reason = "its outputs on another process' rows differ from DTensor's"
+    positions = [position for code, position in answers if code == 1]
+    return reason, min(positions) if worst == 1 else -1
 
 
 def same(a, b):
-    """Whether two tensors agree to float32 rounding (the same kernels on
-    the same rows)."""
+    """Whether two tensors agree to float32 rounding (same kernels, rows)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     a, b = a.detach(), b.detach()

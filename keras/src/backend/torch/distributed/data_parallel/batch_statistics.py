@@ -1,6 +1,5 @@
-"""Whole-batch moments of a batch sharded across processes (batch
-normalization in training), in one all-reduce of packed sums as torch's
-CUDA-only `SyncBatchNorm`."""
+"""Whole-batch moments of a batch-sharded input (batch normalization), in one
+all-reduce of packed sums as torch's CUDA-only `SyncBatchNorm`."""
 
 import functools
 
@@ -19,14 +18,12 @@ def batch_moments(function):
 
     @functools.wraps(function)
     def moments(x, axes, keepdims=False, synchronized=False):
-        # The mesh group of this thread's local-rows call, if any.
         group = getattr(local_rows._local_call, "group", None)
         axes = tuple(axes) if isinstance(axes, (list, tuple)) else (axes,)
         if 0 not in [a % x.ndim for a in axes]:
             return function(x, axes, keepdims, synchronized)
         with batch_coupling.explained():
-            # A DTensor on local rows: a layer through `coupled_layers`
-            # (one placement: a 1-D mesh).
+            # A DTensor on local rows: a layer through `coupled_layers`.
             if isinstance(x, DTensor) and tuple(x.placements) == (Shard(0),):
                 return _global_moments(x, axes, keepdims, None)
             if group is not None and not isinstance(x, DTensor):
@@ -44,16 +41,15 @@ def _global_moments(x, axes, keepdims, group):
         x = x.float()
     sums = torch.sum(x, dim=axes, keepdim=True)
     squares = torch.sum(x * x, dim=axes, keepdim=True)
+    parts = [sums.reshape(-1), squares.reshape(-1)]
     total = 1
     for a in axes:  # A loop: dynamo cannot trace `math.prod` of a generator.
         total *= x.shape[a]
     if group is None:
-        packed = torch.cat([sums.reshape(-1), squares.reshape(-1)])
-        packed = packed.redistribute(placements=[Replicate()])
+        packed = torch.cat(parts).redistribute(placements=[Replicate()])
     else:
-        count = sums.new_full((1,), total)
-        packed = torch.cat([sums.reshape(-1), squares.reshape(-1), count])
-        packed = _AllReduceSum.apply(packed, group)
+        parts.append(sums.new_full((1,), total))
+        packed = _AllReduceSum.apply(torch.cat(parts), group)
         total = packed[-1]
     size, shape = sums.numel(), sums.shape
     mean = (packed[:size] / total).reshape(shape)
@@ -76,6 +72,4 @@ class _AllReduceSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        total = grad.clone()
-        dist.all_reduce(total, group=ctx.group)
-        return total, None
+        return _AllReduceSum.forward(ctx, grad, ctx.group), None

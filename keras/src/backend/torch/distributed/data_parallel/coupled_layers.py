@@ -4,7 +4,6 @@ its outputs return to the rows."""
 
 import collections
 import contextlib
-import dataclasses
 import threading
 
 import torch
@@ -59,20 +58,10 @@ def batch_of(values):
     return Batch(mesh, global_rows, stop - start, placements, start)
 
 
-@dataclasses.dataclass
-class Routing:
-    """A local-rows call's coupled layers' ids, their activity regularizers
-    by id, and the losses they added."""
-
-    layer_ids: frozenset
-    batch: tuple
-    regularizers: dict
-    losses: list = dataclasses.field(default_factory=list)
-
-    def added_only(self, losses):
-        """Whether every loss in `losses` was added by a coupled layer."""
-        ids = {id(x) for x in self.losses}
-        return all(id(x) in ids for x in losses)
+# A local call's coupled layers' ids, `Batch`, regularizers by id, losses.
+Routing = collections.namedtuple(
+    "Routing", ["layer_ids", "batch", "regularizers", "losses"]
+)
 
 
 @contextlib.contextmanager
@@ -82,8 +71,8 @@ def routed(layers, batch):
     # `_regularize` regularizes the global outputs, not `Layer.__call__`.
     regularized = [x for x in layers if getattr(x, "activity_regularizer", 0)]
     regularizers = {id(x): x.activity_regularizer for x in regularized}
-    routing = Routing(frozenset(id(x) for x in layers), batch, regularizers)
-    _state.routing = routing
+    ids = frozenset(id(x) for x in layers)
+    _state.routing = routing = Routing(ids, batch, regularizers, [])
     for layer in regularized:
         layer.activity_regularizer = None
     try:
@@ -145,18 +134,16 @@ def _regularize(layer, outputs):
 
 
 def keep_losses(model, losses):
-    """Keeps coupled layers' `losses` where Keras would: the enclosing
-    stateless scope if any, else the layers'."""
+    """Keeps coupled layers' `losses` where Keras would (scope or layers)."""
     outer = get_stateless_scope()
     if outer is not None and outer.collect_losses:
         for loss in losses:
             outer.add_loss(loss)
     elif outer is None and losses:
         ids = {id(x): x for x in losses}
-        layers = model._flatten_layers(include_self=True, recursive=True)
-        for sublayer in layers:
-            sublayer._losses.extend(
-                ids[key] for key in list(sublayer._loss_ids) if key in ids
+        for layer in model._flatten_layers(include_self=True, recursive=True):
+            layer._losses.extend(
+                ids[key] for key in list(layer._loss_ids) if key in ids
             )
 
 
@@ -231,8 +218,7 @@ def _rows(x, batch):
         if tuple(x.placements) != tuple(batch.placements):
             # Each takes its rows of the whole; their gradients, zero
             # elsewhere, are partial sums of the whole gradient.
-            rows = x.full_tensor(grad_placements=(Partial(),))
-            return rows[start:stop]
+            return x.full_tensor(grad_placements=(Partial(),))[start:stop]
         local = x.to_local()
         if local.shape[0] == stop - start:
             return local

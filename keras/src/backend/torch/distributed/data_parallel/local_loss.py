@@ -1,8 +1,5 @@
-"""The compiled loss computed as plain tensors on each process' rows: a
-per-sample "sum_over_batch_size" loss is the sum of each process' weighted
-sum over the global count, a partial sum only the loss tracker reduces, so
-the backward pass runs on plain tensors. Replicated outputs are computed
-whole; anything else runs through DTensor."""
+"""A per-sample compiled loss on plain tensors: each process' weighted sum of
+its rows' values over the global count, a partial sum (replicated: whole)."""
 
 import functools
 
@@ -16,19 +13,17 @@ from keras.src.backend.torch.distributed.core.runtime import Partial
 from keras.src.backend.torch.distributed.core.runtime import Replicate
 from keras.src.backend.torch.distributed.core.runtime import Shard
 
-# Built-in losses reducing each sample over its own (last) axes only.
-_PER_SAMPLE_FUNCTION_NAMES = frozenset(
-    "binary_crossentropy binary_focal_crossentropy categorical_crossentropy "
-    "categorical_focal_crossentropy categorical_hinge cosine_similarity hinge "
-    "huber kl_divergence log_cosh mean_absolute_error "
-    "mean_absolute_percentage_error mean_squared_error "
-    "mean_squared_logarithmic_error poisson sparse_categorical_crossentropy "
-    "squared_hinge".split()
-)
-# Those taking a softmax of logits: DTensor gathers a sharded class axis.
+# Built-in losses taking a softmax of logits: DTensor gathers a class axis.
 _SOFTMAX_FUNCTION_NAMES = frozenset(
     "categorical_crossentropy categorical_focal_crossentropy "
     "sparse_categorical_crossentropy".split()
+)
+# Built-in losses reducing each sample over its own (last) axes only.
+_PER_SAMPLE_FUNCTION_NAMES = _SOFTMAX_FUNCTION_NAMES | frozenset(
+    "binary_crossentropy binary_focal_crossentropy categorical_hinge hinge "
+    "cosine_similarity huber kl_divergence log_cosh mean_absolute_error "
+    "mean_absolute_percentage_error mean_squared_error poisson squared_hinge "
+    "mean_squared_logarithmic_error".split()
 )
 
 
@@ -37,15 +32,13 @@ def gathered_predictions(model, y, y_pred):
     of logits: one gather serves the loss (on plain tensors) and `argmax`."""
     if not isinstance(y_pred, DTensor) or y_pred.ndim == 0:
         return y_pred
-    last = y_pred.ndim - 1
     placements = [
-        Replicate() if p.is_shard() and p.dim in (last, -1) else p
+        Replicate() if p.is_shard() and p.dim in (y_pred.ndim - 1, -1) else p
         for p in y_pred.placements
     ]
     if (
         placements == list(y_pred.placements)
         or (entry := _single_compiled_loss(model, y, y_pred)) is None
-        # A built-in per-sample loss: a softmax of logits?
         or entry.loss.fn.__name__ not in _SOFTMAX_FUNCTION_NAMES
         or not entry.loss._fn_kwargs.get("from_logits", False)
     ):
@@ -54,12 +47,11 @@ def gathered_predictions(model, y, y_pred):
 
 
 def local_compiled_loss(
-    model, y, y_pred, sample_weight, local_y_pred, local_weight=None
+    model, y, y_pred, sample_weight, local_y_pred, local_weight
 ):
     """The train step's loss from local tensors (`y_pred`'s rows from a
     local-rows call: a partial sum; else replicated), or `None` if it may
     differ. `local_weight(v)`: a weight's local value, for other losses."""
-    # Imported here: the backend imports this module.
     from keras.src import ops
 
     entry = _single_compiled_loss(model, y, y_pred)
@@ -104,15 +96,13 @@ def _other_losses(model, mesh, placements, local_weight):
     regularized = [v for v in weights if v.regularizer is not None]
     if not added and not regularized:
         return []
-    compiling = torch.compiler.is_compiling()
-    if placements != [Partial()] or local_weight is None or compiling:
+    if placements != [Partial()] or torch.compiler.is_compiling():
         return None
     first = 1.0 if mesh.get_local_rank() == 0 else 0.0
     others = []
     for x in added:
-        # A layer's loss (see `coupled_layers`): whole, counted once (its
-        # gradient a partial sum), or each process' part of a partial sum
-        # (the whole gradient on each).
+        # A coupled layer's: whole, counted once (its gradient a partial
+        # sum), or each process' part of a partial sum (the whole gradient).
         if not (isinstance(x, DTensor) and x.device_mesh == mesh):
             return None
         is_part = x.placements == (Partial(),)
@@ -142,8 +132,8 @@ def _local_prediction(y_pred, local_y_pred, values):
         for x in given[1:]
     )
     # One process' rows are the whole batch: a sum of one part.
-    one = y_pred.device_mesh.size() == 1
-    if local_y_pred is not None and (sharded or (one and replicated)):
+    one = replicated and y_pred.device_mesh.size() == 1
+    if local_y_pred is not None and (sharded or one):
         return local_y_pred, [Partial()]
     if replicated:
         # Every process' gradient of the loss is the whole gradient.
@@ -206,5 +196,4 @@ def _loss_share(loss, y_true, y_pred, sample_weight, global_rows):
     weighted_sum = reduce_weighted_values(
         values, sample_weight=sample_weight, reduction="sum", dtype=loss.dtype
     )
-    global_count = values.numel() // values.shape[0] * global_rows
-    return weighted_sum / global_count
+    return weighted_sum / (values.numel() // values.shape[0] * global_rows)

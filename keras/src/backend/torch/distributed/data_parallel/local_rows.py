@@ -1,11 +1,7 @@
-"""Data-parallel model calls on each process' rows, as plain tensors: with
-replicated weights and a sharded batch, a per-sample call (probed by
-`batch_coupling`) computes there what DTensor would, without its per-op
-dispatch. Coupling other than `batch_statistics`', `random_draws`' and
-`coupled_layers`' sends the step through DTensor from then on."""
+"""Model calls on each process' rows as plain tensors, without DTensor's per-op
+dispatch, where the probe (`batch_coupling`) finds they give its numbers."""
 
 import contextlib
-import dataclasses
 import functools
 import threading
 import types
@@ -25,34 +21,29 @@ from keras.src.backend.torch.distributed.data_parallel import batch_coupling
 from keras.src.backend.torch.distributed.data_parallel import coupled_layers
 from keras.src.backend.torch.distributed.dtensor_gaps import fallback
 
-# This thread's local call's process `group`, for `batch_moments`, reached
-# via the backend's `moments` with no model at hand.
+# The process `group` of this thread's local call, for `batch_moments`.
 _local_call = threading.local()
 # `{layer: {training: Verdict}}` for calls outside a step.
 _verdicts = weakref.WeakKeyDictionary()
-_OTHER_PROCESS = "another process' call did what the probe did not find"
+_DIFFERS = "its outputs on the local rows differ from DTensor's"
 
 
 def model_steps(model):
-    """`model`'s `step.DistributedStep`s `by_kind` and the one `running`
-    (created on first use)."""
+    """`model`'s `DistributedStep`s `by_kind` and the `running` one."""
     if getattr(model, "_distributed_steps", None) is None:
-        model._distributed_steps = types.SimpleNamespace(
-            by_kind={}, running=None
-        )
+        steps = types.SimpleNamespace(by_kind={}, running=None)
+        model._distributed_steps = steps
     return model._distributed_steps
 
 
 def running_step(model):
     """The `step.DistributedStep` now running a step of `model`, or `None`."""
-    steps = getattr(model, "_distributed_steps", None)
-    return None if steps is None else steps.running
+    return getattr(getattr(model, "_distributed_steps", None), "running", None)
 
 
-def call(call_function, layer, args, kwargs, through_dtensor):
-    """Calls outermost `layer` on the local rows if that gives DTensor's
-    numbers: batch-sharded outputs, or `None` to call it through DTensor
-    (`through_dtensor(args, kwargs)`, also the probe's call)."""
+def call(call_function, layer, args, kwargs, through):
+    """Outermost `layer`'s batch-sharded outputs from the local rows where they
+    are DTensor's, else `None` (`through(args, kwargs)`: the DTensor call)."""
     step, inputs = running_step(layer), (args, kwargs)
     batch = coupled_layers.batch_of(inputs)
     if batch is None or (step is not None and step.runs_through_dtensor):
@@ -66,15 +57,12 @@ def call(call_function, layer, args, kwargs, through_dtensor):
     verdict = verdicts.get(training)
     if variables is None or (verdict is not None and not verdict.per_sample):
         return None
+    on_rows = functools.partial(_on_rows, call_function, layer, inputs, batch)
     if verdict is not None:
-        return _call_locally(
-            call_function, layer, inputs, batch, variables, verdict, step
-        )
+        return _call_locally(on_rows, layer, batch, variables, verdict, step)
     if not classification_final(layer):
         return None
-    outputs, verdict = _probe(
-        call_function, layer, inputs, through_dtensor, variables, batch
-    )
+    outputs, verdict = _probe(on_rows, through, inputs, layer, batch, variables)
     if verdict is not None:
         verdicts[training] = verdict
         if step is not None and not verdict.per_sample:
@@ -88,7 +76,7 @@ def verdict(layer, training=False):
     return _verdicts.get(layer, {}).get(bool(training))
 
 
-def _probe(call_fn, layer, inputs, through_dtensor, variables, batch):
+def _probe(on_rows, through, inputs, layer, batch, variables):
     """Calls `layer` through DTensor, then on the local rows with its draws:
     `(DTensor outputs, Verdict)`, the verdict `None` if it built a layer."""
     before = [(v, v.value.to_local().clone()) for v in variables]
@@ -97,51 +85,38 @@ def _probe(call_fn, layer, inputs, through_dtensor, variables, batch):
     # The fallback's modes first: in a step they stay on past the watch.
     with batch_coupling.recording() as dtensor_calls:
         with fallback.dtensor_fallback(), watch:
-            outputs = through_dtensor(*inputs)
+            outputs = through(*inputs)
     if len(layer.variables) != len(variables):
         return outputs, None
     own_rows = functools.partial(_own_rows, batch=batch)
     rows = [own_rows(x) for x in tree.flatten(outputs) if x is not None]
-    rows = rows if all(x is not None for x in rows) else None
     coupled = batch_coupling.coupling_layers(layer, watch)
-    if rows is None or coupled is None:
-        verdict = batch_coupling.verdict_of(watch, coupled, rows)
-        return outputs, batch_coupling.agreed(verdict, batch.mesh)[0]
+    if coupled is None or any(x is None for x in rows):
+        reason = batch_coupling.model_reason(watch, coupled)
+        batch_coupling.agreed(reason, batch.mesh)  # Others may probe on.
+        return outputs, batch_coupling.Verdict(False, reason)
     after = generator_states.take()
     layers, why = list(coupled[0]), coupled[1]
     while True:
         generator_states.restore(rng_states)
         with batch_coupling.recording() as local_calls:
-            local_leaves, reason, plan = _checking_call(
-                call_fn, layer, inputs, before, batch, layers
-            )
-        if reason is None:
-            # Else the processes' global generators diverge.
-            if generator_states.differ(after, generator_states.take()):
-                reason = "draws from a global generator otherwise on its rows"
-            plan.python_draws = generator_states.python_advanced(
-                rng_states, after
-            )
-        verdict = batch_coupling.verdict_of(
-            watch, (tuple(layers), why), rows, local_leaves, reason
-        )
+            reason, plan = _checking_call(on_rows, before, layers, rows, after)
         differing = -1
-        if verdict.reason == batch_coupling.DIFFERS:
+        if reason == _DIFFERS:
             differing = batch_coupling.first_differing_layer(
                 layer, dtensor_calls, local_calls, own_rows, layers
             )
-        verdict, position = batch_coupling.agreed(
-            verdict, batch.mesh, differing
-        )
+        reason, position = batch_coupling.agreed(reason, batch.mesh, differing)
         if position < 0:
             break
         layers.append(list(layer._flatten_layers(include_self=False))[position])
         mixes = "its outputs on the local rows differ"
         why = f"{why}, {mixes}" if why else mixes
     generator_states.restore(after)
-    if verdict.per_sample:
-        verdict = dataclasses.replace(verdict, draws=plan)
-    return outputs, verdict
+    if reason is not None:
+        return outputs, batch_coupling.Verdict(False, reason)
+    plan.python_draws = generator_states.python_advanced(rng_states, after)
+    return outputs, batch_coupling.Verdict(True, why, plan, tuple(layers))
 
 
 def _own_rows(x, batch):
@@ -158,10 +133,9 @@ def _own_rows(x, batch):
     return None
 
 
-def _on_rows(call_fn, layer, inputs, mapping, batch, plan, coupled):
-    """Calls `layer` on the local rows of `inputs` in a stateless scope of
-    `mapping`, `coupled` layers through DTensor: `(outputs, their leaves,
-    scope, Routing, updates, why DTensor's may differ or None)`."""
+def _on_rows(call_fn, layer, inputs, batch, mapping, plan, coupled):
+    """Calls `layer` on the local rows from `mapping`, `coupled` layers through
+    DTensor: `(outputs, scope, Routing, updates, why DTensor's may differ)`."""
     args, kwargs = tree.map_structure(local_state.local_value, inputs)
     _local_call.group = batch.mesh.get_group()
     try:
@@ -192,62 +166,63 @@ def _on_rows(call_fn, layer, inputs, mapping, batch, plan, coupled):
         reason = "assigns a variable outside the model"
     elif any(v.trainable for v, _ in updated):
         reason = "assigns a trainable variable"
-    elif not routing.added_only(scope.losses):
+    elif not set(map(id, scope.losses)) <= set(map(id, routing.losses)):
         reason = "adds a loss (taken over the global batch)"
     elif not all(coupled_layers.is_rows(x, batch) for x in leaves):
         reason = "its outputs on the local rows are not plain rows"
-    return outputs, leaves, scope, routing, updated, reason
+    return outputs, scope, routing, updated, reason
 
 
-def _checking_call(call_fn, layer, inputs, mapping, batch, coupled):
-    """The probe's call on the local rows from `mapping`'s values, keeping
-    nothing: `(output leaves, None, DrawPlan)` or `(None, reason, None)`."""
+def _checking_call(on_rows, mapping, coupled, rows, after):
+    """The probe's call on the local rows from `mapping`, keeping nothing: `(why
+    its rows, losses, updates or draws differ from DTensor's or None, plan)`."""
     # The `coupled` layers' losses from the DTensor call.
     losses = [x for c in coupled for x in c._get_own_losses()]
     plan = random_draws.DrawPlan()
-    _, leaves, scope, routing, _, reason = _on_rows(
-        call_fn, layer, inputs, mapping, batch, plan, tuple(coupled)
-    )
+    outputs, scope, routing, _, reason = on_rows(mapping, plan, tuple(coupled))
+    same, whole = batch_coupling.same, coupled_layers.whole
     if reason is not None:
-        return None, reason, None
+        return reason, plan
     if len(losses) != len(routing.losses) or not all(
-        batch_coupling.same(coupled_layers.whole(a), coupled_layers.whole(b))
-        for a, b in zip(losses, routing.losses)
+        same(whole(a), whole(b)) for a, b in zip(losses, routing.losses)
     ):
-        return None, "its losses on the local rows differ from DTensor's", None
+        return "its losses on the local rows differ from DTensor's", plan
     if not all(
-        batch_coupling.same(scope.get_current_value(v), v.value.to_local())
+        same(scope.get_current_value(v), v.value.to_local())
         for v, _ in mapping
         if not v.trainable
     ):
-        return None, "its updates on the local rows differ from DTensor's", None
-    return leaves, None, plan
+        return "its updates on the local rows differ from DTensor's", plan
+    if generator_states.differ(after, generator_states.take()):
+        return "draws from a global generator otherwise on its rows", plan
+    leaves = [x for x in tree.flatten(outputs) if x is not None]
+    if len(leaves) != len(rows):
+        return "its outputs on the local rows differ in shape", plan
+    return (None if all(map(same, rows, leaves)) else _DIFFERS), plan
 
 
-def _call_locally(call_fn, layer, inputs, batch, variables, verdict, step):
-    """Calls `layer` on the local rows of `inputs`; `None`, keeping nothing,
+def _call_locally(on_rows, layer, batch, variables, verdict, step):
+    """Calls `layer` on the local rows (`on_rows`); `None`, keeping nothing,
     if it must run through DTensor after all."""
     mapping = [(v, local_weight(v, step)) for v in variables]
     # A call dropped below must leave the generators as it found them.
     rng_states = generator_states.take()
     plan = verdict.draws.following()
-    outputs, _, scope, _, updated, unseen = _on_rows(
-        call_fn, layer, inputs, mapping, batch, plan, verdict.coupled
-    )
-    if unseen is None and plan.broken:
-        unseen = "a random draw of another shape than the probe's"
-    if unseen is None and generator_states.advanced(
+    outputs, scope, _, updated, why = on_rows(mapping, plan, verdict.coupled)
+    if why is None and plan.broken:
+        why = "a random draw of another shape than the probe's"
+    if why is None and generator_states.advanced(
         rng_states, plan.unseeded, plan.python_draws
     ):
-        unseen = "a draw from a global generator"
+        why = "a draw from a global generator"
     # Uneven row counts: processes may see different outcomes (draws,
     # coupled layers, outputs of another rank on a single row).
     uneven = batch.global_rows % batch.mesh.size()
-    if uneven and collectives.any_process(unseen, batch.mesh.get_group()):
-        unseen = unseen or _OTHER_PROCESS
-    if unseen:
+    if uneven and collectives.any_process(why, batch.mesh.get_group()):
+        why = why or "another process' call did what the probe did not find"
+    if why:
         runtime.log_debug(
-            "%s: through DTensor from now on: %s", layer.name, unseen
+            "%s: through DTensor from now on: %s", layer.name, why
         )
         if step is not None:
             step.runs_through_dtensor = True
