@@ -13,8 +13,8 @@ over 2 ranks). DTensor compiles a different graph on each rank (it cuts a
 replicated tensor to the rank's shard), so one case fits twice: the
 second fit compiles from the on-disk cache that both ranks wrote, as a
 second run on the same machine does, and must still run each rank's own
-graph (see `compiled_step._rank_cache_key`). A model with an unevenly
-sharded variable runs eagerly, after one warning.
+graph (`compiled_step.compile_step` keys its cache by rank). A model with
+an unevenly sharded variable runs eagerly, after one warning.
 (A batch that splits unevenly runs eagerly too; a compiled fit ending on
 one costs a second compilation, over a minute on CI's 2 cores, so these
 fits use whole batches.)

@@ -71,11 +71,6 @@ def call(call_function, layer, args, kwargs, through):
     return outputs
 
 
-def verdict(layer, training=False):
-    """The probe's `Verdict` on `layer`'s calls outside a step, or `None`."""
-    return _verdicts.get(layer, {}).get(bool(training))
-
-
 def _probe(on_rows, through, inputs, layer, batch, variables):
     """Calls `layer` through DTensor, then on the local rows with its draws:
     `(DTensor outputs, Verdict)`, the verdict `None` if it built a layer."""

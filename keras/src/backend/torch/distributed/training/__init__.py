@@ -1,2 +1,1 @@
-"""The training step under a distribution (`step`), its gradient reductions
-(`gradients`, `step_reduction`), compiled steps and the layer-call hook."""
+"""The training step under a distribution, its reductions and layer calls."""

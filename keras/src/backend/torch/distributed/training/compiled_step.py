@@ -1,15 +1,12 @@
 """Steps compiled by `torch.compile` (`jit_compile=True`) on `DTensor`s; a
 step torch cannot compile runs eagerly (`run_first`)."""
 
-import contextlib
-import datetime
 import functools
 import itertools
 import time
 import warnings
 
 import torch
-import torch.distributed as dist
 
 from keras.src import tree
 from keras.src.backend.torch.distributed.core import runtime
@@ -18,7 +15,6 @@ from keras.src.backend.torch.distributed.dtensor_gaps import fallback
 from keras.src.backend.torch.distributed.fsdp import fsdp
 from keras.src.backend.torch.distributed.health import health
 
-# Numbers the first compiled calls alike on every process (store keys).
 _first_calls = itertools.count()
 
 
@@ -26,25 +22,20 @@ def compile_step(step_function):
     """`torch.compile` of a step on `DTensor`s, with static shapes: dynamo
     cannot make a constant of a symbolic shape in DTensor's Python code."""
     compiled_function = torch.compile(step_function, dynamic=False)
+    config = getattr(torch.compiler, "config", None)
 
     @functools.wraps(step_function)
     def compiled_step(data):
-        with _rank_cache_key():
+        # Caches keyed by rank (torch without `cache_key_tag`: by storage
+        # address): AOTAutograd keys by mesh and placements, yet a rank's graph
+        # slices replicated tensors at its offset (pytorch/pytorch#188390).
+        tag = getattr(config, "cache_key_tag", None)
+        if tag is None:
+            return compiled_function(data)
+        with config.patch(cache_key_tag=f"{tag}keras-rank-{runtime.rank()}"):
             return compiled_function(data)
 
     return compiled_step
-
-
-def _rank_cache_key():
-    """A context keying torch's compile caches by rank: each rank's graph
-    slices replicated tensors at its shard's offset, but AOTAutograd keys by
-    mesh and placements only (pytorch/pytorch#188390). Torch without
-    `cache_key_tag` keys by storage address, per process."""
-    config = getattr(torch.compiler, "config", None)
-    tag = getattr(config, "cache_key_tag", None)
-    if tag is None:
-        return contextlib.nullcontext()
-    return config.patch(cache_key_tag=f"{tag}keras-rank-{runtime.rank()}")
 
 
 class CompileFailed(Exception):
@@ -64,12 +55,11 @@ def run_first(compiled_step_function, model, data):
     """Runs the compiled step; if it fails on every process, restores the
     variables it may have changed (all but the weights), warns and raises
     `CompileFailed`. Failed on some processes only, it raises on all."""
-    state = list(model.non_trainable_variables) + list(model.metrics_variables)
+    state = [*model.non_trainable_variables, *model.metrics_variables]
     optimizer = getattr(model, "optimizer", None)
     if getattr(optimizer, "built", False):
-        state += list(optimizer.variables)
-    state = list({id(v): v for v in state}.values())
-    saved = [v.value.detach().clone() for v in state]
+        state += optimizer.variables
+    saved = {id(v): (v, v.value.detach().clone()) for v in state}
     try:
         outputs = run(compiled_step_function, model, data)
     except Exception as e:  # torch.compile raises errors of many types.
@@ -79,7 +69,7 @@ def run_first(compiled_step_function, model, data):
         _agree_on_first_call(reason)
         warn_eager(reason)
         with torch.no_grad():
-            for variable, value in zip(state, saved):
+            for variable, value in saved.values():
                 variable.assign(value)
         model.zero_grad()
         raise CompileFailed() from e
@@ -88,31 +78,26 @@ def run_first(compiled_step_function, model, data):
 
 
 def _agree_on_first_call(reason):
-    """Raises on every process unless all processes' first compiled calls
-    failed or all ran (`reason`: why this one's failed, or `None`), lest one
-    pair its eager collectives with the others' compiled ones. Agreed in the
-    job's store, not by a collective another process may still be in."""
-    size = runtime.world_size()
-    store = None if size == 1 else health.connect_store(required=True)
+    """Raises on every process unless all first compiled calls failed or all
+    ran (`reason`: why this one's failed, or `None`); agreed in the job's
+    store, as another process may still be in a collective."""
+    store = health.connect_store(required=True)
     if store is None:
         return
-    number = next(_first_calls)
+    size, number = runtime.world_size(), next(_first_calls)
     keys = [f"compiled_first/{number}/{rank}" for rank in range(size)]
     store.set(keys[runtime.rank()], reason or "")
     deadline = time.monotonic() + health.current_timeout()
-    while True:
-        try:
-            store.wait(keys, datetime.timedelta(seconds=0.2))
-            break
-        except dist.DistStoreError:  # Not all there yet.
-            failures = health.peer_failures()
-            if failures or time.monotonic() > deadline:
-                where = failures[0] if failures else ("?", "no answer")
-                raise RuntimeError(
-                    "`jit_compile=True`: the first compiled step "
-                    f"{'failed' if reason else 'ran'} on this process, and "
-                    f"process {where[0]} did not do alike ({where[1]})."
-                ) from None
+    while not store.check(keys):
+        failures = health.peer_failures()
+        if failures or time.monotonic() > deadline:
+            where = failures[0] if failures else ("?", "no answer")
+            raise RuntimeError(
+                "`jit_compile=True`: the first compiled step "
+                f"{'failed' if reason else 'ran'} on this process, and "
+                f"process {where[0]} did not do alike ({where[1]})."
+            )
+        time.sleep(0.2)
     reasons = [store.get(key).decode() for key in keys]
     failed = [rank for rank, text in enumerate(reasons) if text]
     if failed and len(failed) < size:
@@ -127,9 +112,8 @@ def _agree_on_first_call(reason):
 def warn_eager(reason):
     """Warns that the step runs eagerly, for `reason`."""
     warnings.warn(
-        "`jit_compile=True`: torch.compile could not compile a step of "
-        f"this distributed model ({reason}). Running the step eagerly "
-        "instead.",
+        "`jit_compile=True`: torch.compile could not compile a step of this "
+        f"distributed model ({reason}). Running the step eagerly instead.",
         stacklevel=4,
     )
 
@@ -146,19 +130,17 @@ def eager_reason(model):
             f"(set {fsdp.GATHER_WEIGHTS_ENV}=off to compile DTensor's own "
             "plan instead)"
         )
-    return None
 
 
 def evenly_sharded(values):
     """Whether every `DTensor` in `values` splits into equal shards."""
     for x in tree.flatten(values):
         x = getattr(x, "value", x)
-        if not isinstance(x, DTensor):
-            continue
-        parts = {}
-        for size, p in zip(x.device_mesh.shape, x.placements):
-            if p.is_shard():
-                parts[p.dim] = parts.get(p.dim, 1) * size
-        if any(x.shape[dim] % n for dim, n in parts.items()):
-            return False
+        if isinstance(x, DTensor):
+            parts = {}
+            for size, p in zip(x.device_mesh.shape, x.placements):
+                if p.is_shard():
+                    parts[p.dim] = parts.get(p.dim, 1) * size
+            if any(x.shape[dim] % n for dim, n in parts.items()):
+                return False
     return True

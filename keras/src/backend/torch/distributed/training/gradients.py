@@ -1,6 +1,5 @@
-"""Gradients reduced once per step, in DDP-like buckets, before the optimizer:
-replicated weights' gradients on a sharded batch are `Partial` DTensors, which
-every optimizer op reading them would all-reduce again."""
+"""Gradients reduced once per step in DDP-like buckets: replicated weights'
+`Partial` gradients would be all-reduced by every optimizer op reading them."""
 
 import math
 import weakref
@@ -12,13 +11,11 @@ from keras.src.backend.torch.distributed.core import layouts
 from keras.src.backend.torch.distributed.core import local_state
 from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.core.runtime import DTensor
-from keras.src.backend.torch.distributed.core.runtime import Partial
 
 BUCKET_BYTES = 25 * 1024 * 1024
 # The first overlapped bucket is small, as DDP's: it starts early in backward.
 FIRST_BUCKET_BYTES = 1024 * 1024
 
-# Each optimizer's flat gradient buffers, kept across steps to reuse memory.
 _GRADIENT_BUFFERS = weakref.WeakKeyDictionary()
 
 
@@ -33,17 +30,16 @@ def apply_gradients(apply_function, optimizer, grads, trainable_variables):
     if variables is None:
         variables = optimizer._trainable_variables
     # Redistributed once here, not by every optimizer op reading them.
-    laid_out = []
-    for g, v in zip(grads, variables):
-        value = getattr(v, "value", v)
-        if (
-            isinstance(g, DTensor)
-            and isinstance(value, DTensor)
-            and g.device_mesh == value.device_mesh
-        ):
-            g = layouts.redistribute(g, g.device_mesh, value.placements)
-        laid_out.append(g)
-    grads, state = laid_out, list(optimizer.variables) + list(variables)
+    values = [getattr(v, "value", v) for v in variables]
+    grads = [
+        layouts.redistribute(g, g.device_mesh, x.placements)
+        if isinstance(g, DTensor)
+        and isinstance(x, DTensor)
+        and g.device_mesh == x.device_mesh
+        else g
+        for g, x in zip(grads, values)
+    ]
+    state = list(optimizer.variables) + list(variables)
     if not (optimizer.built and local_state.all_replicated(state + grads)):
         return apply_function(grads, trainable_variables)
     with torch.no_grad(), local_state.local_reads(state):
@@ -64,30 +60,28 @@ def reduce_gradients(gradients, buffers=None, as_local=False):
     """`gradients` with every `Partial` placement reduced (views of `buffers`'
     flat buffers if given); replicated ones local tensors if `as_local`."""
     gradients = list(gradients)
-    indices = [
-        i
+    parts = {
+        i: (g.to_local(), g.device_mesh, tuple(g.placements))
         for i, g in enumerate(gradients)
         if isinstance(g, DTensor) and any(p.is_partial() for p in g.placements)
-    ]
-    parts = [
-        (g.to_local(), g.device_mesh, tuple(g.placements))
-        for g in (gradients[i] for i in indices)
-    ]
-    for i, local in zip(indices, reduce_parts(parts, buffers)):
+    }
+    for i, local in zip(parts, reduce_parts(list(parts.values()), buffers)):
         gradients[i] = reduced_value(gradients[i], local, as_local)
     return gradients
 
 
 def reduce_parts(parts, buffers=None, key_prefix=()):
-    """The local tensors of `parts`, `(local tensor, mesh, placements)` each,
-    summed over their partial mesh axes (averages summed, then divided), in
-    buckets of parts alike. Meshes are keyed by value: DTensor's sharding
-    propagation cache hands out an earlier, equal mesh object."""
+    """The local tensors of `parts` (`(local tensor, mesh, placements)`s)
+    summed over their partial mesh axes, in buckets of parts alike; meshes are
+    keyed by value, as DTensor's propagation cache hands out equal copies."""
     reduced = [None] * len(parts)
     groups = {}
     for i, (local, mesh, placements) in enumerate(parts):
-        axes = tuple(_summed(p) if p.is_partial() else None for p in placements)
-        key = (mesh, axes, local.dtype, local.device)
+        # `None`, not `False`, for the others: `ReduceOp.SUM == 0 == False`.
+        ops = tuple(
+            reduce_op(p) if p.is_partial() else None for p in placements
+        )
+        key = (mesh, ops, local.dtype, local.device)
         groups.setdefault(key, []).append(i)
     for key, indices in groups.items():
         _, mesh, placements = parts[indices[0]]
@@ -97,7 +91,7 @@ def reduce_parts(parts, buffers=None, key_prefix=()):
         if (
             len(partial) > 1
             and len(partial) == sum(1 for n in mesh.shape if n > 1)
-            and len({_summed(p) for _, p in partial}) == 1
+            and len({reduce_op(p) for _, p in partial}) == 1
             and mesh.size() == dist.get_world_size()
         ):
             reductions = [(None, reduce_op(partial[0][1]))]
@@ -119,15 +113,12 @@ def all_reduced(locals_, reductions, buffers=None, key=None, async_op=False):
     """`(flat, work)`: `locals_` packed in one flat buffer (kept in `buffers`
     under `key`), all-reduced by each `(process group, op)` of `reductions`."""
     size = sum(x.numel() for x in locals_)
-    flat = None if buffers is None else buffers.get(key)
+    buffers = {} if buffers is None else buffers
+    flat = buffers.get(key)
     if flat is None or flat.numel() < size:
-        first = locals_[0]
-        flat = torch.empty(size, dtype=first.dtype, device=first.device)
-        if buffers is not None:
-            buffers[key] = flat
+        flat = buffers[key] = locals_[0].new_empty(size)
     flat = flat[:size]
     torch.cat([x.reshape(-1) for x in locals_], out=flat)
-    work = None
     for group, op in reductions:
         work = dist.all_reduce(flat, op=op, group=group, async_op=async_op)
     return flat, work
@@ -152,13 +143,6 @@ def averaged(local, mesh, placements):
     return local
 
 
-def _summed(placement):
-    """`placement`, a partial average taken as a partial sum."""
-    if placement.is_partial() and placement.reduce_op == "avg":
-        return Partial("sum")
-    return placement
-
-
 def partial_dims(mesh, placements):
     """The mesh dims of more than one process `placements` are partial over."""
     return [
@@ -180,8 +164,9 @@ def reduced_value(value, local, as_local):
 
 
 def reduce_op(placement):
-    """The `ReduceOp` summing parts partial by `placement`."""
-    return getattr(dist.ReduceOp, _summed(placement).reduce_op.upper())
+    """The `ReduceOp` summing parts partial by `placement` (averages too)."""
+    op = placement.reduce_op
+    return getattr(dist.ReduceOp, "SUM" if op == "avg" else op.upper())
 
 
 def buckets(items, tensor, first_cap=None):
@@ -190,11 +175,8 @@ def buckets(items, tensor, first_cap=None):
     result, bucket, size = [], [], 0
     for item in items:
         bucket.append(item)
-        t = tensor(item)
-        size += t.numel() * t.element_size()
+        size += tensor(item).nbytes
         if size >= (BUCKET_BYTES if first_cap is None or result else first_cap):
             result.append(bucket)
             bucket, size = [], 0
-    if bucket:
-        result.append(bucket)
-    return result
+    return result + [bucket] if bucket else result

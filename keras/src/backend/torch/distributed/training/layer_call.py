@@ -1,7 +1,6 @@
-"""Layer calls under a distribution: a plain tensor is a global value
-replicated on every process, as in JAX. Partial-sum outputs are reduced as
-the layer returns (Megatron's `RowwiseParallel`), as are a replicated
-output's partial gradients (Megatron's `f`) where the backward needs them."""
+"""Layer calls under a distribution, plain tensors replicated global values (as
+in JAX); partial-sum outputs reduced as the layer returns, and a replicated
+output's partial gradients where the backward needs them (Megatron's `f`)."""
 
 import contextlib
 import functools
@@ -78,8 +77,7 @@ def call_layer(call_function, layer, *args, **kwargs):
 
 def _call_global(call_function, layer, args, kwargs, distribution=None):
     """Calls `layer` on `DTensor`s (`distribution=None`: the current one)."""
-    if distribution is None:
-        distribution = runtime.current_distribution()
+    distribution = distribution or runtime.current_distribution()
     mesh = distribution.device_mesh.backend_mesh
     args, kwargs = tree.map_structure(
         functools.partial(layouts.replicate, mesh=mesh), (args, kwargs)
@@ -114,17 +112,15 @@ def _call_global(call_function, layer, args, kwargs, distribution=None):
 
 def _partial_gradient_axes(layer, ndim, inputs):
     """Mesh dims where `layer`'s backward can take a partial-sum output
-    gradient as is (reduced once, later): those a linear `Dense` or
-    `EinsumDense`'s weights are replicated on; all for a weightless layer
-    with one differentiated input."""
+    gradient as is: those a linear `Dense`'s or `EinsumDense`'s weights are
+    replicated on; all for a weightless layer of one differentiated input."""
     from keras.src import activations
     from keras.src import layers
 
     if not isinstance(layer, (layers.Dense, layers.EinsumDense)):
         if layer.weights or _differentiated_inputs(inputs) > 1:
             return ()
-        return tuple(range(ndim))
-    if getattr(layer, "quantization_mode", None) is not None or (
+    elif getattr(layer, "quantization_mode", None) is not None or (
         getattr(layer, "activation", None) not in (None, activations.linear)
     ):
         return ()
@@ -146,32 +142,28 @@ def _differentiated_inputs(inputs):
 
 
 def _layer_output(axes, x):
-    """A layer output with its partial sums and their gradients reduced (but
-    over `axes`)."""
+    """`x` with partial sums reduced, and their gradients but over `axes`."""
     if not isinstance(x, DTensor):
         return x
     mesh = x.device_mesh
-    output = layouts.redistribute(
-        x, mesh, layouts.reduced_placements(x.placements)
-    )
+    y = layouts.redistribute(x, mesh, layouts.reduced_placements(x.placements))
     if (
-        output.requires_grad
+        y.requires_grad
         and torch.is_grad_enabled()
-        and not _hooked_by_inner_layer(output)
+        and not _hooked_by_inner_layer(y)
         and any(
             p.is_replicate() and mesh.size(d) > 1
-            for d, p in enumerate(output.placements)
+            for d, p in enumerate(y.placements)
         )
     ):
         # A hook, not an autograd Function: the output stays the same
         # tensor, which the next layer may update in place.
-        hook = functools.partial(_whole_gradient, output.placements, axes)
-        output.register_hook(hook)
-        setattr(output, GRADIENT_HOOK_ATTRIBUTE, True)
+        y.register_hook(functools.partial(_whole_gradient, y.placements, axes))
+        setattr(y, GRADIENT_HOOK_ATTRIBUTE, True)
     mask = get_keras_mask(x)
-    if output is not x and mask is not None:
-        set_keras_mask(output, mask)
-    return output
+    if y is not x and mask is not None:
+        set_keras_mask(y, mask)
+    return y
 
 
 def _hooked_by_inner_layer(output):
@@ -259,9 +251,7 @@ def loop_function(function, condition=False):
     return replicated_function
 
 
-def loop_condition(cond):
-    """`loop_function` of a `while_loop` condition."""
-    return loop_function(cond, condition=True)
+loop_condition = functools.partial(loop_function, condition=True)
 
 
 def check_replicated(values, name):
@@ -280,9 +270,7 @@ def check_replicated(values, name):
     for _, x in leaves:  # A few numbers that differ when two tensors differ.
         x = x.detach().to(runtime.comm_device()).reshape(-1).to(torch.float64)
         weights = torch.arange(1, x.numel() + 1, dtype=x.dtype, device=x.device)
-        digests.append(
-            torch.stack([x.sum(), (x * weights).sum(), (x * x).sum()])
-        )
+        digests.append(torch.stack([x, x * weights, x * x]).sum(1))
     digests = torch.stack(digests)
     gathered = [torch.empty_like(digests) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, digests)

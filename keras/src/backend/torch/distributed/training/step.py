@@ -25,12 +25,9 @@ from keras.src.backend.torch.distributed.training import step_reduction
 
 
 class DistributedStep:
-    """A train, test or predict step function, run under the distribution.
-
-    A compiled step runs eagerly where a variable or batch is sharded
-    unevenly (compiled code assumes equal shards) or once its first call
-    failed; processes decide alike, on global shapes.
-    """
+    """A train, test or predict step function run under the distribution; a
+    compiled one runs eagerly where a variable or batch is sharded unevenly,
+    or once its first call failed (processes decide alike, on global shapes)."""
 
     def __init__(self, model, kind, step_function, eager_step_function):
         from keras.src.models.model import Model
@@ -39,15 +36,12 @@ class DistributedStep:
         # Reached via the model whatever the trainer does with the step.
         local_rows.model_steps(model).by_kind[kind] = self
         self.step_function = step_function
-        self.eager_step_function = eager_step_function
-        functools.update_wrapper(self, eager_step_function)
-        # A compiled step not yet run.
-        self._unchecked = step_function is not eager_step_function
-        self._distributed_function = eager_step_function
+        eager = self.eager_step_function = eager_step_function
+        functools.update_wrapper(self, eager)
+        self._unchecked = step_function is not eager  # Compiled, not yet run.
+        self._distributed_function = eager
         if self._unchecked:
-            self._distributed_function = compiled_step.compile_step(
-                eager_step_function
-            )
+            self._distributed_function = compiled_step.compile_step(eager)
         # Keras' own train step reduces after one backward pass: its buckets
         # can be all-reduced while that pass runs.
         self._overlaps_reduction = (
@@ -57,7 +51,7 @@ class DistributedStep:
         # trainable variable (DTensor does those globally).
         self.runs_through_dtensor = False
         # The probe's `{training: Verdict}`; kept by `local_variables`.
-        self.verdicts, self._local_variables = {}, None
+        self.verdicts, self._local_variables = {}, (None, None)
         # Kept across steps: plain leaves, bucket plans, FSDP gather order.
         self._leaves, self._buckets = {}, {}
         self._gathers = fsdp_schedule.GatherSchedule()
@@ -129,11 +123,9 @@ class DistributedStep:
         return mesh.ndim == 1 and self.local_variables(mesh) is not None
 
     def local_variables(self, mesh):
-        """`local_rows.local_variables` of the model on the batch's `mesh`,
-        kept once final."""
-        kept = self._local_variables
-        if kept is not None and kept[0] is mesh:
-            return kept[1]
+        """`local_rows.local_variables` on the batch's `mesh`, kept if final."""
+        if self._local_variables[0] is mesh:
+            return self._local_variables[1]
         variables = local_rows.local_variables(self.model, mesh)
         if local_rows.classification_final(self.model):
             self._local_variables = (mesh, variables)
@@ -141,8 +133,7 @@ class DistributedStep:
 
     def local_leaf(self, variable):
         """The plain leaf for a weight in a local-rows call, or `None`."""
-        reduction = self._reduction
-        return None if reduction is None else reduction.local_leaf(variable)
+        return self._reduction and self._reduction.local_leaf(variable)
 
     def keep_local_output(self, output, local):
         """Keeps, for this step, the plain `local` rows `output` was made of."""
@@ -166,11 +157,9 @@ class DistributedStep:
         )
 
 
-def call_verdict(model, kind=None, training=False):
+def call_verdict(model, kind, training=False):
     """The probe's `batch_coupling.Verdict` of `model`'s calls with `training`
-    in step function `kind` (`None`: outside a step), or `None`."""
-    if kind is None:
-        return local_rows.verdict(model, training)
+    in step function `kind`, or `None`."""
     step = model_step(model, kind)
     return None if step is None else step.verdicts.get(bool(training))
 
@@ -208,8 +197,7 @@ def metric_predictions(model, y_pred):
 
 
 def reduce_gradients(model, gradients):
-    """A train step's `gradients` (trainable-weight order), reduced once in
-    buckets in a step under a distribution, else as they are."""
+    """A train step's `gradients`, reduced once in buckets in a step."""
     step = local_rows.running_step(model)
     return gradients if step is None else step.reduce_gradients(gradients)
 
@@ -221,15 +209,12 @@ def local_metric_state(model, metric, value=None):
     step = local_rows.running_step(model)
     if step is None:
         return contextlib.nullcontext(value)
-    reduction = step._reduction
-    return local_state.local_metric_state(
-        metric, None if reduction is None else reduction.defer, value
-    )
+    defer = getattr(step._reduction, "defer", None)
+    return local_state.local_metric_state(metric, defer, value)
 
 
 def local_metric_reads(model, metric):
-    """A context reading `metric`'s replicated state in a step on its local
-    values, without DTensor's dispatch."""
+    """A context reading `metric`'s replicated state locally in a step."""
     if local_rows.running_step(model) is None:
         return contextlib.nullcontext()
     return local_state.local_reads(metric.variables)

@@ -1,13 +1,11 @@
-"""Keras' own train step's gradient reduction, overlapped with backward as in
-DDP: reverse-order buckets are all-reduced as backward completes them, the
-last (with the loss tracker's partial sum) in `reduce_step_gradients`."""
+"""Keras' train step's gradient buckets all-reduced as backward completes them
+(DDP); the last, with the loss tracker's sum, by `reduce_step_gradients`."""
 
 import contextlib
 import datetime
 import functools
 
 import torch
-import torch.distributed as dist
 
 from keras.src.backend.torch.distributed.core import layouts
 from keras.src.backend.torch.distributed.core import local_state
@@ -111,8 +109,8 @@ class OverlappedReduction:
         self.arrived = [[None] * len(bucket) for bucket in self.buckets]
         # By id(variable): all leaves made (kept across steps), this step's.
         self.leaves, self.leaf_of = leaves, {}
-        # `(bucket index, gradients, flat, work)`s; `(mesh, local, value)`s.
-        self.launched, self.deferred = [], []
+        # `{bucket index: (gradients, flat, work)}`; `(mesh, local, value)`s.
+        self.launched, self.deferred = {}, []
         self.handles = [
             v.value.register_post_accumulate_grad_hook(
                 functools.partial(self.gradient_ready, id(v))
@@ -125,11 +123,8 @@ class OverlappedReduction:
         """The plain leaf sharing replicated `variable`'s local storage, or
         `None` for a variable this reduction does not reduce."""
         key = id(variable)
-        if key not in self.positions:
-            return None
-        leaf = self.leaf_of.get(key)
-        if leaf is not None:
-            return leaf
+        if key not in self.positions or key in self.leaf_of:
+            return self.leaf_of.get(key)
         with torch.no_grad():
             local = variable.value.to_local()
         leaf = self.leaves.get(key)
@@ -141,9 +136,8 @@ class OverlappedReduction:
         return leaf
 
     def defer(self, local, value):
-        """Whether partial sum `value` for replicated `local` was deferred to
-        the last bucket (nothing reads the loss tracker before the optimizer):
-        it must be partial over the data mesh."""
+        """Whether partial sum `value` for replicated `local`, if over the data
+        mesh, is deferred to the last bucket (unread before the optimizer)."""
         mesh = self.trainable[0].value.device_mesh
         if not (
             isinstance(value, DTensor)
@@ -167,49 +161,43 @@ class OverlappedReduction:
                 self._launch(bucket_index, arrived)
 
     def _launch(self, bucket_index, gradients):
-        """All-reduces a complete bucket asynchronously if it is plain gradients
-        of one dtype or `DTensor`s laid out alike, partial over one mesh axis
-        (else `reduce_step_gradients` reduces it)."""
+        """All-reduces a complete bucket asynchronously if its gradients are
+        alike: of one dtype, plain partial sums over the 1-D mesh or `DTensor`s
+        partial over one mesh axis (else `reduce_step_gradients` does)."""
         first = gradients[0]
-        if not any(isinstance(g, DTensor) for g in gradients):
-            mesh = self.buckets[bucket_index][0].value.device_mesh
-            if len({g.dtype for g in gradients}) > 1 or mesh.size() == 1:
-                return
-            reduction = mesh.get_group(0), dist.ReduceOp.SUM
-        else:
-            if not all(
-                isinstance(g, DTensor)
-                and g.device_mesh == first.device_mesh
-                and g.placements == first.placements
-                and g.dtype == first.dtype
-                for g in gradients
-            ):
-                return
+        if isinstance(first, DTensor):
             mesh, placements = first.device_mesh, first.placements
-            dims = gradients_lib.partial_dims(mesh, placements)
-            if len(dims) != 1:
-                return
-            op = gradients_lib.reduce_op(placements[dims[0]])
-            reduction = mesh.get_group(dims[0]), op
+        else:
+            mesh = self.buckets[bucket_index][0].value.device_mesh
+            placements = (Partial(),)
+        dims = gradients_lib.partial_dims(mesh, placements)
+        alike = {
+            (g.dtype, g.device_mesh, g.placements)
+            if isinstance(g, DTensor)
+            else g.dtype
+            for g in gradients
+        }
+        if len(dims) != 1 or len(alike) > 1:
+            return
+        op = gradients_lib.reduce_op(placements[dims[0]])
         # A shared weight accumulates again after its bucket completed: wait
-        # for and forget the earlier launch, whose buffer this one reuses.
-        for entry in [e for e in self.launched if e[0] == bucket_index]:
-            entry[3].wait(datetime.timedelta(seconds=health.current_timeout()))
-            self.launched.remove(entry)
-        flat, work = gradients_lib.all_reduced(
+        # for the earlier launch, whose buffer this one reuses.
+        if bucket_index in self.launched:
+            timeout = datetime.timedelta(seconds=health.current_timeout())
+            self.launched.pop(bucket_index)[2].wait(timeout)
+        self.launched[bucket_index] = (gradients,) + gradients_lib.all_reduced(
             [local_state.local_value(g) for g in gradients],
-            [reduction],
+            [(mesh.get_group(dims[0]), op)],
             self.buffers,
             ("overlapped", bucket_index, first.dtype, first.device),
             async_op=True,
         )
-        self.launched.append((bucket_index, gradients, flat, work))
 
     def wait_all(self, as_local):
         """Waits for the launches: `{id(variable): (gradient, reduced)}`."""
         timeout = datetime.timedelta(seconds=health.current_timeout())
         reduced = {}
-        for bucket_index, gradients, flat, work in self.launched:
+        for bucket_index, (gradients, flat, work) in self.launched.items():
             work.wait(timeout)
             values, g0 = gradients_lib.views(flat, gradients), gradients[0]
             if isinstance(g0, DTensor):  # All laid out alike (`_launch`).
@@ -218,10 +206,9 @@ class OverlappedReduction:
                     gradients_lib.reduced_value(g, x, as_local)
                     for g, x in zip(gradients, values)
                 ]
-            bucket = self.buckets[bucket_index]
-            for v, gradient, value in zip(bucket, gradients, values):
-                reduced[id(v)] = (gradient, value)
-        self.launched = []
+            for v, *entry in zip(self.buckets[bucket_index], gradients, values):
+                reduced[id(v)] = entry
+        self.launched = {}
         return reduced
 
     def finish(self, gradients, as_local):
@@ -246,29 +233,26 @@ class OverlappedReduction:
                         leaf.grad, mesh, [Partial()] * mesh.ndim
                     )
                 continue
-            if leaf is not None:
-                gradient = leaf.grad
+            gradient = gradient if leaf is None else leaf.grad
             entry = launched.get(id(v))
             # Reduced as launched, unless accumulated again since.
             if entry is not None and entry[0] is gradient:
                 result[i] = entry[1]
             elif leaf is not None and gradient is not None:
-                pending.append((i, v, gradient))
+                mesh = v.value.device_mesh
+                pending.append((i, (gradient, mesh, (Partial(),))))
         if pending:
             self._reduce_pending(pending, result)
         return result
 
     def _reduce_pending(self, pending, result):
-        """All-reduces `pending` leaf gradients and the deferred state."""
+        """All-reduces the deferred state and `pending` `(index, part)`s."""
         deferred, self.deferred = self.deferred, []
         parts = [
             (value.to_local(), mesh, tuple(value.placements))
             for mesh, _, value in deferred
-        ] + [
-            (gradient, variable.value.device_mesh, (Partial(),))
-            for _, variable, gradient in pending
-        ]
+        ] + [part for _, part in pending]
         reduced = gradients_lib.reduce_parts(parts, self.buffers, ("leaves",))
         _store(deferred, reduced)
-        for (i, _, _), value in zip(pending, reduced[len(deferred) :]):
+        for (i, _), value in zip(pending, reduced[len(deferred) :]):
             result[i] = value
