@@ -147,8 +147,6 @@ def initialize_job(job_addresses=None, num_processes=None, process_id=None):
 def agree_on_environment():
     """Raises on every process unless all set alike the `KERAS_DISTRIBUTION_*`
     variables choosing collectives (else one alone in a collective hangs)."""
-    from keras.src.backend.torch.distributed.core import collectives
-
     if world_size() == 1:
         return
     choices = sorted(
@@ -156,8 +154,12 @@ def agree_on_environment():
         for k, v in os.environ.items()
         if k.startswith("KERAS_DISTRIBUTION_") and k not in _PER_PROCESS_ENV
     )
-    digest = zlib.crc32(repr(choices).encode())
-    if len(set(map(tuple, collectives.all_gather_ints([digest], None)))) == 1:
+    digest = torch.tensor(
+        [zlib.crc32(repr(choices).encode())], device=comm_device()
+    )
+    digests = [torch.empty_like(digest) for _ in range(world_size())]
+    dist.all_gather(digests, digest)
+    if all(torch.equal(d, digest) for d in digests):
         return
     every = [None] * world_size()
     dist.all_gather_object(every, dict(choices))
@@ -175,14 +177,15 @@ def agree_on_environment():
 def agree_on_seed():
     """Gives every process process 0's seed if any set none, so unseeded random
     ops (initializers, dropout) agree; seeds set on all processes are kept."""
-    from keras.src.backend.torch.distributed.core import collectives
     from keras.src.random import seed_generator
     from keras.src.utils import rng_utils
 
     if world_size() == 1:
         return
     own = rng_utils.get_random_seed()
-    if not collectives.any_process(own is None, None):
+    unseeded = torch.tensor([int(own is None)], device=comm_device())
+    dist.all_reduce(unseeded, op=dist.ReduceOp.MAX)
+    if not unseeded.item():
         return
     seed = seed_generator.make_default_seed() if own is None else own
     seed = torch.tensor([seed], dtype=torch.int64, device=comm_device())
