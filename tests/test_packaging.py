@@ -733,3 +733,117 @@ def test_a_fix_that_is_not_part_of_the_change_is_refused(
     _fix_plan(source, old, new)
     with pytest.raises(overlaylib.OverlayError, match=error):
         series.series_steps(source, upstream, None)
+
+
+_PRIVATE = re.compile(r"^_[a-z]\w*$")
+
+
+def _private_uses(tree):
+    """Private names a module reads or writes on another object than `self`
+    or `cls`: attributes (not op names of `torch.ops`), `getattr`-style
+    names, global attributes of Keras' `global_state` (quoted), and the
+    private parts of module paths it imports or names a logger after."""
+    uses = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _PRIVATE.match(node.attr):
+            owner = ast.unparse(node.value)
+            if owner not in ("self", "cls") and not (
+                owner.startswith("torch.ops") or owner.endswith("aten")
+            ):
+                uses.add(node.attr)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            uses.update(re.findall(r"(?<=\.)_\w+", node.module))
+        elif isinstance(node, ast.Call) and node.args:
+            function = getattr(node.func, "id", getattr(node.func, "attr", ""))
+            named = [a.value for a in node.args if isinstance(a, ast.Constant)]
+            if function in ("getattr", "setattr", "hasattr"):
+                uses.update(x for x in named if _PRIVATE.match(str(x)))
+            elif function.endswith("_global_attribute"):
+                uses.update(f'"{x}"' for x in named[:1])
+            elif function == "getLogger":
+                uses.update(re.findall(r"(?<=\.)_\w+", str(named[:1])))
+    return uses
+
+
+def _own_private_names(trees):
+    """Private names our modules define: functions, classes, globals, and
+    attributes they assign (on any object)."""
+    names = set()
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                for target in getattr(node, "targets", None) or [node.target]:
+                    for leaf in ast.walk(target):
+                        names.add(
+                            getattr(leaf, "id", getattr(leaf, "attr", ""))
+                        )
+    return {x for x in names if _PRIVATE.match(x)}
+
+
+def _upstream_private_names(pristine):
+    """Private names upstream Keras defines: attributes it sets on `self`,
+    its methods, its global attributes (quoted)."""
+    names = set()
+    for rel in _py_files(pristine):
+        text = overlaylib.read_text(pristine / rel)
+        names.update(re.findall(r"self\.(_[a-z]\w*)\s*(?::[^=\n]*)?=", text))
+        names.update(re.findall(r"def (_[a-z]\w*)\(self", text))
+        names.update(
+            f'"{x}"'
+            for x in re.findall(r'set_global_attribute\(\s*"(\w+)"', text)
+        )
+    return names
+
+
+def _private_api_rows():
+    """[(private names, modules)] of OVERLAY.md's private-API tables."""
+    rows, section = [], False
+    for line in (REPO / overlaylib.OVERLAY_DOC).read_text().splitlines():
+        if line.startswith("## "):
+            section = line.startswith("## Private")
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if section and len(cells) == 3 and "`" in cells[0]:
+            names = set()
+            for x in re.findall(r"`([^`]+)`", cells[0]):
+                names.update(
+                    [x]
+                    if x.startswith('"')
+                    else re.findall(r"(?:^|\.)(_\w+)", x)
+                )
+            rows.append((names, set(re.findall(r"`(\w+)`", cells[1]))))
+    return rows
+
+
+def test_private_apis_are_listed_where_used(pristine):
+    """Each private name of Keras or torch that a module of ours uses is in a
+    row of OVERLAY.md's private-API tables naming that module; each row's
+    modules use its names."""
+    new, _ = _overlay(pristine)
+    trees = {
+        Path(rel).stem: ast.parse(overlaylib.read_text(REPO / rel))
+        for rel in new
+        if rel.endswith(".py") and rel.startswith("keras/src/")
+    }
+    ours = _own_private_names(trees.values())
+    upstream = _upstream_private_names(pristine)
+    used = {
+        (name, module)
+        for module, tree in trees.items()
+        for name in _private_uses(tree)
+        if name not in ours or name in upstream
+    }
+    rows = _private_api_rows()
+    unlisted = [
+        use
+        for use in sorted(used)
+        if not any(use[0] in names and use[1] in ms for names, ms in rows)
+    ]
+    unused = [
+        (sorted(names), module)
+        for names, modules in rows
+        for module in sorted(modules)
+        if names and not any((name, module) in used for name in names)
+    ]
+    assert (unlisted, unused) == ([], [])

@@ -18,7 +18,7 @@ def batch_moments(function):
 
     @functools.wraps(function)
     def moments(x, axes, keepdims=False, synchronized=False):
-        group = getattr(local_rows._local_call, "group", None)
+        group = local_rows.batch_group()
         axes = tuple(axes) if isinstance(axes, (list, tuple)) else (axes,)
         if 0 not in [a % x.ndim for a in axes]:
             return function(x, axes, keepdims, synchronized)

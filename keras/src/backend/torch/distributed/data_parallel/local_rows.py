@@ -28,6 +28,12 @@ _verdicts = weakref.WeakKeyDictionary()
 _DIFFERS = "its outputs on the local rows differ from DTensor's"
 
 
+def batch_group():
+    """The process group over the batch of this thread's local call, else
+    `None` (not inside one)."""
+    return getattr(_local_call, "group", None)
+
+
 def model_steps(model):
     """`model`'s `DistributedStep`s `by_kind` and the `running` one."""
     if getattr(model, "_distributed_steps", None) is None:

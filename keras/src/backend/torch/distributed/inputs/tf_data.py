@@ -12,7 +12,8 @@ def tf_dataset_adapter(dataset, class_weight=None, distribution=None):
     """The `TFDatasetAdapter` of `dataset`; sharded, it yields global
     `DTensor` batches assembled from this process' parts."""
     if not (
-        getattr(distribution, "_is_multi_process", False)
+        distribution is not None
+        and runtime.world_size() > 1
         and getattr(distribution, "auto_shard_dataset", False)
     ):
         return TFDatasetAdapter(
