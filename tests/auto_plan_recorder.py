@@ -23,9 +23,9 @@ class PlanRecorder:
         gathered: the paths of the variables gathered for each call.
     """
 
-    def __init__(self, mesh_shape):
+    def __init__(self, mesh_shape, batch_dim_name="batch"):
         self.mesh_shape = dict(mesh_shape)
-        self.plan = auto_plan.Plan(self.mesh_shape, "model", "batch")
+        self.plan = auto_plan.Plan(self.mesh_shape, "model", batch_dim_name)
         self.axes = {}
         self.reasons = {}
         self.gathered = set()
@@ -61,14 +61,17 @@ class _Runtime:
         self.current_distribution = lambda: recorder
 
 
-def record_plan(build, mesh_shape=None):
+def record_plan(build, mesh_shape=None, batch_dim_name="batch"):
     """Runs `build()`; returns the `PlanRecorder` of its variables.
 
     Args:
         build: creates a model (its return value is ignored).
         mesh_shape: `{"batch": B, "model": M}`; default a (1, 2) mesh.
+        batch_dim_name: the batch's mesh axis (`"model"` on a 1-D mesh).
     """
-    recorder = PlanRecorder(mesh_shape or {"batch": 1, "model": 2})
+    recorder = PlanRecorder(
+        mesh_shape or {"batch": 1, "model": 2}, batch_dim_name
+    )
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(variables, "runtime", _Runtime(recorder))
         build()

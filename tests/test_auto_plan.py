@@ -306,6 +306,34 @@ def test_one_axis_mesh_shards_kernels_over_it_once():
     assert axes == (None, "x")
 
 
+@pytest.mark.parametrize(
+    "mesh_shape, batch_dim_name",
+    [({"batch": 1, "model": 2}, "batch"), ({"model": 2}, "model")],
+)
+def test_a_kernel_checked_row_parallel_leaves_its_bias_whole(
+    mesh_shape, batch_dim_name
+):
+    # On a 1-D mesh the batch's axis is the model's: a bias sharded over it
+    # as a column's is not sharded over the batch, and is made whole too.
+    layers = []
+
+    def build():
+        x = keras.Input((16,))
+        for i in range(3):
+            layers.append(keras.layers.Dense(16, name=f"d{i}"))
+            x = layers[-1](x)
+
+    recorder = record_plan(build, mesh_shape, batch_dim_name)
+    d1 = layers[1]
+    assert recorder.axes["d1/bias"] == ("model",)
+    weights = [(w, recorder.axes[w.path]) for w in d1.weights]
+    relaid = recorder.plan.check_pairing(d1, auto_plan.ROW, weights)
+    assert {v.path: axes for v, axes, _ in relaid} == {
+        "d1/kernel": ("model", None),
+        "d1/bias": (None,),
+    }
+
+
 def test_nothing_divisible_is_replicated():
     def build():
         keras.layers.Dense(3, name="odd").build((None, 5))

@@ -33,9 +33,7 @@ class MeshAxes:
                     reasons.append(
                         f"dimension {order[0]} indivisible by {self.model_size}"
                     )
-        axes, reason = tuple(axes), "; ".join(reasons)
-        if self.batch_size > 1:
-            axes, reason = self.with_batch(shape, axes, reason)
+        axes, reason = self.with_batch(shape, tuple(axes), "; ".join(reasons))
         if not reason:
             reason = describe(order[0]) if order else "replicated"
         return axes, reason
@@ -43,8 +41,9 @@ class MeshAxes:
     def with_batch(self, shape, axes, reason):
         """`axes` with the batch axis on the largest dimension it divides
         that the model axis leaves whole (FSDP-like): a block's vector joins
-        the block's gather and reduce-scatter, else stored whole everywhere."""
-        if self.batch_dim_name in axes:
+        the block's gather and reduce-scatter, else stored whole everywhere.
+        None on a batch axis of 1 (or the model's, on a 1-D mesh)."""
+        if self.batch_size == 1 or self.batch_dim_name in axes:
             return axes, reason
         batched = on_free_dimension(
             shape, axes, self.batch_dim_name, self.batch_size
