@@ -338,3 +338,25 @@ def test_bench_job_failures_names_the_failed_process():
     assert sorted(rows) == ["keras_data_parallel", "torch_ddp_record"], out
     seconds, names, shows = rows["keras_data_parallel"]
     assert float(seconds) > 0 and (names, shows) == ("1/1", "1/1"), out
+
+
+def test_bench_collective_latency_prints_each_work_and_launch():
+    result = run_torchrun(
+        BENCHMARKS / "bench_collective_latency.py",
+        2,
+        ["--work-ms", "0", "1", "--repeats", "3"],
+        timeout=120,
+        env=CPU_ENV,
+    )
+    rows = re.findall(
+        r"^\s*([\d.]+)\s+(sync|async)\s+([\d.]+)\s+([\d.]+)$",
+        result.stdout,
+        re.M,
+    )
+    assert [(w, launch) for w, launch, _, _ in rows] == [
+        ("0", "sync"),
+        ("0", "async"),
+        ("1", "sync"),
+        ("1", "async"),
+    ], result.stdout
+    assert all(float(m) > 0 and float(p) >= float(m) for *_, m, p in rows)
