@@ -42,7 +42,7 @@ class MeshAxes:
         """`axes` with the batch axis on the largest dimension it divides
         that the model axis leaves whole (FSDP-like): a block's vector joins
         the block's gather and reduce-scatter, else stored whole everywhere.
-        None on a batch axis of 1 (or the model's, on a 1-D mesh)."""
+        `axes` as given if the batch axis has size 1 or is the model's."""
         if self.batch_size == 1 or self.batch_dim_name in axes:
             return axes, reason
         batched = on_free_dimension(
