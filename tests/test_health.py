@@ -35,7 +35,7 @@ def test_a_report_of_an_earlier_step_is_cleared_by_the_next_step(store):
     with pytest.raises(ValueError):
         with health.guarded_step("train", lambda: []):
             raise ValueError("boom in step 1")
-    assert health._store_get("failed/1") == "ValueError: boom in step 1"
+    assert health._report("failed/1") == "ValueError: boom in step 1"
     # The caller caught it and trains on: the report is gone at once.
     with health.guarded_step("train", lambda: []):
         assert health._store_get("failed/1") is None
@@ -47,3 +47,27 @@ def test_a_step_of_a_process_that_never_reported_touches_no_key(store):
     with health.guarded_step("train", lambda: []):
         pass
     assert health._store_get("failed/0") == "another process' report"
+
+
+def test_a_report_of_a_step_its_process_went_on_from_is_not_current(
+    store, monkeypatch
+):
+    # Process 1 fails in its train step 1; its caller catches it and goes
+    # on, but has not started its next step (which clears the report) when
+    # process 0, already in train step 2, asks whether a peer failed.
+    with pytest.raises(ValueError):
+        with health.guarded_step("train", lambda: []):
+            raise ValueError("boom in step 1")
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    health._state["steps"] = {"train": 2}
+    assert health.peer_failures() == []
+    # Asked in the step the failure happened in, it is one; and a failed
+    # collective's message still names it.
+    health._state["steps"] = {"train": 1}
+    assert health.peer_failures() == [(1, "ValueError: boom in step 1")]
+    health._state["steps"] = {"train": 2}
+    assert health._reports() == {1: ("ValueError: boom in step 1", None)}
+    # A report of another kind of step than this process has run is current.
+    health._state["steps"] = {"test": 4}
+    assert health.peer_failures() == [(1, "ValueError: boom in step 1")]

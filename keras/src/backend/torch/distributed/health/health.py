@@ -133,7 +133,7 @@ def report_failure(error):
     if isinstance(error, JobFailedError) or _world_size() == 1:
         return
     line = traceback.format_exception_only(type(error), error)[-1].strip()
-    _store_set(f"failed/{dist.get_rank()}", line[:500])
+    _store_report(f"failed/{dist.get_rank()}", line[:500])
 
 
 def _world_size():
@@ -159,7 +159,7 @@ def name_processes(ranks):
 def _job_error(error, where):
     """The `JobFailedError` for a collective that failed during `where`."""
     rank, size = dist.get_rank(), dist.get_world_size()
-    _store_set(f"waiting/{rank}", where)
+    _store_report(f"waiting/{rank}", where)
     failed, silent = _peer_reports(wait=False)
     if not failed and silent:
         # A launcher may end this process during the wait below (torchrun's
@@ -211,12 +211,14 @@ def _job_error(error, where):
 
 
 def peer_failures():
-    """`[(rank, what)]` of the other processes that reported a failure, now."""
+    """`[(rank, what)]` of the other processes that reported a failure in a
+    step this process has not gone past (a report of an earlier step is of a
+    failure its process caught and went on from, until it clears it)."""
     if _world_size() == 1:
         return []
     return [
         (r, f"a collective failed there during {waiting}" if e is None else e)
-        for r, (e, waiting) in _reports().items()
+        for r, (e, waiting) in _reports(current=True).items()
         if e is not None or waiting is not None
     ]
 
@@ -233,14 +235,38 @@ def _peer_reports(wait=True):
         time.sleep(0.2)
 
 
-def _reports():
+def _reports(current=False):
     """`{rank: (its error, the step its collective failed in)}` of the other
-    processes, `None` where not reported."""
+    processes, `None` where not reported (or, if `current`, reported in a
+    step before this process' current one)."""
     others = [r for r in range(dist.get_world_size()) if r != dist.get_rank()]
     return {
-        r: (_store_get(f"failed/{r}"), _store_get(f"waiting/{r}"))
+        r: (_report(f"failed/{r}", current), _report(f"waiting/{r}", current))
         for r in others
     }
+
+
+def _store_report(key, text):
+    """Writes `text` under `key` with this process' step counts."""
+    steps = ",".join(f"{k}={n}" for k, n in _state["steps"].items())
+    _store_set(key, f"{steps}\t{text}")
+
+
+def _report(key, current=False):
+    """The text of the report under `key`, or `None`; if `current`, `None`
+    also for one written in a step before this process' current one."""
+    value = _store_get(key)
+    if value is None:
+        return None
+    steps, _, text = value.partition("\t")
+    pairs = (c.split("=") for c in steps.split(",") if c)
+    theirs = {k: int(n) for k, n in pairs}
+    ours = _state["steps"]
+    kinds = set(theirs) | set(ours)
+    behind = theirs != ours and all(
+        theirs.get(k, 0) <= ours.get(k, 0) for k in kinds
+    )
+    return None if current and behind else text
 
 
 def _collective_in(error_traceback):
