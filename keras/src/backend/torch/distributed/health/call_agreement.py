@@ -188,8 +188,7 @@ def _agree(description):
 
 
 def _append(store, number, description):
-    counts = ",".join(f"{k}={n}" for k, n in health.step_counts().items())
-    line = f"{dist.get_rank()}\t{counts}\t{description}"
+    line = f"{dist.get_rank()}\t{health.step_counts_text()}\t{description}"
     store.append(_KEY.format(number), line.replace("\n", " ") + "\n")
 
 
@@ -198,10 +197,9 @@ def _entries(store, number):
     entries = {}
     for line in store.get(_KEY.format(number)).decode().splitlines():
         rank, counts, description = line.split("\t", 2)
-        counts = [c.split("=") for c in counts.split(",") if c]
         # A process announces once per number; the first line stands.
         entries.setdefault(
-            int(rank), ({k: int(n) for k, n in counts}, description)
+            int(rank), (health.parse_step_counts(counts), description)
         )
     return entries
 

@@ -127,6 +127,17 @@ def step_counts():
     return dict(_state["steps"])
 
 
+def step_counts_text():
+    """`step_counts()` as store text, `"train=12,test=3"`."""
+    return ",".join(f"{k}={n}" for k, n in _state["steps"].items())
+
+
+def parse_step_counts(text):
+    """The counts of `step_counts_text`'s `text`."""
+    pairs = (c.split("=") for c in text.split(",") if c)
+    return {k: int(n) for k, n in pairs}
+
+
 def report_failure(error):
     """Writes this process' `error` to the job's store, for the others; not
     one caused by another process, so that the first failure is named."""
@@ -248,8 +259,7 @@ def _reports(current=False):
 
 def _store_report(key, text):
     """Writes `text` under `key` with this process' step counts."""
-    steps = ",".join(f"{k}={n}" for k, n in _state["steps"].items())
-    _store_set(key, f"{steps}\t{text}")
+    _store_set(key, f"{step_counts_text()}\t{text}")
 
 
 def _report(key, current=False):
@@ -259,8 +269,7 @@ def _report(key, current=False):
     if value is None:
         return None
     steps, _, text = value.partition("\t")
-    pairs = (c.split("=") for c in steps.split(",") if c)
-    theirs = {k: int(n) for k, n in pairs}
+    theirs = parse_step_counts(steps)
     ours = _state["steps"]
     kinds = set(theirs) | set(ours)
     behind = theirs != ours and all(
