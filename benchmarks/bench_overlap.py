@@ -43,8 +43,8 @@ from bench_step import parse_args  # noqa: E402
 from keras_runners import keras_runner  # noqa: E402
 from native_runners import native_runner  # noqa: E402
 
-from keras.src.backend.torch.distributed.data_parallel import local_rows  # noqa: E402
 from keras.src.backend.torch.distributed.training import gradients  # noqa: E402
+from keras.src.backend.torch.distributed.training import layer_call  # noqa: E402
 
 ONE_BUCKET = 1 << 40
 
@@ -67,12 +67,12 @@ def _on_dtensors(step):
     """`step` run with every model call on DTensors (no local rows)."""
 
     def run():
-        call = local_rows.call
-        local_rows.call = lambda *args: None
+        techniques = layer_call.techniques
+        call, techniques.rows_call = techniques.rows_call, lambda *args: None
         try:
             return step()
         finally:
-            local_rows.call = call
+            techniques.rows_call = call
 
     return run
 

@@ -120,7 +120,7 @@ def worker(impl, kind, args):
 
     import keras
     from keras import distribution as kd
-    from keras.src.backend.torch.distributed.training import step as step_lib
+    from keras.src.backend.torch.distributed.training.step import model_step
 
     torch.set_num_threads(1)
     kd.initialize()
@@ -198,7 +198,7 @@ def worker(impl, kind, args):
     if impl == "keras_dp" and kind.endswith("_mp"):
         path = f"ModelParallel on ({size // 2}, 2)"
     elif impl == "keras_dp":
-        verdict = step_lib.call_verdict(model, "train", training=True)
+        verdict = model_step(model, "train").rows.verdicts[True]
         path = "local" if verdict.per_sample else f"dtensor: {verdict.reason}"
         if verdict.per_sample and verdict.coupled:
             path = f"local, {len(verdict.coupled)} layer(s) on DTensor"

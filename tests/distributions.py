@@ -169,6 +169,16 @@ def run_without_distribution(function, *args):
         keras.backend.clear_session()
 
 
+def call_verdict(model, kind, training=False):
+    """The probe's verdict (`batch_coupling.Verdict`) on `model`'s calls with
+    `training` in its step function `kind`, or `None`."""
+    from keras.src.backend.torch.distributed.training.step import model_step
+
+    step = model_step(model, kind)
+    rows = None if step is None else step.rows
+    return None if rows is None else rows.verdicts.get(bool(training))
+
+
 def _use(distribution):
     from keras import distribution as kd
 

@@ -552,9 +552,9 @@ def train_and_generate(name, mode):
 def train_path(model):
     """`"local"` if the train step called `model` on each process' rows,
     `"dtensor: <why>"` if through DTensor, `""` without a probe."""
-    from keras.src.backend.torch.distributed.training import step
+    from tests import distributions
 
-    verdict = step.call_verdict(model, "train", training=True)
+    verdict = distributions.call_verdict(model, "train", training=True)
     if verdict is None:
         return ""
     if not verdict.per_sample:

@@ -937,9 +937,9 @@ def train_path(model):
     `"local"` (each process' rows, as plain tensors), `"dtensor: <why>"`
     (the probe's reason), or `""` without a data-parallel probe.
     """
-    from keras.src.backend.torch.distributed.training import step
+    from tests import distributions
 
-    verdict = step.call_verdict(model, "train", training=True)
+    verdict = distributions.call_verdict(model, "train", training=True)
     if verdict is None:
         return ""
     if not verdict.per_sample:

@@ -41,8 +41,6 @@ ALLOWED_MODULE_STATE = {
     ("layer_call", "_implicit_replication"),
     # Per thread: the depth of the layer calls a thread makes.
     ("layer_call", "_calls"),
-    # Per thread: the local call's context, for `batch_moments`.
-    ("local_rows", "_local_call"),
     # Per layer, weakly: the probe's verdicts on calls outside a step (a
     # step keeps its own).
     ("local_rows", "_verdicts"),
@@ -55,6 +53,8 @@ ALLOWED_MODULE_STATE = {
     # Per thread: the gather schedule of the step running in this thread
     # (the schedule itself is the step's).
     ("fsdp_schedule", "_running"),
+    # Per step function, weakly: its gather schedule, kept across its steps.
+    ("fsdp_schedule", "_schedules"),
 }
 _MUTABLE_CALLS = {
     "dict",
@@ -136,11 +136,11 @@ def _model(kind):
 def _decisions_body(rank, world_size, setting, kind):
     import keras
     from keras.src.backend.torch import distribution_lib
-    from keras.src.backend.torch.distributed.data_parallel import local_rows
     from keras.src.backend.torch.distributed.training.step import (
         DistributedStep,
     )
     from keras.src.backend.torch.distributed.training.step import model_step
+    from keras.src.backend.torch.distributed.training.step import running_step
 
     distributions.use_setting(
         setting, layout_rules={"fc1/kernel": (None, "model")}
@@ -154,7 +154,7 @@ def _decisions_body(rank, world_size, setting, kind):
 
     def watching_local_loss(model, *args):
         # The train step's hook finds the step on the model it has.
-        running = local_rows.running_step(model)
+        running = running_step(model)
         seen["running"] = running is model_step(model, "train")
         return local_loss(model, *args)
 
@@ -166,13 +166,17 @@ def _decisions_body(rank, world_size, setting, kind):
     model.train_on_batch(x, y)
     model.evaluate(x, y, batch_size=8, verbose=0)
     train, test = model_step(model, "train"), model_step(model, "test")
+    mesh = keras.distribution.distribution().device_mesh.backend_mesh
     result = {
         "objects": [isinstance(f, DistributedStep) for f in (train, test)],
         "running": seen["running"],
-        "after": local_rows.running_step(model) is None,
+        "after": running_step(model) is None,
         "overlaps": [train._overlaps_reduction, test._overlaps_reduction],
-        "local": [train._may_run_locally(), test._may_run_locally()],
-        "draws": [train.runs_through_dtensor, test.runs_through_dtensor],
+        "local": [f.rows.may_run_locally(mesh) for f in (train, test)],
+        "draws": [
+            train.rows.runs_through_dtensor,
+            test.rows.runs_through_dtensor,
+        ],
         "leaves": len(train._leaves),
         "loss": float(model.evaluate(x, y, batch_size=8, verbose=0)),
     }
@@ -229,15 +233,15 @@ def test_model_parallel_runs_through_dtensor():
 
 def test_without_a_distribution_the_step_calls_the_function():
     import keras
-    from keras.src.backend.torch.distributed.data_parallel import local_rows
     from keras.src.backend.torch.distributed.training.step import model_step
+    from keras.src.backend.torch.distributed.training.step import running_step
 
     keras.distribution.set_distribution(None)
     model = _model("mlp")
     x = np.zeros((4, 6), "float32")
     y = np.zeros((4, 2), "float32")
     model.train_on_batch(x, y)
-    assert local_rows.running_step(model) is None
+    assert running_step(model) is None
     assert model_step(model, "train")._leaves == {}
 
 

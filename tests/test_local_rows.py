@@ -401,7 +401,6 @@ def _probed_model(kind):
 def _probed_fit(kind, distributed=False):
     import numpy as np
 
-    from keras.src.backend.torch.distributed.training import step
     from tests import distributions
 
     distributions.use_setting("dp" if distributed else "single")
@@ -414,7 +413,7 @@ def _probed_fit(kind, distributed=False):
         "loss": history.history["loss"],
         "weights": [np.array(w) for w in model.get_weights()],
     }
-    verdict = step.call_verdict(model, "train", training=True)
+    verdict = distributions.call_verdict(model, "train", training=True)
     return result, verdict
 
 

@@ -114,6 +114,7 @@ def _checked_and_unchecked_body(rank, world_size, model_name):
     from keras.src.backend.torch.distributed.tensor_parallel import (
         pairing_check,
     )
+    from keras.src.backend.torch.distributed.training import layer_call
 
     build, shape = {
         "gated_block": (_gated_block_model, (4, DIM)),
@@ -131,14 +132,13 @@ def _checked_and_unchecked_body(rank, world_size, model_name):
     results["checked"] = _train(
         build, shape, keras.distribution.AutoModelParallel()
     )
-    original = pairing_check.check_layer
-    pairing_check.check_layer = lambda *args: None
+    layer_call.techniques.built = lambda *args: None
     try:
         results["unchecked"] = _train(
             build, shape, keras.distribution.AutoModelParallel()
         )
     finally:
-        pairing_check.check_layer = original
+        layer_call.techniques.built = pairing_check.check_layer
     summary = []
     keras.distribution.set_distribution(keras.distribution.AutoModelParallel())
     try:

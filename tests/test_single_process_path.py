@@ -62,7 +62,7 @@ ALLOWED_DISTRIBUTION_FRAMES = {
     "tensor_parallel/shard_local.py:attention",
     "core/runtime.py:current_distribution",
     # The step's hooks check whether a step of the model runs.
-    "data_parallel/local_rows.py:running_step",
+    "training/step.py:running_step",
 }
 
 SCRIPT = r"""

@@ -44,7 +44,7 @@ def _step_collectives_body(rank, world_size, setting, kind):
 
     import keras
     from keras.src.backend.torch import distribution_lib
-    from keras.src.backend.torch.distributed.data_parallel import local_rows
+    from keras.src.backend.torch.distributed.training.step import running_step
 
     distributions.use_setting(setting, layout_rules=LAYOUT_RULES)
     model = _model(kind)
@@ -61,7 +61,7 @@ def _step_collectives_body(rank, world_size, setting, kind):
     def recording_reduce_gradients(model, gradients):
         # Under data parallelism the weights enter as plain leaves, whose
         # gradients are each process' partial sums (see `local_leaf`).
-        reduction = local_rows.running_step(model)._reduction
+        reduction = running_step(model)._reduction
         leaves = {} if reduction is None else reduction.leaf_of
         for w, g in zip(weights, gradients):
             leaf = leaves.get(id(w))
@@ -513,6 +513,7 @@ def _class_sharded_head_body(rank, world_size, loss_name):
 
     import keras
     from keras.src.backend.torch.distributed.data_parallel import local_loss
+    from keras.src.backend.torch.distributed.training import step
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(BATCH, DIM)).astype("float32")
@@ -525,11 +526,10 @@ def _class_sharded_head_body(rank, world_size, loss_name):
         "mse": ("mse", np.eye(HIDDEN, dtype="float32")[labels]),
     }
     loss, y = losses[loss_name]
-    gather = local_loss.gathered_predictions
     results = {}
     for mode in ("gathered", "as_before"):
         if mode == "as_before":
-            local_loss.gathered_predictions = lambda model, y, y_pred: y_pred
+            step.techniques.predictions = lambda model, y, y_pred: y_pred
         try:
             # A classifier head sharded over its classes (a vocabulary).
             distributions.use_setting(
@@ -560,7 +560,7 @@ def _class_sharded_head_body(rank, world_size, loss_name):
                 "weights": [w.numpy() for w in model.weights],
             }
         finally:
-            local_loss.gathered_predictions = gather
+            step.techniques.predictions = local_loss.gathered_predictions
             keras.distribution.set_distribution(None)
     torch.distributed.barrier()
     return results

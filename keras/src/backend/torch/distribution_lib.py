@@ -14,13 +14,42 @@ from keras.src.backend.torch.distributed.core import layouts
 from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.core import summary
 from keras.src.backend.torch.distributed.core import variables
+from keras.src.backend.torch.distributed.data_parallel import batch_coupling
+from keras.src.backend.torch.distributed.data_parallel import coupled_layers
+from keras.src.backend.torch.distributed.data_parallel import local_loss
+from keras.src.backend.torch.distributed.data_parallel import local_rows
+from keras.src.backend.torch.distributed.fsdp import fsdp
+from keras.src.backend.torch.distributed.fsdp import fsdp_schedule
 from keras.src.backend.torch.distributed.health import call_agreement
 from keras.src.backend.torch.distributed.inputs import data_input
+from keras.src.backend.torch.distributed.tensor_parallel import pairing_check
 from keras.src.backend.torch.distributed.training import layer_call
 from keras.src.backend.torch.distributed.training import step
 
 # Distributions whose processes have agreed on torch's generator state.
 _rng_agreed = weakref.WeakSet()
+
+# The techniques' parts of each layer call and step.
+layer_call.techniques = layer_call.Techniques(
+    # Data parallelism: per-sample calls on each process' rows, layers that
+    # couple samples through DTensor.
+    rows_call=local_rows.call,
+    suspended_call=coupled_layers.suspended_call,
+    record=batch_coupling.record,
+    # FSDP: weights sharded over the batch axis gathered for each call.
+    weights=fsdp.gathered_weights,
+    # Tensor parallelism: `AutoModelParallel`'s pairings checked when built.
+    trace=pairing_check.active_trace,
+    built=pairing_check.check_layer,
+)
+step.techniques = step.Techniques(
+    # Data parallelism: the loss on the rows (a sharded class axis gathered).
+    rows=local_rows.StepRows,
+    predictions=local_loss.gathered_predictions,
+    # FSDP: gathers ahead in the order of the step before; not compiled.
+    context=fsdp_schedule.step_schedule,
+    eager_reason=fsdp.eager_reason,
+)
 
 # The interface, from the modules doing the work (optional capabilities first).
 async_callbacks_supported = process_io.async_callbacks_supported

@@ -10,7 +10,7 @@ from keras.src.backend.torch.distributed.core.runtime import DTensor
 from keras.src.backend.torch.distributed.core.runtime import Replicate
 from keras.src.backend.torch.distributed.core.runtime import Shard
 from keras.src.backend.torch.distributed.data_parallel import batch_coupling
-from keras.src.backend.torch.distributed.data_parallel import local_rows
+from keras.src.backend.torch.distributed.data_parallel import coupled_layers
 
 
 def batch_moments(function):
@@ -18,7 +18,7 @@ def batch_moments(function):
 
     @functools.wraps(function)
     def moments(x, axes, keepdims=False, synchronized=False):
-        group = local_rows.batch_group()
+        group = coupled_layers.batch_group()
         axes = tuple(axes) if isinstance(axes, (list, tuple)) else (axes,)
         if 0 not in [a % x.ndim for a in axes]:
             return function(x, axes, keepdims, synchronized)

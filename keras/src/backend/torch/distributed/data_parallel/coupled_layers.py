@@ -58,6 +58,13 @@ def batch_of(values):
     return Batch(mesh, global_rows, stop - start, placements, start)
 
 
+def batch_group():
+    """The process group over the batch of this thread's call on local rows,
+    else `None` (not inside one)."""
+    current = getattr(_state, "routing", None)
+    return None if current is None else current.batch.mesh.get_group()
+
+
 # A local call's coupled layers' ids, `Batch`, regularizers by id, losses.
 Routing = collections.namedtuple(
     "Routing", ["layer_ids", "batch", "regularizers", "losses"]
@@ -83,10 +90,14 @@ def routed(layers, batch):
             layer.activity_regularizer = regularizers[id(layer)]
 
 
-def routing(layer):
-    """The local call's `Batch` if `layer` is routed through DTensor."""
+def suspended_call(call_fn, layer, args, kwargs, through, plain_as_replicated):
+    """A layer call inside a call on local rows: through DTensor (`call`) if
+    the local call routes `layer` there, else as it is."""
     current = getattr(_state, "routing", None)
-    return current.batch if current and id(layer) in current.layer_ids else None
+    if not current or id(layer) not in current.layer_ids:
+        return call_fn(layer, *args, **kwargs)
+    args = (through, plain_as_replicated, layer, current.batch, args, kwargs)
+    return call(*args)
 
 
 def call(through_dtensor, plain_as_replicated, layer, batch, args, kwargs):

@@ -3,8 +3,6 @@ dispatch, where the probe (`batch_coupling`) finds they give its numbers."""
 
 import contextlib
 import functools
-import threading
-import types
 import weakref
 
 import torch
@@ -19,46 +17,73 @@ from keras.src.backend.torch.distributed.core.runtime import DTensor
 from keras.src.backend.torch.distributed.core.runtime import Partial
 from keras.src.backend.torch.distributed.data_parallel import batch_coupling
 from keras.src.backend.torch.distributed.data_parallel import coupled_layers
+from keras.src.backend.torch.distributed.data_parallel import local_loss
 from keras.src.backend.torch.distributed.dtensor_gaps import fallback
+from keras.src.backend.torch.distributed.training.step import running_step
 
-# The process `group` of this thread's local call, for `batch_moments`.
-_local_call = threading.local()
 # `{layer: {training: Verdict}}` for calls outside a step.
 _verdicts = weakref.WeakKeyDictionary()
 _DIFFERS = "its outputs on the local rows differ from DTensor's"
 
 
-def batch_group():
-    """The process group over the batch of this thread's local call, else
-    `None` (not inside one)."""
-    return getattr(_local_call, "group", None)
+class StepRows:
+    """A step function's record of its model's calls on local rows: the
+    probe's verdicts, whether it runs through DTensor, and the local rows of
+    the running step's outputs, which its loss reads."""
 
+    def __init__(self, model):
+        self.model = model
+        # Set once a local-rows call drew random numbers or assigned a
+        # trainable variable (DTensor does those globally).
+        self.runs_through_dtensor = False
+        # The probe's `{training: Verdict}`; kept by `local_variables`.
+        self.verdicts, self._variables, self._outputs = {}, (None, None), []
 
-def model_steps(model):
-    """`model`'s `DistributedStep`s `by_kind` and the `running` one."""
-    if getattr(model, "_distributed_steps", None) is None:
-        steps = types.SimpleNamespace(by_kind={}, running=None)
-        model._distributed_steps = steps
-    return model._distributed_steps
+    def may_run_locally(self, mesh):
+        """Whether the model may be called on the local rows of `mesh`."""
+        if self.runs_through_dtensor or mesh.ndim != 1:
+            return False
+        return self.local_variables(mesh) is not None
 
+    def local_variables(self, mesh):
+        """`local_variables` of the model on `mesh`, kept once final."""
+        if self._variables[0] is mesh:
+            return self._variables[1]
+        variables = local_variables(self.model, mesh)
+        if classification_final(self.model):
+            self._variables = (mesh, variables)
+        return variables
 
-def running_step(model):
-    """The `step.DistributedStep` now running a step of `model`, or `None`."""
-    return getattr(getattr(model, "_distributed_steps", None), "running", None)
+    def keep_local_output(self, output, local):
+        """Keeps, for this step, the plain `local` rows `output` was made of."""
+        self._outputs.append((output, local))
+
+    def compiled_loss(self, y, y_pred, sample_weight, step):
+        """`local_loss.local_compiled_loss` of `step`'s outputs, or `None`."""
+        local = next((x for o, x in self._outputs if o is y_pred), None)
+        weight = functools.partial(local_weight, step=step)
+        return local_loss.local_compiled_loss(
+            self.model, y, y_pred, sample_weight, local, weight
+        )
+
+    def finish(self):
+        """Forgets the running step's outputs."""
+        self._outputs.clear()
 
 
 def call(call_function, layer, args, kwargs, through):
     """Outermost `layer`'s batch-sharded outputs from the local rows where they
     are DTensor's, else `None` (`through(args, kwargs)`: the DTensor call)."""
     step, inputs = running_step(layer), (args, kwargs)
+    rows = None if step is None else step.rows
     batch = coupled_layers.batch_of(inputs)
-    if batch is None or (step is not None and step.runs_through_dtensor):
+    if batch is None or (rows is not None and rows.runs_through_dtensor):
         return None
-    if step is None:
+    if rows is None:
         variables = local_variables(layer, batch.mesh)
         verdicts = _verdicts.setdefault(layer, {})
     else:
-        variables, verdicts = step.local_variables(batch.mesh), step.verdicts
+        variables, verdicts = rows.local_variables(batch.mesh), rows.verdicts
     training = bool(kwargs.get("training"))
     verdict = verdicts.get(training)
     if variables is None or (verdict is not None and not verdict.per_sample):
@@ -71,8 +96,8 @@ def call(call_function, layer, args, kwargs, through):
     outputs, verdict = _probe(on_rows, through, inputs, layer, batch, variables)
     if verdict is not None:
         verdicts[training] = verdict
-        if step is not None and not verdict.per_sample:
-            step.runs_through_dtensor = True
+        if rows is not None and not verdict.per_sample:
+            rows.runs_through_dtensor = True
         runtime.log_debug("%s: %s", layer.name, verdict)
     return outputs
 
@@ -138,7 +163,6 @@ def _on_rows(call_fn, layer, inputs, batch, mapping, plan, coupled):
     """Calls `layer` on the local rows from `mapping`, `coupled` layers through
     DTensor: `(outputs, scope, Routing, updates, why DTensor's may differ)`."""
     args, kwargs = tree.map_structure(local_state.local_value, inputs)
-    _local_call.group = batch.mesh.get_group()
     try:
         with (
             # The probe's check keeps nothing.
@@ -155,8 +179,6 @@ def _on_rows(call_fn, layer, inputs, batch, mapping, plan, coupled):
             outputs = call_fn(layer, *args, **kwargs)
     except coupled_layers.NotRows as error:
         outputs = error
-    finally:
-        _local_call.group = None
     updated = [(v, scope.get_current_value(v)) for v, _ in mapping]
     updated = [(v, x) for v, x in updated if x is not entered[id(v)]]
     leaves = [x for x in tree.flatten(outputs) if x is not None]
@@ -225,8 +247,8 @@ def _call_locally(on_rows, layer, batch, variables, verdict, step):
         runtime.log_debug(
             "%s: through DTensor from now on: %s", layer.name, why
         )
-        if step is not None:
-            step.runs_through_dtensor = True
+        if step is not None and step.rows is not None:
+            step.rows.runs_through_dtensor = True
         generator_states.restore(rng_states)
         return None
     with torch.no_grad():
@@ -236,8 +258,8 @@ def _call_locally(on_rows, layer, batch, variables, verdict, step):
 
     def to_global(x):
         output = coupled_layers.with_mask(coupled_layers.sharded, x, batch)
-        if step is not None:
-            step.keep_local_output(output, x)
+        if step is not None and step.rows is not None:
+            step.rows.keep_local_output(output, x)
         return output
 
     return tree.map_structure(to_global, outputs)

@@ -57,13 +57,21 @@ def _gathered_to(variable, value, distribution, mesh_dims):
     return None if placements == list(value.placements) else placements
 
 
-def has_gathered_weights(model, distribution):
-    """Whether some trainable weight of `model` is gathered in its calls."""
+def eager_reason(model, distribution):
+    """Why a compiled step of `model` must run eagerly here (some trainable
+    weight is gathered in its calls), or `None`."""
     mesh_dims = gathered_mesh_dims(distribution)
-    return mesh_dims != () and any(
+    if mesh_dims != () and any(
         _gathered_to(v, v.value, distribution, mesh_dims) is not None
         for v in model.trainable_variables
-    )
+    ):
+        return (
+            "weights sharded over the batch axis (or gathered whole for "
+            "each call by the distribution's plan) are gathered one layer "
+            "at a time and freed after use, which torch.compile cannot trace "
+            f"(set {GATHER_WEIGHTS_ENV}=off to compile DTensor's own plan "
+            "instead)"
+        )
 
 
 @contextlib.contextmanager

@@ -12,6 +12,8 @@ GATHER_AHEAD_ENV = "KERAS_DISTRIBUTION_GATHER_AHEAD"
 
 # Per thread, as Keras' own state is.
 _running = threading.local()
+# `{step function: GatherSchedule}`, kept across its steps.
+_schedules = weakref.WeakKeyDictionary()
 
 
 def running_schedule():
@@ -39,6 +41,15 @@ def gathers_ahead(distribution):
         return env_choice(GATHER_AHEAD_ENV, "", ("1", "0"), meaning) == "1"
     device = str(np.asarray(distribution.device_mesh.devices).flat[0])
     return not device.lower().startswith("cpu")
+
+
+def step_schedule(step, distribution):
+    """`following` the schedule of `step` (a step function), kept across its
+    steps."""
+    schedule = _schedules.get(step)
+    if schedule is None:
+        schedule = _schedules[step] = GatherSchedule()
+    return following(schedule, distribution)
 
 
 @contextlib.contextmanager

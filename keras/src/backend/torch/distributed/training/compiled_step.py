@@ -12,7 +12,6 @@ from keras.src import tree
 from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.core.runtime import DTensor
 from keras.src.backend.torch.distributed.dtensor_gaps import fallback
-from keras.src.backend.torch.distributed.fsdp import fsdp
 from keras.src.backend.torch.distributed.health import health
 
 _first_calls = itertools.count()
@@ -122,14 +121,6 @@ def eager_reason(model):
     """Why a compiled step of `model` must run eagerly, or `None`."""
     if not evenly_sharded(model.variables):
         return "some of its variables are sharded unevenly"
-    if fsdp.has_gathered_weights(model, runtime.current_distribution()):
-        return (
-            "weights sharded over the batch axis (or gathered whole for "
-            "each call by the distribution's plan) are gathered one layer "
-            "at a time and freed after use, which torch.compile cannot trace "
-            f"(set {fsdp.GATHER_WEIGHTS_ENV}=off to compile DTensor's own "
-            "plan instead)"
-        )
 
 
 def evenly_sharded(values):

@@ -1,8 +1,10 @@
 """Layer calls under a distribution, plain tensors replicated global values (as
 in JAX); partial-sum outputs reduced as the layer returns, and a replicated
-output's partial gradients where the backward needs them (Megatron's `f`)."""
+output's partial gradients where the backward needs them (Megatron's `f`).
+Techniques add to the call through `techniques`, set by `distribution_lib`."""
 
 import contextlib
+import dataclasses
 import functools
 import os
 import threading
@@ -22,12 +24,7 @@ from keras.src.backend.torch.distributed.core import layouts
 from keras.src.backend.torch.distributed.core import random_draws
 from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.core.runtime import DTensor
-from keras.src.backend.torch.distributed.data_parallel import batch_coupling
-from keras.src.backend.torch.distributed.data_parallel import coupled_layers
-from keras.src.backend.torch.distributed.data_parallel import local_rows
 from keras.src.backend.torch.distributed.dtensor_gaps import fallback
-from keras.src.backend.torch.distributed.fsdp import fsdp
-from keras.src.backend.torch.distributed.tensor_parallel import pairing_check
 
 CHECK_REPLICATION_ENV = "KERAS_DISTRIBUTION_CHECK_REPLICATION"
 GRADIENT_HOOK_ATTRIBUTE = "_keras_distribution_gradient_hook"
@@ -40,6 +37,28 @@ _implicit_replication = None
 _calls = threading.local()
 
 
+@dataclasses.dataclass
+class Techniques:
+    """What techniques add to each layer call (the defaults add nothing):
+    `rows_call`, an outermost call's outputs on each process' rows (`None`:
+    call `through` on DTensors); `suspended_call`, a call inside one on rows;
+    `record`, a call's outputs on DTensors; `weights`, a context around that
+    call yielding a function of its outputs; `trace`, an object taking this
+    thread's layer calls, or `None`; `built`, a functional model built."""
+
+    rows_call: object = lambda *args: None
+    suspended_call: object = lambda call_function, layer, args, kwargs, *_: (
+        call_function(layer, *args, **kwargs)
+    )
+    record: object = lambda layer, outputs: outputs
+    weights: object = lambda *args: contextlib.nullcontext(lambda x: x)
+    trace: object = lambda: None
+    built: object = lambda *args: None
+
+
+techniques = Techniques()
+
+
 def call_layer(call_function, layer, *args, **kwargs):
     """Calls `layer` (via `call_function`) under the distribution in effect,
     plain tensor inputs as replicated DTensors (so autograd saves DTensors),
@@ -49,16 +68,17 @@ def call_layer(call_function, layer, *args, **kwargs):
     if distribution is None or torch.compiler.is_compiling():
         if not runtime.suspended_depth:
             return call_function(layer, *args, **kwargs)
-        batch = coupled_layers.routing(layer)  # A call on local rows.
-        if batch is None:
-            outputs = call_function(layer, *args, **kwargs)
-        else:
-            through = functools.partial(_call_global, call_function, layer)
-            outputs = coupled_layers.call(
-                through, replicated_plain_tensors, layer, batch, args, kwargs
-            )
-        return batch_coupling.record(layer, outputs)
-    trace = pairing_check.active_trace()
+        through = functools.partial(_call_global, call_function, layer)
+        outputs = techniques.suspended_call(
+            call_function,
+            layer,
+            args,
+            kwargs,
+            through,
+            replicated_plain_tensors,
+        )
+        return techniques.record(layer, outputs)
+    trace = techniques.trace()
     if trace is not None:
         return trace.call_layer(call_function, layer, args, kwargs)
     if _replication_depth == 0 and os.environ.get(CHECK_REPLICATION_ENV) == "1":
@@ -67,12 +87,14 @@ def call_layer(call_function, layer, *args, **kwargs):
         through = functools.partial(
             _call_global, call_function, layer, distribution=distribution
         )
-        outputs = local_rows.call(call_function, layer, args, kwargs, through)
+        outputs = techniques.rows_call(
+            call_function, layer, args, kwargs, through
+        )
         if outputs is not None:
             layout_rules.check_model(layer, distribution)
             return outputs
     outputs = _call_global(call_function, layer, args, kwargs, distribution)
-    return batch_coupling.record(layer, outputs)
+    return techniques.record(layer, outputs)
 
 
 def _call_global(call_function, layer, args, kwargs, distribution=None):
@@ -93,7 +115,7 @@ def _call_global(call_function, layer, args, kwargs, distribution=None):
             random_draws.one_key_per_call(),
             replicated_plain_tensors(),
             fallback.dtensor_fallback(),
-            fsdp.gathered_weights(layer, distribution, not symbolic) as release,
+            techniques.weights(layer, distribution, not symbolic) as release,
         ):
             outputs = release(call_function(layer, *args, **kwargs))
     finally:
@@ -103,7 +125,7 @@ def _call_global(call_function, layer, args, kwargs, distribution=None):
         layout_rules.check_model(layer, distribution)
     if _calls.depth == 0 and keras_tensors:
         # A functional model being built: weights not loaded or copied yet.
-        pairing_check.check_layer(layer, distribution, args, kwargs)
+        techniques.built(layer, distribution, args, kwargs)
     axes = ()
     if not symbolic and torch.is_grad_enabled():
         axes = _partial_gradient_axes(layer, mesh.ndim, (args, kwargs))

@@ -1,8 +1,11 @@
 """The training step as one object, `DistributedStep`, set on its model while
-it runs, where the train step's hooks below find it."""
+it runs, where the train step's hooks below find it. Techniques add to the step
+through `techniques`, set by `distribution_lib`."""
 
 import contextlib
+import dataclasses
 import functools
+import types
 
 import torch
 
@@ -10,18 +13,42 @@ from keras.src import tree
 from keras.src.backend.torch.distributed.core import layouts
 from keras.src.backend.torch.distributed.core import local_state
 from keras.src.backend.torch.distributed.core import runtime
-from keras.src.backend.torch.distributed.data_parallel import (
-    local_loss as local_loss_lib,
-)
-from keras.src.backend.torch.distributed.data_parallel import local_rows
 from keras.src.backend.torch.distributed.dtensor_gaps import fallback
-from keras.src.backend.torch.distributed.fsdp import fsdp_schedule
 from keras.src.backend.torch.distributed.health import call_agreement
 from keras.src.backend.torch.distributed.health import health
 from keras.src.backend.torch.distributed.inputs import data_input
 from keras.src.backend.torch.distributed.training import compiled_step
 from keras.src.backend.torch.distributed.training import layer_call
 from keras.src.backend.torch.distributed.training import step_reduction
+
+
+@dataclasses.dataclass
+class Techniques:
+    """What techniques add to each step (the defaults add nothing): `rows`,
+    the step's record of calls on each process' rows (`local_rows.StepRows`);
+    `context`, around each eager step; `eager_reason`, why a compiled step
+    must run eagerly; `predictions`, as the loss and metrics read them."""
+
+    rows: object = lambda model: None
+    context: object = lambda step, distribution: contextlib.nullcontext()
+    eager_reason: object = lambda model, distribution: None
+    predictions: object = lambda model, y, y_pred: y_pred
+
+
+techniques = Techniques()
+
+
+def model_steps(model):
+    """`model`'s `DistributedStep`s `by_kind` and the `running` one."""
+    if getattr(model, "_distributed_steps", None) is None:
+        steps = types.SimpleNamespace(by_kind={}, running=None)
+        model._distributed_steps = steps
+    return model._distributed_steps
+
+
+def running_step(model):
+    """The `DistributedStep` now running a step of `model`, or `None`."""
+    return getattr(getattr(model, "_distributed_steps", None), "running", None)
 
 
 class DistributedStep:
@@ -34,7 +61,7 @@ class DistributedStep:
 
         self.model, self.kind = model, kind
         # Reached via the model whatever the trainer does with the step.
-        local_rows.model_steps(model).by_kind[kind] = self
+        model_steps(model).by_kind[kind] = self
         self.step_function = step_function
         eager = self.eager_step_function = eager_step_function
         functools.update_wrapper(self, eager)
@@ -47,16 +74,11 @@ class DistributedStep:
         self._overlaps_reduction = (
             kind == "train" and type(model).train_step is Model.train_step
         )
-        # Set once a local-rows call drew random numbers or assigned a
-        # trainable variable (DTensor does those globally).
-        self.runs_through_dtensor = False
-        # The probe's `{training: Verdict}`; kept by `local_variables`.
-        self.verdicts, self._local_variables = {}, (None, None)
-        # Kept across steps: plain leaves, bucket plans, FSDP gather order.
+        self.rows = techniques.rows(model)
+        # Kept across steps: plain leaves, bucket plans.
         self._leaves, self._buckets = {}, {}
-        self._gathers = fsdp_schedule.GatherSchedule()
         # Of the running step (`_eager_step`).
-        self._reduction, self._local_outputs, self._fallback_on = None, [], None
+        self._reduction, self._fallback_on = None, None
 
     def __call__(self, data):
         distribution = runtime.current_distribution()
@@ -64,13 +86,14 @@ class DistributedStep:
             return self.step_function(data)
         call_agreement.start()
         with health.guarded_step(self.kind, layouts.all_process_groups):
-            steps = local_rows.model_steps(self.model)
+            steps = model_steps(self.model)
             previous, steps.running = steps.running, self
             try:
                 return self._run(data, distribution)
             finally:
                 steps.running = previous
-                self._local_outputs.clear()
+                if self.rows is not None:
+                    self.rows.finish()
 
     def _run(self, data, distribution):
         model, eager = self.model, self.eager_step_function
@@ -79,6 +102,7 @@ class DistributedStep:
             # the loss and metrics breaks dynamo.
             model._symbolic_build(data_batch=data[0])
             reason = compiled_step.eager_reason(model)
+            reason = reason or techniques.eager_reason(model, distribution)
             if reason is not None:
                 compiled_step.warn_eager(reason)
                 self._distributed_function, self._unchecked = eager, False
@@ -104,10 +128,11 @@ class DistributedStep:
             reduction = step_reduction.overlapped_reduction(
                 self.model, self._leaves, self._buckets
             )
-        lazy = self._may_run_locally()
+        mesh = distribution.device_mesh.backend_mesh
+        lazy = self.rows is not None and self.rows.may_run_locally(mesh)
         with (
             fallback.dtensor_fallback(lazy=lazy) as self._fallback_on,
-            fsdp_schedule.following(self._gathers, distribution),
+            techniques.context(self, distribution),
             reduction as self._reduction,
         ):
             try:
@@ -115,37 +140,14 @@ class DistributedStep:
             finally:
                 self._fallback_on = self._reduction = None
 
-    def _may_run_locally(self):
-        """Whether the model may be called on the local rows (1-D mesh)."""
-        if self.runs_through_dtensor:
-            return False
-        mesh = runtime.current_distribution().device_mesh.backend_mesh
-        return mesh.ndim == 1 and self.local_variables(mesh) is not None
-
-    def local_variables(self, mesh):
-        """`local_rows.local_variables` on the batch's `mesh`, kept if final."""
-        if self._local_variables[0] is mesh:
-            return self._local_variables[1]
-        variables = local_rows.local_variables(self.model, mesh)
-        if local_rows.classification_final(self.model):
-            self._local_variables = (mesh, variables)
-        return variables
-
     def local_leaf(self, variable):
         """The plain leaf for a weight in a local-rows call, or `None`."""
         return self._reduction and self._reduction.local_leaf(variable)
 
-    def keep_local_output(self, output, local):
-        """Keeps, for this step, the plain `local` rows `output` was made of."""
-        self._local_outputs.append((output, local))
-
     def local_compiled_loss(self, y, y_pred, sample_weight):
         """See `local_loss` (the hook)."""
-        local = next((x for o, x in self._local_outputs if o is y_pred), None)
-        weight = functools.partial(local_rows.local_weight, step=self)
-        loss = local_loss_lib.local_compiled_loss(
-            self.model, y, y_pred, sample_weight, local, weight
-        )
+        rows = self.rows
+        loss = rows and rows.compiled_loss(y, y_pred, sample_weight, self)
         if loss is None and self._fallback_on is not None:
             self._fallback_on()  # Keras computes the loss through DTensor.
         return loss
@@ -157,30 +159,23 @@ class DistributedStep:
         )
 
 
-def call_verdict(model, kind, training=False):
-    """The probe's `batch_coupling.Verdict` of `model`'s calls with `training`
-    in step function `kind`, or `None`."""
-    step = model_step(model, kind)
-    return None if step is None else step.verdicts.get(bool(training))
-
-
 def model_step(model, kind):
     """The `DistributedStep` last built for `model`'s `kind`, or `None`."""
-    return local_rows.model_steps(model).by_kind.get(kind)
+    return model_steps(model).by_kind.get(kind)
 
 
 def loss_predictions(model, y, y_pred):
     """`y_pred` as a step's loss and metrics read it (a sharded class axis
     gathered where the compiled loss would)."""
-    if local_rows.running_step(model) is None:
+    if running_step(model) is None:
         return y_pred
-    return local_loss_lib.gathered_predictions(model, y, y_pred)
+    return techniques.predictions(model, y, y_pred)
 
 
 def local_loss(model, y, y_pred, sample_weight):
     """The train step's compiled loss on local tensors, or `None` (outside a
     step, or where local tensors can't give DTensor's numbers)."""
-    step = local_rows.running_step(model)
+    step = running_step(model)
     return step and step.local_compiled_loss(y, y_pred, sample_weight)
 
 
@@ -188,7 +183,7 @@ def metric_predictions(model, y_pred):
     """The predictions a train step gives its metrics, detached when compiled:
     outputs that require gradients but get none from `loss.backward()` fail
     AOTAutograd ("Expected a DTensor tangent but got a plain Tensor")."""
-    step = local_rows.running_step(model)
+    step = running_step(model)
     if step is None or not torch.compiler.is_compiling():
         return y_pred
     return tree.map_structure(
@@ -198,7 +193,7 @@ def metric_predictions(model, y_pred):
 
 def reduce_gradients(model, gradients):
     """A train step's `gradients`, reduced once in buckets in a step."""
-    step = local_rows.running_step(model)
+    step = running_step(model)
     return gradients if step is None else step.reduce_gradients(gradients)
 
 
@@ -206,7 +201,7 @@ def local_metric_state(model, metric, value=None):
     """A context running `metric`'s update in a step on its replicated state's
     local values, yielding the value the update reads; the loss tracker's
     partial loss is reduced with the gradients' last bucket."""
-    step = local_rows.running_step(model)
+    step = running_step(model)
     if step is None:
         return contextlib.nullcontext(value)
     defer = getattr(step._reduction, "defer", None)
@@ -215,6 +210,6 @@ def local_metric_state(model, metric, value=None):
 
 def local_metric_reads(model, metric):
     """A context reading `metric`'s replicated state locally in a step."""
-    if local_rows.running_step(model) is None:
+    if running_step(model) is None:
         return contextlib.nullcontext()
     return local_state.local_reads(metric.variables)
