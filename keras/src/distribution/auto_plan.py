@@ -252,14 +252,10 @@ class Plan:
     def _gathered_for_call(self, layer, shape, kernel, letters):
         """Shards the first divisible of `letters`; gathered for each call."""
         self._gathering = True
-        return self._mesh.shard(
-            shape,
-            [kernel.index(c) for c in letters],
-            lambda d: (
-                f"gathered for each call: its block's heads indivisible "
-                f"by {self.model_size} ({layer.equation}: {kernel[d]})"
-            ),
-        )
+        why = "gathered for each call: its block's heads indivisible by "
+        why += f"{self.model_size} ({layer.equation}: "
+        order = [kernel.index(c) for c in letters]
+        return self._mesh.shard(shape, order, lambda d: f"{why}{kernel[d]})")
 
     def _gathers_blocks(self, parent):
         """Whether `parent` is a block whose kernels no other axis gathers."""

@@ -42,8 +42,7 @@ class Checkpointer:
                 "file system every process sees. Received: "
                 f"directory={self.directory}"
             )
-        self.max_to_keep = max_to_keep
-        self._pending = None
+        self.max_to_keep, self._pending = max_to_keep, None
 
     def save(self, model, step, weights_only=False, background=False):
         """Saves `model` as step `step`; every process must call it."""
@@ -283,8 +282,7 @@ def find_backup(weights_path):
 
 
 def _backup_path(weights_path):
-    path = os.fspath(weights_path)
-    return path.removesuffix(".weights.h5") + ".checkpoint"
+    return os.fspath(weights_path).removesuffix(".weights.h5") + ".checkpoint"
 
 
 def _model_variables(model):
@@ -317,7 +315,5 @@ def _background_group(world):
 def _single_process_quietly():
     # Without a process group DCP warns it assumes one process: that's meant.
     with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message="torch.distributed is disabled"
-        )
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
         yield

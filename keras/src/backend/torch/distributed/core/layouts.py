@@ -176,11 +176,8 @@ def without_empty_shards(shape, mesh, placements):
     there a reduction without identity (`min`, `max`) fails and others hang."""
     placements = list(placements)
     for dim, length in enumerate(shape):
-        mesh_dims = [
-            d
-            for d, p in enumerate(placements)
-            if p.is_shard() and p.dim % len(shape) == dim
-        ]
+        on = [p.is_shard() and p.dim % len(shape) == dim for p in placements]
+        mesh_dims = [d for d, sharded in enumerate(on) if sharded]
         sizes = {length}
         for mesh_dim in mesh_dims:
             n = mesh.size(mesh_dim)
@@ -192,10 +189,10 @@ def without_empty_shards(shape, mesh, placements):
     return tuple(placements)
 
 
-def local_region(shape, mesh, placements):
-    """One `slice` per dimension: the region of a global tensor this process'
-    shard holds (several mesh axes split a dimension in mesh order)."""
-    coordinate = mesh.get_coordinate()
+def local_region(shape, mesh, placements, coordinate=None):
+    """One `slice` per dimension: the global region the shard at `coordinate`
+    (default: this process') holds; mesh axes split a dim in mesh order."""
+    coordinate = mesh.get_coordinate() if coordinate is None else coordinate
     bounds = [(0, size) for size in shape]
     for mesh_dim, placement in enumerate(placements):
         if placement.is_shard():

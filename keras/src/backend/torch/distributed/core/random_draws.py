@@ -194,8 +194,7 @@ def seed_key(seed):
 def one_key_per_call():
     """Unseeded draws in the block derive from one key of torch's generator,
     so a repeat of the probe's call draws the same keys with one collective."""
-    keys = _state.keys
-    return _setting("keys", [None, 0] if keys is None else keys)
+    return _setting("keys", _state.keys or [None, 0])
 
 
 def unseeded_key():

@@ -44,8 +44,7 @@ reduce_scatter_flat = getattr(
 )
 DEBUG_ENV = "KERAS_DISTRIBUTION_DEBUG"
 LOG_ALL_PROCESSES_ENV = "KERAS_DISTRIBUTION_LOG_ALL_PROCESSES"
-# Choices that may differ between processes; every other
-# `KERAS_DISTRIBUTION_*` variable chooses collectives, so must agree.
+# May differ per process; the others choose collectives, so must agree.
 _PER_PROCESS_ENV = (
     DEBUG_ENV,
     LOG_ALL_PROCESSES_ENV,

@@ -29,12 +29,9 @@ def mesh_info(device_mesh=None):
                 "`keras.distribution.set_distribution(...)` first."
             )
         device_mesh = distribution.device_mesh
-    # Read from device names (`"gpu:i"` is rank `i`), not the torch mesh:
-    # building that is a collective.
-    ranks = np.vectorize(lambda d: layouts.to_torch_device(d)[1])(
-        device_mesh.devices
-    )
-    found = np.argwhere(ranks == runtime.rank())
+    # Ranks from device names (`"gpu:i"`): building a torch mesh is collective.
+    to_rank = np.vectorize(lambda d: layouts.to_torch_device(d)[1])
+    found = np.argwhere(to_rank(device_mesh.devices) == runtime.rank())
     return {
         "shape": tuple(device_mesh.shape),
         "axis_names": tuple(device_mesh.axis_names),
@@ -106,11 +103,9 @@ def _format_rows(rows):
         "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
         for row in table
     ]
-    lines.append(
-        f"total bytes on this process: {sum(r['local_bytes'] for r in rows)}"
-    )
-    counts = fallback.fallback_counts()
-    if counts:
+    total = sum(r["local_bytes"] for r in rows)
+    lines.append(f"total bytes on this process: {total}")
+    if counts := fallback.fallback_counts():
         lines.append(
             "ops computed on global values (DTensor refused their layout):"
         )

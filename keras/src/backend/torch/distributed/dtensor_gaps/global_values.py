@@ -46,8 +46,7 @@ def on_global_values(
     `mutated` operands written back into their shards; counted as `name`.
     `differentiable`: autograd records the gathers (a torch function)."""
     operands = [x for x in leaves((args, kwargs)) if isinstance(x, DTensor)]
-    mesh = operands[0].device_mesh
-    gathered = {}
+    mesh, gathered = operands[0].device_mesh, {}
     for x in operands:
         if id(x) in gathered:
             continue
@@ -102,7 +101,8 @@ def gathered_at_once(x):
     if not plain or len(split) < 2 or mesh.size() != runtime.world_size():
         return None
     # DTensor shards as `torch.chunk`: the first part is the largest.
-    _, padded = _part_box(x.shape, placements, mesh, [0] * mesh.ndim)
+    first = layouts.local_region(x.shape, mesh, placements, [0] * mesh.ndim)
+    padded = [s.stop - s.start for s in first]
     local = x.to_local()
     send = local.new_zeros(padded)
     send[tuple(slice(0, n) for n in local.shape)] = local
@@ -111,25 +111,10 @@ def gathered_at_once(x):
     whole = local.new_empty(x.shape)
     for rank in range(mesh.size()):
         coordinate = (mesh.mesh == rank).nonzero()[0].tolist()
-        start, lengths = _part_box(x.shape, placements, mesh, coordinate)
-        whole[tuple(slice(a, a + n) for a, n in zip(start, lengths))] = (
-            received[rank][tuple(slice(0, n) for n in lengths)]
-        )
+        region = layouts.local_region(x.shape, mesh, placements, coordinate)
+        part = tuple(slice(0, s.stop - s.start) for s in region)
+        whole[region] = received[rank][part]
     return whole
-
-
-def _part_box(shape, placements, mesh, coordinate):
-    """`(start, lengths)` per dimension of the part at mesh `coordinate`."""
-    start, lengths = [0] * len(shape), list(shape)
-    for mesh_dim, placement in enumerate(placements):
-        if placement.is_shard():
-            dim = placement.dim % len(shape)
-            low, high = layouts.chunk_bounds(
-                lengths[dim], mesh.size(mesh_dim), coordinate[mesh_dim]
-            )
-            start[dim] += low
-            lengths[dim] = high - low
-    return start, lengths
 
 
 def _laid_out(value, mesh, operands):

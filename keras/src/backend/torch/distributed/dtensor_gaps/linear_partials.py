@@ -74,8 +74,7 @@ def on_partial_sums(func, args, kwargs):
 def _result_placements(operands, linear, dim):
     """The result's placements, partial on the mesh axes where a linear operand
     is; `None` if none is or the op (along `dim`) can't run on locals."""
-    placements = []
-    reference = operands[0][1]
+    placements, reference = [], operands[0][1]
     for axis in range(reference.device_mesh.ndim):
         if any(
             i in linear and x.placements[axis].is_partial() for i, x in operands
@@ -118,8 +117,7 @@ def _sum_with_shards(args):
         and a.shape == b.shape
     ):
         return None
-    mesh = a.device_mesh
-    placements, split = [], False
+    mesh, placements, split = a.device_mesh, [], False
     for axis in range(mesh.ndim):
         pa, pb = a.placements[axis], b.placements[axis]
         if pa.is_partial() or pb.is_partial():

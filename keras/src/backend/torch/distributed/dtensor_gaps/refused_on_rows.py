@@ -47,8 +47,7 @@ def on_local_rows(func, args, kwargs, refusal):
             raise
         runtime.log_debug("%s on the local rows: %s", func, error)
         local = None
-    # Every process redistributes alike, whatever its `local`: the
-    # collectives pair up.
+    # Alike on every process, whatever its `local`: the collectives pair up.
     results = global_values.leaves(outputs)
     own = [
         x.redistribute(split.mesh, split.by_rows).to_local()

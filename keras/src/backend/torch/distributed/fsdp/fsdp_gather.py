@@ -100,13 +100,9 @@ def _completed_gradient(grad):
 
 def _like(local, shard, placements, stride=None):
     """A `DTensor` of `local` to `placements`, as global as `shard`."""
-    return DTensor.from_local(
-        local,
-        shard.device_mesh,
-        placements,
-        run_check=False,
-        shape=shard.shape,
-        stride=shard.stride() if stride is None else stride,
+    stride = shard.stride() if stride is None else stride
+    return layouts.dtensor_from_local(
+        local, shard.device_mesh, placements, shard.shape, stride
     )
 
 
@@ -117,8 +113,7 @@ class _FlatGather:
         self.indices, self.shards, self.placements = indices, shards, placements
         self.mesh_dim = mesh_dim
         self.mesh = mesh = shards[0].device_mesh
-        self.group = mesh.get_group(mesh_dim)
-        self.size = mesh.size(mesh_dim)
+        self.group, self.size = mesh.get_group(mesh_dim), mesh.size(mesh_dim)
         self.coordinate = mesh.get_local_rank(mesh_dim)
         self.layouts = [_ShardLayout(x, mesh_dim, self.size) for x in shards]
         with torch.no_grad():
@@ -154,8 +149,7 @@ class _FlatGather:
 
     def reduce_scatter(self, grads):
         """The shards' gradients (or `None`s) from the gathered values'."""
-        results = [None] * len(grads)
-        summed = []
+        results, summed = [None] * len(grads), []
         grads = self._summed_over_other_dims(grads)
         for index, (grad, shard, target, layout) in enumerate(
             zip(grads, self.shards, self.placements, self.layouts)
@@ -163,12 +157,9 @@ class _FlatGather:
             if grad is None:
                 continue
             if not isinstance(grad, DTensor):
-                grad = DTensor.from_local(
-                    grad, self.mesh, target, run_check=False
-                )
+                grad = layouts.dtensor_from_local(grad, self.mesh, target)
             placement = grad.placements[self.mesh_dim]
-            # A non-sum partial, or sharded as the weight (each process has
-            # its part already).
+            # A non-sum partial, or sharded as the weight (each has its part).
             if (
                 placement.is_partial() and placement.reduce_op != "sum"
             ) or placement == shard.placements[self.mesh_dim]:

@@ -146,8 +146,7 @@ def _agree(description):
         _state["count"] += 1
         number = _state["count"]
         _append(store, number, description)
-    deadline = time.monotonic() + health.current_timeout()
-    pause = 0.001
+    deadline, pause = time.monotonic() + health.current_timeout(), 0.001
     while True:
         calls = {r: call for r, (_, call) in _entries(store, number).items()}
         others = sorted(r for r, call in calls.items() if call != description)
@@ -237,11 +236,7 @@ def _rule_out(store, number):
         if ahead:
             kind = ahead[0]
             what = "runs" if health.running_step() == kind else "ran"
-            _append(
-                store,
-                number,
-                f"{what} {kind} step {counts[kind]} (of `fit`, `evaluate`, "
-                "`predict` or `*_on_batch`)",
-            )
+            of = "(of `fit`, `evaluate`, `predict` or `*_on_batch`)"
+            _append(store, number, f"{what} {kind} step {counts[kind]} {of}")
             _state["count"] = number
             return

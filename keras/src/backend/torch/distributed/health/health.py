@@ -259,7 +259,12 @@ def _reports(current=False):
 
 def _store_report(key, text):
     """Writes `text` under `key` with this process' step counts."""
-    _store_set(key, f"{step_counts_text()}\t{text}")
+    try:
+        if _store() is not None:
+            _state["store"].set(key, f"{step_counts_text()}\t{text}")
+            _state["written"].append(key)
+    except Exception as error:  # The store's host may be the one gone.
+        _logger.debug("health: cannot write %s: %s", key, error)
 
 
 def _report(key, current=False):
@@ -269,11 +274,9 @@ def _report(key, current=False):
     if value is None:
         return None
     steps, _, text = value.partition("\t")
-    theirs = parse_step_counts(steps)
-    ours = _state["steps"]
-    kinds = set(theirs) | set(ours)
+    theirs, ours = parse_step_counts(steps), _state["steps"]
     behind = theirs != ours and all(
-        theirs.get(k, 0) <= ours.get(k, 0) for k in kinds
+        n <= ours.get(k, 0) for k, n in theirs.items()
     )
     return None if current and behind else text
 
@@ -293,12 +296,11 @@ def _collective_in(error_traceback):
     if collective is None:
         return "a collective"
     # DTensor's collectives run asynchronously; a use waits for them.
-    waited = collective.startswith("wait")
-    how = "waited for at" if waited else "called from"
-    where = f" ({how} keras/src/{caller})" if caller else ""
-    if waited:
-        return f"an asynchronous DTensor collective{where}"
-    return f"the collective `{collective}`{where}"
+    if collective.startswith("wait"):
+        what, how = "an asynchronous DTensor collective", "waited for at"
+    else:
+        what, how = f"the collective `{collective}`", "called from"
+    return what + (f" ({how} keras/src/{caller})" if caller else "")
 
 
 def _job_store():
@@ -336,15 +338,6 @@ def _store():
     if "store" not in _state:
         _state["store"] = connect_store()
     return _state["store"]
-
-
-def _store_set(key, value):
-    try:
-        if _store() is not None:
-            _state["store"].set(key, value)
-            _state["written"].append(key)
-    except Exception as error:  # The store's host may be the one gone.
-        _logger.debug("health: cannot write %s: %s", key, error)
 
 
 def _store_get(key):

@@ -75,8 +75,7 @@ class _ProcessRowsSampler(torch.utils.data.Sampler):
     sample is fetched for an empty part's structure."""
 
     def __init__(self, batch_sampler, rows):
-        self._batch_sampler = batch_sampler
-        self._rows = rows
+        self._batch_sampler, self._rows = batch_sampler, rows
 
     def __len__(self):
         return len(self._batch_sampler)
@@ -115,9 +114,7 @@ class _ReadAhead:
     line before (so Keras' peek at the first batch reads no more)."""
 
     def __init__(self, iterator, enabled):
-        self._iterator = iterator
-        self._enabled = enabled
-        self._pool = None
+        self._iterator, self._enabled, self._pool = iterator, enabled, None
         self._ahead = collections.deque()
 
     def __iter__(self):

@@ -25,8 +25,7 @@ class PyDatasetShares(data_parts.SharedAdapter):
 
     def __init__(self, adapter, distribution):
         super().__init__(adapter, distribution)
-        self._dataset = adapter.py_dataset
-        self._reader = None
+        self._dataset, self._reader = adapter.py_dataset, None
         # Ended epochs (the shuffle seed); this object takes `on_epoch_end`.
         self._epoch = getattr(adapter, "_epoch", None)
         self._queue = adapter.enqueuer and _QueuedBatches(adapter)
@@ -62,8 +61,7 @@ class PyDatasetShares(data_parts.SharedAdapter):
                 for src in range(min(size, len(order) - first)):
                     if src == rank and reader.stale:
                         own = _read(reader.reread)
-                    batch = own if src == rank else None
-                    yield self._shared_batch(batch, src)
+                    yield self._shared_batch(own if src == rank else None, src)
                     # Resumed: more than Keras' peek at the first batch.
                     reader.read_ahead()
         finally:
@@ -109,9 +107,8 @@ class _QueuedBatches:
         self._adapter = adapter
         queue_size = adapter.py_dataset.max_queue_size
         self._kept_at_stop = queue_size + 1 if queue_size > 0 else None
-        self._kept = collections.deque()
+        self._kept, self._turn = collections.deque(), 0
         self._order = None  # The open window's batches.
-        self._turn = 0
 
     def start(self, epoch):
         """Opens a window unless one is open, as the enqueuer's `start`."""
@@ -178,12 +175,9 @@ class _ShareReader:
     start on `read_ahead()`, so Keras' first-batch peek reads one."""
 
     def __init__(self, adapter, indices):
-        self._adapter = adapter
-        self._dataset = adapter.py_dataset
-        self._indices = indices
-        self._read = 0
-        self._enqueuer = None
-        self._batches = None
+        self._adapter, self._dataset = adapter, adapter.py_dataset
+        self._indices, self._read = indices, 0
+        self._enqueuer = self._batches = None
         # The last batch returned was read before `rewind()`.
         self.stale = False
 
@@ -242,8 +236,7 @@ class _Share(PyDataset):
             use_multiprocessing=dataset.use_multiprocessing,
             max_queue_size=dataset.max_queue_size,
         )
-        self._dataset = dataset
-        self._indices = list(indices)
+        self._dataset, self._indices = dataset, list(indices)
 
     def __len__(self):
         return len(self._indices)
@@ -265,10 +258,8 @@ def _scatter_objects(objects, src):
     error as `objects` is raised on `src`, one naming `src` on the others."""
     device = runtime.comm_device()
     failed = isinstance(objects, Exception)
-    sizes = torch.zeros(runtime.world_size(), dtype=torch.int64, device=device)
-    if failed:
-        sizes -= 1
-    elif objects is not None:
+    sizes = torch.full((runtime.world_size(),), -int(failed), device=device)
+    if objects is not None and not failed:
         data = [pickle.dumps(o, pickle.HIGHEST_PROTOCOL) for o in objects]
         sizes = torch.tensor([len(d) for d in data], device=device)
     dist.broadcast(sizes, src=src)
