@@ -654,6 +654,14 @@ def test_series_applies_step_by_step(pristine_nightly, tmp_path):
             [edit["file"]] if isinstance(edit["file"], str) else edit["file"]
         )
     }
+    edited |= {
+        path
+        for step in plan["step"]
+        for part in step.get("part", [])
+        for path in (
+            [part["file"]] if isinstance(part["file"], str) else part["file"]
+        )
+    }
     for path, sections in by_path.items():
         if path in edited:
             assert len(sections) >= 2, path
@@ -732,6 +740,56 @@ def test_a_fix_that_is_not_part_of_the_change_is_refused(
     _fake_upstream(upstream)
     _fix_plan(source, old, new)
     with pytest.raises(overlaylib.OverlayError, match=error):
+        series.series_steps(source, upstream, None)
+
+
+def _part_plan(source, without):
+    """A plan adding keras/src/a.py (importing keras/src/b.py) in parts: step
+    1 writes it `without` blocks, step 2 adds b.py, step 3 the rest."""
+    overlaylib.write_text(
+        source / "keras/src/a.py",
+        "A = 1\n\nfrom keras.src import b\n\nB = b.B\n",
+    )
+    overlaylib.write_text(source / "keras/src/b.py", "B = 2\n")
+    part = f'file = "keras/src/a.py"\nwithout = {json.dumps(without)}\n'
+    overlaylib.write_text(
+        source / series.PLAN,
+        '[[step]]\ntitle = "a"\n[[step.part]]\n'
+        + part
+        + '[[step]]\ntitle = "b"\nfiles = ["keras/src/b.py"]\n'
+        '[[step]]\ntitle = "rest"\nfiles = ["keras/src/a.py"]\n',
+    )
+
+
+def test_a_part_step_writes_a_module_without_its_blocks(tmp_path):
+    upstream, source = tmp_path / "upstream", tmp_path / "source"
+    _fake_upstream(upstream)
+    _part_plan(source, ["\nfrom keras.src import b\n", "\nB = b.B\n"])
+    (_, first), (_, second), (_, rest) = series.series_steps(
+        source, upstream, None
+    )
+    assert "new file mode" in first["keras/src/a.py"]
+    assert "+A = 1" in first["keras/src/a.py"]
+    assert "import b" not in first["keras/src/a.py"]
+    assert list(second) == ["keras/src/b.py"]
+    added = [x for x in rest["keras/src/a.py"].splitlines() if x[:1] == "+"]
+    assert [x for x in added[1:] if x != "+"] == [
+        "+from keras.src import b",
+        "+B = b.B",
+    ]
+    # The part imports nothing of a later step; the whole file does, late.
+    assert series.import_order_errors(source, upstream, None) == []
+    _part_plan(source, ["\nB = b.B\n"])
+    assert series.import_order_errors(source, upstream, None) == [
+        "keras/src/a.py (step 1) imports keras.src.b (step 2)"
+    ]
+
+
+def test_a_part_whose_block_is_not_in_the_module_once_is_refused(tmp_path):
+    upstream, source = tmp_path / "upstream", tmp_path / "source"
+    _fake_upstream(upstream)
+    _part_plan(source, ["nowhere\n"])
+    with pytest.raises(overlaylib.OverlayError, match="0 times, not once"):
         series.series_steps(source, upstream, None)
 
 

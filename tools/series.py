@@ -28,6 +28,10 @@ Choices (also in tools/README.md, "Exporting the change"):
   small (at most a few dozen lines but for the trainer), and a hunk split
   would tie the series to the diffs' hunk layout, which changes with every
   edit.
+* A file that serves several features (``distribution_lib.py`` composing
+  the techniques, a hook file calling several) may come in parts: a
+  ``[[step.part]]`` writes its final text ``without`` some blocks of it,
+  each found once; the step listing the file adds the rest (``parts``).
 * Steps follow the import graph: a file of step k imports (at module level
   or inside a function) only upstream modules or files of steps <= k;
   master's torch ``distribution_lib.py``, which ours replaces, counts as
@@ -363,12 +367,22 @@ def series_steps(root, upstream_root, variant):
     """
     plan = load_plan(root)
     sections = export_sections(root, upstream_root, variant)
-    _, patched = overlaylib.patched_texts(root, upstream_root, variant)
+    new_files, patched = overlaylib.patched_texts(root, upstream_root, variant)
     fixes, fixed = fixed_texts(plan, upstream_root, patched)
+    final = dict(patched)
+    final.update((p, overlaylib.read_text(Path(root) / p)) for p in new_files)
+    upstream = set(overlaylib.tree_files(upstream_root))
+    base = {
+        p: overlaylib.read_text(Path(upstream_root) / p)
+        for p in final
+        if p in upstream and p not in fixed
+    }
+    partial, parted = parts(plan, final, {**base, **fixed})
     owner, errors, out = {}, [], []
     for number, step in enumerate(plan["step"], 1):
         entries = list(step.get("files", [])) + list(step.get("tests", []))
         chosen = dict(fixes.get(number, {}))
+        chosen.update(partial.get(number, {}))
         for rel in entries:
             path = _exported_path(plan, rel)
             if path in owner:
@@ -377,9 +391,10 @@ def series_steps(root, upstream_root, variant):
                 )
                 continue
             owner[path] = number
-            if path in fixed:
-                if fixed[path] != patched[path]:
-                    chosen[path] = _section(path, fixed[path], patched[path])
+            earlier = parted.get(path, fixed.get(path))
+            if earlier is not None:
+                if earlier != final[path]:
+                    chosen[path] = _section(path, earlier, final[path])
             elif path in sections:
                 chosen[path] = sections[path]
             elif not _ours(root, plan, rel):
@@ -450,6 +465,64 @@ def fixed_texts(plan, upstream_root, patched):
     if errors:
         raise overlaylib.OverlayError("\n".join(errors))
     return fixes, texts
+
+
+def parts(plan, final, before):
+    """The part steps' sections, and each parted file's last part's text.
+
+    A part (``file``, ``without``: a list of blocks) writes the file's
+    ``final`` text with each block, found there once, left out (``file``
+    may be a list of each base's path, as an edit's); the file's
+    text before it is its last part's, its text ``before`` the series
+    (upstream's, after the fix steps), or none (a new file).
+
+    Returns:
+        ``({step number: {path: section}}, {path: its last part's text})``.
+
+    Raises:
+        OverlayError: a part of a file that is not exported, or whose block
+            is not in the file's final text exactly once.
+    """
+    texts, sections, errors = {}, {}, []
+    for number, step in enumerate(plan["step"], 1):
+        for part in step.get("part", []):
+            path = _part_path(part, final)
+            if path is None:
+                errors.append(f"step {number}: a part of {part['file']}")
+                continue
+            for block in part["without"]:
+                if final[path].count(block) != 1:
+                    errors.append(
+                        f"step {number}: {path} has a block `without` "
+                        f"{final[path].count(block)} times, not once: "
+                        f"{block.splitlines()[0]!r}"
+                    )
+            text = _without(final[path], part)
+            old = texts.get(path, before.get(path))
+            section = (
+                overlaylib.new_file_section(path, text)
+                if old is None
+                else _section(path, old, text)
+            )
+            sections.setdefault(number, {})[path] = section
+            texts[path] = text
+    if errors:
+        raise overlaylib.OverlayError("\n".join(errors))
+    return sections, texts
+
+
+def _part_path(part, texts):
+    """The path of ``part``'s file that is in ``texts``, or ``None``."""
+    paths = part["file"]
+    paths = [paths] if isinstance(paths, str) else paths
+    return next((p for p in paths if p in texts), None)
+
+
+def _without(text, part):
+    """``text`` without the blocks of ``part``."""
+    for block in part["without"]:
+        text = text.replace(block, "", 1)
+    return text
 
 
 def _section(path, old_text, new_text):
@@ -563,8 +636,9 @@ def import_order_errors(root, upstream_root, variant):
     """Files that import a file of a later step (an empty list: none).
 
     A file's imports are read from its exported text (the patched text of
-    an upstream file); what the export adds or replaces as a whole counts
-    as ours, a patched upstream module as upstream's.
+    an upstream file), and a part's from its text at its step; what the
+    export adds or replaces as a whole counts as ours, a patched upstream
+    module as upstream's.
     """
     plan = load_plan(root)
     steps = series_steps(root, upstream_root, variant)
@@ -573,24 +647,31 @@ def import_order_errors(root, upstream_root, variant):
     texts.update(patched)
     texts.update(relocated_tests(root, plan))
     ours = set(new_files) | set(plan["tests"].values())
-    step_of = {}
+    # A file's last step (its final text) and first (it exists from then).
+    step_of, first_of = {}, {}
     for number, (_, sections) in enumerate(steps, 1):
         for path in sections:
             step_of[path] = number
+            first_of.setdefault(path, number)
     by_module = {_dotted(p): p for p in ours if p.endswith(".py")}
+    checks = [(path, number, texts[path]) for path, number in step_of.items()]
+    for number, step in enumerate(plan["step"], 1):
+        for part in step.get("part", []):
+            path = _part_path(part, texts)
+            checks.append((path, number, _without(texts[path], part)))
     errors = []
-    for path, number in step_of.items():
+    for path, number, text in checks:
         if not path.endswith(".py"):
             continue
         module = _dotted(path)
         # A module needs its package: the package's __init__ if it is ours.
-        names = _imports(texts[path], module) | {module.rpartition(".")[0]}
+        names = _imports(text, module) | {module.rpartition(".")[0]}
         for name in sorted(names):
             target = by_module.get(name)
-            if target and step_of.get(target, 0) > number:
+            if target and first_of.get(target, 0) > number:
                 errors.append(
                     f"{path} (step {number}) imports {name} "
-                    f"(step {step_of[target]})"
+                    f"(step {first_of[target]})"
                 )
     return errors
 
