@@ -56,6 +56,7 @@ class Techniques:
     built: object = lambda *args: None
 
 
+# Set once, by `distribution_lib` as it composes the techniques.
 techniques = Techniques()
 
 

@@ -35,6 +35,7 @@ class Techniques:
     predictions: object = lambda model, y, y_pred: y_pred
 
 
+# Set once, by `distribution_lib` as it composes the techniques.
 techniques = Techniques()
 
 
