@@ -7,9 +7,11 @@ version. Pristine upstream is downloaded once into build/upstream/.
 """
 
 import ast
+import dataclasses
 import difflib
 import importlib.metadata
 import importlib.util
+import inspect
 import json
 import os
 import re
@@ -905,3 +907,51 @@ def test_private_apis_are_listed_where_used(pristine):
         if names and not any((name, module) in used for name in names)
     ]
     assert (unlisted, unused) == ([], [])
+
+
+# The packages a technique lives in: the layer call and the step take them
+# as plug-ins, set in `distribution_lib`, never by importing them.
+TECHNIQUE_PACKAGES = (
+    "keras.src.backend.torch.distributed.data_parallel",
+    "keras.src.backend.torch.distributed.fsdp",
+    "keras.src.backend.torch.distributed.tensor_parallel",
+)
+
+
+def test_the_layer_call_and_the_step_import_no_technique():
+    from keras.src.backend.torch.distributed.training import compiled_step
+    from keras.src.backend.torch.distributed.training import layer_call
+    from keras.src.backend.torch.distributed.training import step
+
+    for module in (layer_call, step, compiled_step):
+        tree = ast.parse(inspect.getsource(module))
+        imported = [
+            node.module
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module
+        ] + [
+            alias.name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import)
+            for alias in node.names
+        ]
+        assert not [
+            name for name in imported if name.startswith(TECHNIQUE_PACKAGES)
+        ], module.__name__
+
+
+def test_distribution_lib_plugs_in_every_technique():
+    from keras.src.backend.torch import distribution_lib
+    from keras.src.backend.torch.distributed.training import layer_call
+    from keras.src.backend.torch.distributed.training import step
+
+    assert distribution_lib.layer_call is layer_call
+    for module in (layer_call, step):
+        defaults = module.Techniques()
+        unset = [
+            field.name
+            for field in dataclasses.fields(defaults)
+            if getattr(module.techniques, field.name)
+            is getattr(defaults, field.name)
+        ]
+        assert unset == [], module.__name__
