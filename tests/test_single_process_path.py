@@ -53,7 +53,7 @@ ALLOWED_DISTRIBUTION_FRAMES = {
     "core/variables.py:assign",
     "core/variables.py:operand_like",
     "core/variables.py:to_global_value",
-    "dtensor_gaps/ops.py:conv_operands",
+    "dtensor_gaps/convolution.py:conv_operands",
     "core/random_draws.py:by_position",
     "dtensor_gaps/ops.py:divide_no_nan_local",
     "dtensor_gaps/ops.py:reshape",

@@ -1,5 +1,5 @@
-"""Ops DTensor computes unlike one process: a convolution by a sharded kernel,
-some reshapes, a sharded lookup by sharded indices, `divide_no_nan` of sums."""
+"""Ops DTensor computes unlike one process: some reshapes, a sharded lookup by
+sharded indices, `divide_no_nan` of sums."""
 
 import torch
 
@@ -8,21 +8,6 @@ from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.core.runtime import DTensor
 from keras.src.backend.torch.distributed.core.runtime import Replicate
 from keras.src.backend.torch.distributed.dtensor_gaps import fallback
-
-
-def conv_operands(inputs, kernel):
-    """`(inputs, kernel)` as DTensor convolves them correctly: inputs sharded
-    on the batch only, kernel replicated; the rest gathered, differentiably."""
-    if isinstance(kernel, DTensor):
-        mesh = kernel.device_mesh
-        kernel = layouts.redistribute(kernel, mesh, [Replicate()] * mesh.ndim)
-    if isinstance(inputs, DTensor):
-        batch_only = [
-            p if p.is_shard() and p.dim == 0 else Replicate()
-            for p in inputs.placements
-        ]
-        inputs = layouts.redistribute(inputs, inputs.device_mesh, batch_only)
-    return inputs, kernel
 
 
 def reshape(x, newshape):
