@@ -96,8 +96,8 @@ def suspended_call(call_fn, layer, args, kwargs, through, plain_as_replicated):
     current = getattr(_state, "routing", None)
     if not current or id(layer) not in current.layer_ids:
         return call_fn(layer, *args, **kwargs)
-    args = (through, plain_as_replicated, layer, current.batch, args, kwargs)
-    return call(*args)
+    batch = current.batch
+    return call(through, plain_as_replicated, layer, batch, args, kwargs)
 
 
 def call(through_dtensor, plain_as_replicated, layer, batch, args, kwargs):
