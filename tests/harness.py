@@ -1056,10 +1056,7 @@ def _reset_keras() -> None:
         getattr(keras, "distribution", None), "set_distribution", None
     )
     if set_distribution is not None:
-        try:
-            set_distribution(None)
-        except Exception:
-            pass  # A backend without distribution support.
+        set_distribution(None)
     # Also resets the global dtype policy and the layer-name counters.
     keras.backend.clear_session()
     floatx, epsilon, data_format = _baseline["keras_config"]

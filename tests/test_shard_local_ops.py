@@ -1,8 +1,9 @@
-"""Einsum and attention run on each process' shards where they split.
+"""Einsum, convolutions and attention run on each process' shards where they
+split.
 
-`local_einsum`, `local_matmul` and `local_attention`
+`local_einsum`, `local_matmul`, `local_conv` and `local_attention`
 (`distributed/tensor_parallel/shard_local.py`). Each case computes the
-torch backend's `einsum`, `matmul` or `dot_product_attention` on
+torch backend's `einsum`, `matmul`, `conv` or `dot_product_attention` on
 `DTensor` operands laid out on a gloo mesh, forward and backward, and
 returns global values, which the parent compares with the op on plain
 tensors in one process.
@@ -101,6 +102,36 @@ CASES = {
         (2,),
         None,
     ),
+    # A convolution (the backend's `conv`, "same" padding, channels last)
+    # splits like a product over its channels.
+    "conv_output_channels": (
+        "conv",
+        ((2, 5, 5, 4), (3, 3, 4, 6)),
+        (("r",), (3,)),
+        (2,),
+        ["S(3)"],
+    ),
+    "conv_input_channels_contracted": (
+        "conv",
+        ((2, 5, 5, 4), (3, 3, 4, 6)),
+        ((3,), (2,)),
+        (2,),
+        ["P(sum)"],
+    ),
+    "conv_batch_and_output_channels_on_a_2x2_mesh": (
+        "conv",
+        ((2, 5, 5, 4), (3, 3, 4, 6)),
+        ((0, "r"), ("r", 3)),
+        (2, 2),
+        ["S(0)", "S(3)"],
+    ),
+    "conv_kernel_sharded_on_its_window_goes_to_dtensor": (
+        "conv",
+        ((2, 5, 5, 4), (4, 3, 4, 6)),
+        (("r",), (0,)),
+        (2,),
+        None,
+    ),
     "batch_and_contracted_heads_on_a_2x2_mesh": (
         "bqnh,nhm->bqm",
         ((2, 3, 4, 5), (4, 5, 7)),
@@ -137,7 +168,10 @@ def _weights(shape):
 
 
 def _compute(module, equation, operands):
-    """`module.einsum(equation, ...)`, or `module.matmul` for "matmul"."""
+    """`module.einsum(equation, ...)`, `module.matmul` for "matmul", or the
+    backend's `conv` ("same" padding) for "conv"."""
+    if equation == "conv":
+        return _backend_ops("nn").conv(*operands, padding="same")
     if equation == "matmul":
         return module.matmul(*operands)
     return module.einsum(equation, *operands)

@@ -53,6 +53,7 @@ ALLOWED_DISTRIBUTION_FRAMES = {
     "core/variables.py:assign",
     "core/variables.py:operand_like",
     "core/variables.py:to_global_value",
+    "tensor_parallel/shard_local.py:conv",
     "dtensor_gaps/convolution.py:conv_operands",
     "core/random_draws.py:by_position",
     "dtensor_gaps/ops.py:divide_no_nan_local",

@@ -65,6 +65,7 @@ process_id = runtime.rank
 initialize_rng = runtime.agree_on_seed
 distribute_variable = variables.distribute_variable
 distribute_global_batch = data_input.distribute_global_batch
+distribute_data_input = data_input.distribute_data_input
 _to_backend_device = layouts.to_torch_device
 _to_backend_mesh = layouts.to_torch_mesh
 all_reduce = collectives.all_reduce
@@ -211,27 +212,6 @@ def _distribute_leaf(x, layout):
         x.shape, mesh, layouts.drop_unit_shards(mesh, layout.placements)
     )
     return layouts.redistribute(x, mesh, placements)
-
-
-def distribute_data_input(
-    per_process_batch, layout, batch_dim_name, global_batch_size=None
-):
-    """Assembles the global batch (`DTensor`s) from each process' part.
-
-    The processes along the batch axis hold consecutive parts, sized as
-    `torch.chunk` splits the batch; those along other axes hold the same. A
-    batch too short to give each process a row is gathered whole on each.
-
-    Args:
-        per_process_batch: this process' part (arrays, possibly nested).
-        layout: `TensorLayout` of the global batch.
-        batch_dim_name: name of the mesh axis the batch is sharded on.
-        global_batch_size: the global batch size, or `None` to exchange
-            the part sizes.
-    """
-    return data_input.distribute_data_input(
-        per_process_batch, layout, batch_dim_name, global_batch_size
-    )
 
 
 def tf_dataset_adapter(dataset, class_weight=None, distribution=None):

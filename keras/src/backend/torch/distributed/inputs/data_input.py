@@ -65,8 +65,10 @@ def _plain(x):
 def distribute_data_input(
     per_process_batch, layout, batch_dim_name, global_batch_size=None
 ):
-    """Assembles the global batch from each process' part of it (see
-    `keras.src.backend.torch.distribution_lib.distribute_data_input`)."""
+    """Assembles the global batch (`DTensor`s of `layout`) from each process'
+    part (nested arrays): the processes along the mesh axis `batch_dim_name`
+    hold consecutive parts, sized as `torch.chunk` splits the batch, the others
+    the same; `global_batch_size=None` exchanges the parts' sizes."""
     layout = layouts.as_torch_layout(layout)
     leaves = _flatten(per_process_batch)
     if not leaves:

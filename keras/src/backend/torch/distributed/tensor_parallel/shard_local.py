@@ -7,6 +7,7 @@ import functools
 import torch
 
 from keras.src.backend.common.variables import Variable as KerasVariable
+from keras.src.backend.config import standardize_data_format
 from keras.src.backend.torch.distributed.core import layouts
 from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.core.runtime import DTensor
@@ -140,6 +141,43 @@ def _split_label(inputs, operands, mesh_dim):
     ):
         return False
     return label
+
+
+def local_conv(function):
+    """Wraps the backend's `conv` to convolve each process' channels (as
+    `local_einsum` splits a product) where the kernel is sharded on its output
+    or input channels (one group), the inputs' other shards gathered."""
+
+    @functools.wraps(function)
+    def conv(inputs, kernel, *args, **kwargs):
+        if runtime.current_distribution() is None:
+            return function(inputs, kernel, *args, **kwargs)
+        x, w = (getattr(v, "value", v) for v in (inputs, kernel))
+        data_format = args[2] if len(args) > 2 else kwargs.get("data_format")
+        first = standardize_data_format(data_format) == "channels_first"
+        space = "defg"[: getattr(x, "ndim", 2) - 2]
+        labels = "nc" + space if first else f"n{space}c"
+        window, c = space.upper() + "co", labels.index("c")
+        compute = lambda x, w: function(x, w, *args, **kwargs)  # noqa: E731
+        shards = [p.dim for p in getattr(w, "placements", ()) if p.is_shard()]
+        if not (
+            isinstance(x, DTensor)
+            and shards
+            and all(window[d] in "co" for d in shards)
+            and x.shape[c] == w.shape[-2]  # One group.
+        ):
+            return compute(inputs, kernel)
+        by_kernel = [q.is_shard(w.ndim - 2) for q in w.placements]
+        kept = [  # The batch, and channels sharded as the kernel's.
+            p if p.is_shard(0) or p.is_shard(c) and k else Replicate()
+            for p, k in zip(x.placements, by_kernel)
+        ]
+        x = layouts.redistribute(x, x.device_mesh, kept)
+        subscripts = f"{labels},{window}->{labels.replace('c', 'o')}"
+        output = _shard_local_einsum(subscripts, (x, w), compute)
+        return compute(inputs, kernel) if output is None else output
+
+    return conv
 
 
 def local_attention(function):
