@@ -3,11 +3,10 @@ rule keeps the input's placements whatever the kernel's, so it labels each
 process' channels as the whole output and then fails to differentiate it
 (pytorch/pytorch#186129)."""
 
-# Keras' torch backend imports this module on a torch without DTensor too.
 try:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor import Replicate
-except ImportError:
+except ImportError:  # A torch without DTensor: Keras' backend still imports.
     DTensor = ()  # `isinstance(x, ())` is false: no tensor is a DTensor.
 
 

@@ -162,6 +162,7 @@ def local_conv(function):
         shards = [p.dim for p in getattr(w, "placements", ()) if p.is_shard()]
         if not (
             isinstance(x, DTensor)
+            and not torch.compiler.is_compiling()
             and shards
             and all(window[d] in "co" for d in shards)
             and x.shape[c] == w.shape[-2]  # One group.
@@ -175,7 +176,7 @@ def local_conv(function):
         x = layouts.redistribute(x, x.device_mesh, kept)
         subscripts = f"{labels},{window}->{labels.replace('c', 'o')}"
         output = _shard_local_einsum(subscripts, (x, w), compute)
-        return compute(inputs, kernel) if output is None else output
+        return compute(x, kernel) if output is None else output
 
     return conv
 
