@@ -433,13 +433,13 @@ def test_epoch_end_within_a_pass_reads_the_rest_anew():
 
 
 def test_batch_structures_are_mapped_as_tree_maps_them():
-    """`data_input`'s own walk of a step's batch (lists and tuples of
-    arrays, walked without `keras.tree`'s cost) gives `keras.tree`'s
-    leaves and structure, and hands other containers to `keras.tree`."""
+    """The step's own walk of a batch (lists, tuples and dicts of arrays,
+    walked without `keras.tree`'s cost) gives `keras.tree`'s leaves and
+    structure, and hands other containers to `keras.tree`."""
     import collections
 
     from keras.src import tree
-    from keras.src.backend.torch.distributed.inputs import data_input
+    from keras.src.backend.torch.distributed.core import structures
 
     a, b = np.zeros((4, 2)), np.ones(4)
     pair = collections.namedtuple("pair", "p q")
@@ -447,6 +447,7 @@ def test_batch_structures_are_mapped_as_tree_maps_them():
         [(a, b)],
         [(a, b, None)],
         [({"x": a, "y": b}, b)],
+        {"y": b, "x": (a, None)},
         [(pair(a, b), b)],
         [((a, [a, b]), b, np.float32(1.0))],
         [(a,)],
@@ -455,11 +456,12 @@ def test_batch_structures_are_mapped_as_tree_maps_them():
         collections.OrderedDict(x=a, y=[b, None]),
     ]
     for batch in batches:
-        leaves = data_input._flatten(batch)
+        leaves = structures.flatten(batch)
         assert [id(x) for x in leaves] == [id(x) for x in tree.flatten(batch)]
-        mapped = data_input._map_structure(lambda x: ("leaf", id(x)), batch)
+        mapped = structures.map_structure(lambda x: ("leaf", id(x)), batch)
         expected = tree.map_structure(lambda x: ("leaf", id(x)), batch)
         assert mapped == expected
         assert type(mapped) is type(expected)
+        assert str(mapped) == str(expected)  # Dicts' keys in their order.
         if isinstance(batch, list):
             assert type(mapped[0]) is type(expected[0])

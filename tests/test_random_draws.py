@@ -44,6 +44,19 @@ def test_bits_are_splitmix64():
     assert int(first) & _MASK == 0xE220A8397B1DCDAF
 
 
+def test_key_mix_is_the_tensor_mix():
+    """A key mixed as Python integers is the tensor mix of the same int64,
+    and a key of either kind draws the same bits."""
+    values = [0, 1, -1, 123456789, -(1 << 63), (1 << 63) - 1]
+    values += [random.Random(7).getrandbits(64) - (1 << 63) for _ in range(50)]
+    tensor_mix = random_draws.mix(torch.tensor(values, dtype=torch.int64))
+    assert [random_draws.mix_int(v) for v in values] == tensor_mix.tolist()
+    index = torch.arange(20, dtype=torch.int64)
+    as_int = random_draws.random_bits(-12345, index.clone())
+    as_tensor = random_draws.random_bits(torch.tensor(-12345), index.clone())
+    assert torch.equal(as_int, as_tensor)
+
+
 _BOXES = [
     ((3, 0, 0), (500, 30, 7)),  # rows from an odd position
     ((1, 0, 0), (3, 30, 7)),

@@ -882,12 +882,13 @@ def _deferred_tracker_update_body(rank, world_size):
     )
     deferred = []
 
-    def defer(local, value):
-        # As the step's last bucket would: reduced, then copied in.
-        if not isinstance(value, torch.distributed.tensor.DTensor):
-            return False
-        deferred.append(tuple(value.placements))
-        local.copy_(value.full_tensor())
+    def defer(local, value, over):
+        # As the step's last bucket would: this process' term summed over
+        # the mesh, then copied in.
+        deferred.append((type(value).__name__, over == mesh))
+        total = value.clone()
+        torch.distributed.all_reduce(total)
+        local.copy_(total)
         return True
 
     with CommDebugMode() as comm:
@@ -897,16 +898,16 @@ def _deferred_tracker_update_body(rank, world_size):
             collectives = comm.get_total_counts()
     values = [float(v.value.to_local()) for v in tracker.variables]
     keras.distribution.set_distribution(None)
-    return values, read, collectives, [str(p) for p in deferred]
+    return values, read, collectives, deferred
 
 
 def test_a_deferred_tracker_update_reads_the_local_loss():
     # Keras' train step's tracker update: the loss' local term read with no
-    # DTensor op nor collective; the total deferred as a partial sum (7 +
-    # 3 * 4 = 19 once reduced), the count (3 + 4, the same on every
-    # process) written back, not summed.
+    # DTensor op nor collective; the total deferred as this process' plain
+    # term of a sum over the data mesh (7 + 3 * 4 = 19 once summed), the
+    # count (3 + 4, the same on every process) written back, not summed.
     results = run_on_ranks(_deferred_tracker_update_body, world_size=2)
-    expected = ([19.0, 7.0], "Tensor", 0, ["(Partial(sum),)"])
+    expected = ([19.0, 7.0], "Tensor", 0, [("Tensor", True)])
     assert results == [expected, expected]
 
 

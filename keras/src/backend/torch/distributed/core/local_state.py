@@ -37,24 +37,23 @@ def local_value(x):
 
 @contextlib.contextmanager
 def local_reads(variables):
-    """Runs the block with replicated `variables` holding their local tensors
-    (same storage): reads skip DTensor's dispatch, assignments write through."""
-    swapped = []
-    for variable in variables:
-        value = variable._value
-        if isinstance(value, DTensor) and all_replicated([value]):
-            with torch.no_grad():
-                local = value.to_local()
-            swapped.append((variable, value, local))
-            variable._value = local
+    """Runs the block with `variables` holding their local tensors (same
+    storage) if every `DTensor` among them is replicated, yielding whether
+    they do: reads skip DTensor's dispatch, assignments write through."""
+    values = [(v, v._value) for v in variables if isinstance(v._value, DTensor)]
+    local = all(p.is_replicate() for _, x in values for p in x.placements)
+    with torch.no_grad():
+        swapped = [(v, x, x.to_local()) for v, x in values] if local else []
+    for variable, _, value in swapped:
+        variable._value = value
     try:
-        yield
+        yield local
     finally:
-        for variable, value, local in swapped:
-            if variable._value is not local:
-                with torch.no_grad():
-                    local.copy_(variable._value)
-            variable._value = value
+        with torch.no_grad():
+            for variable, value, local_value in swapped:
+                if variable._value is not local_value:
+                    local_value.copy_(variable._value)
+                variable._value = value
 
 
 @contextlib.contextmanager
@@ -112,11 +111,10 @@ def _on_local_term(metric, states, value, defer):
             new_value = scope.get_current_value(variable)
             if new_value is start:
                 continue
-            if variable is metric.total:
-                new_value = layouts.dtensor_from_local(
+            if variable is not metric.total:
+                local.copy_(new_value)
+            elif not defer(local, new_value, mesh):
+                total = layouts.dtensor_from_local(
                     new_value, mesh, [Partial()], shape=local.shape
                 )
-            if not defer(local, new_value):
-                if isinstance(new_value, DTensor):
-                    new_value = new_value.full_tensor()
-                local.copy_(new_value)
+                local.copy_(total.full_tensor())

@@ -19,6 +19,7 @@ from keras.src.backend.torch.distributed.core.runtime import Replicate
 _GAMMA = 0x9E3779B97F4A7C15 - (1 << 64)
 _MIX_1 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _MIX_2 = 0x94D049BB133111EB - (1 << 64)
+_MASK = (1 << 64) - 1
 
 
 class _State(threading.local):
@@ -112,6 +113,14 @@ def mix(z):
     return z
 
 
+def mix_int(z):
+    """`mix` of one int64 value as Python integers (a key: no tensor ops)."""
+    for bits, factor in ((30, _MIX_1), (27, _MIX_2), (31, 1)):
+        z &= _MASK
+        z = ((z ^ (z >> bits)) * factor) & _MASK
+    return z - (1 << 64) if z >> 63 else z
+
+
 def random_bits(key, index):
     """64 random bits (int64) per flat position of `index` (overwritten)."""
     return mix(index.add_(1).mul_(_GAMMA).add_(key))
@@ -203,16 +212,17 @@ def unseeded_key():
     keys = _state.keys
     if keys is not None and keys[0] is not None:
         keys[1] += 1
-        return mix(keys[0] + torch.tensor(keys[1]).mul_(_GAMMA))
+        return mix_int(keys[0] + keys[1] * _GAMMA)
     if _state.rows is not None:
         _state.rows[3].unseeded += 1
     key = generator_states.torch_key()
     if runtime.world_size() > 1:
         key = key.to(runtime.comm_device())
         torch.distributed.broadcast(key, src=0)
+    key = int(key)
     if keys is not None:
         keys[0] = key
-    return mix(key.clone())
+    return mix_int(key)
 
 
 def _draw_box(shape):
@@ -254,7 +264,7 @@ def dropout(inputs, rate, noise_shape, seed):
     )
     is_dtensor = isinstance(inputs, DTensor)
     device = (inputs.to_local() if is_dtensor else inputs).device
-    key = unseeded_key().to(device) if unseeded else seed_key(seed)
+    key = unseeded_key() if unseeded else seed_key(seed)
     shape = tuple(inputs.shape)
     if noise_shape is not None:
         shape = tuple(

@@ -15,6 +15,7 @@ from keras.src.backend.common.stateless_scope import get_stateless_scope
 from keras.src.backend.torch.distributed.core import layouts
 from keras.src.backend.torch.distributed.core import random_draws
 from keras.src.backend.torch.distributed.core import runtime
+from keras.src.backend.torch.distributed.core import structures
 from keras.src.backend.torch.distributed.core.runtime import DTensor
 from keras.src.backend.torch.distributed.core.runtime import Partial
 from keras.src.backend.torch.distributed.core.runtime import Replicate
@@ -37,7 +38,7 @@ Batch = collections.namedtuple(
 def batch_of(values):
     """The `Batch` of `values`: all DTensors sharded on axis 0 over a 1-D
     mesh (or replicated on one process), a row or more each, or `None`."""
-    leaves = [x for x in tree.flatten(values) if hasattr(x, "shape")]
+    leaves = [x for x in structures.flatten(values) if hasattr(x, "shape")]
     if not leaves or not all(isinstance(x, DTensor) for x in leaves):
         return None
     mesh, placements = leaves[0].device_mesh, tuple(leaves[0].placements)

@@ -13,6 +13,7 @@ from keras.src.backend.torch.distributed.core import generator_states
 from keras.src.backend.torch.distributed.core import local_state
 from keras.src.backend.torch.distributed.core import random_draws
 from keras.src.backend.torch.distributed.core import runtime
+from keras.src.backend.torch.distributed.core import structures
 from keras.src.backend.torch.distributed.core.runtime import DTensor
 from keras.src.backend.torch.distributed.core.runtime import Partial
 from keras.src.backend.torch.distributed.data_parallel import batch_coupling
@@ -33,8 +34,7 @@ class StepRows:
 
     def __init__(self, model):
         self.model = model
-        # Set once a local-rows call drew random numbers or assigned a
-        # trainable variable (DTensor does those globally).
+        # Set once a call on the rows must run through DTensor (`call`).
         self.runs_through_dtensor = False
         # The probe's `{training: Verdict}`; kept by `local_variables`.
         self.verdicts, self._variables, self._outputs = {}, (None, None), []
@@ -162,7 +162,7 @@ def _own_rows(x, batch):
 def _on_rows(call_fn, layer, inputs, batch, mapping, plan, coupled):
     """Calls `layer` on the local rows from `mapping`, `coupled` layers through
     DTensor: `(outputs, scope, Routing, updates, why DTensor's may differ)`."""
-    args, kwargs = tree.map_structure(local_state.local_value, inputs)
+    args, kwargs = structures.map_structure(local_state.local_value, inputs)
     try:
         with (
             # The probe's check keeps nothing.
@@ -181,7 +181,7 @@ def _on_rows(call_fn, layer, inputs, batch, mapping, plan, coupled):
         outputs = error
     updated = [(v, scope.get_current_value(v)) for v, _ in mapping]
     updated = [(v, x) for v, x in updated if x is not entered[id(v)]]
-    leaves = [x for x in tree.flatten(outputs) if x is not None]
+    leaves = [x for x in structures.flatten(outputs) if x is not None]
     reason = None
     if isinstance(outputs, coupled_layers.NotRows):
         reason = "a layer that couples samples returns other values"
@@ -262,7 +262,7 @@ def _call_locally(on_rows, layer, batch, variables, verdict, step):
             step.rows.keep_local_output(output, x)
         return output
 
-    return tree.map_structure(to_global, outputs)
+    return structures.map_structure(to_global, outputs)
 
 
 def local_variables(model, mesh):

@@ -3,10 +3,10 @@ communication if the global size is known."""
 
 import weakref
 
-from keras.src import tree
 from keras.src.backend.torch.distributed.core import collectives
 from keras.src.backend.torch.distributed.core import layouts
 from keras.src.backend.torch.distributed.core import runtime
+from keras.src.backend.torch.distributed.core import structures
 from keras.src.backend.torch.distributed.core.runtime import DTensor
 
 _DATA_LAYOUTS = weakref.WeakKeyDictionary()
@@ -15,7 +15,7 @@ _DATA_LAYOUTS = weakref.WeakKeyDictionary()
 def distribute_global_batch(data, distribution):
     """`data`'s arrays as DTensors sharded on the batch axis; with
     `auto_shard_dataset=False`, `data` is this process' part of the batch."""
-    leaves = [x for x in _flatten(data) if _is_batch_array(x)]
+    leaves = [x for x in structures.flatten(data) if _is_batch_array(x)]
     if not leaves:
         return data
     batch_size = int(leaves[0].shape[0])
@@ -41,27 +41,6 @@ def _data_layout(distribution, shape):
     return known[shape]
 
 
-def _flatten(data):
-    """`tree.flatten(data)`, without its cost for plain containers."""
-    leaves = []
-    _map_structure(leaves.append, data)
-    return leaves
-
-
-def _map_structure(function, data):
-    """`tree.map_structure(function, data)`, cheaper on plain containers."""
-    if type(data) in (list, tuple):
-        return type(data)(_map_structure(function, x) for x in data)
-    if type(data) is dict or not _plain(data):
-        return tree.map_structure(function, data)
-    return function(data)
-
-
-def _plain(x):
-    """Whether `x` is an array, tensor, `None`, number or string."""
-    return x is None or hasattr(x, "shape") or isinstance(x, (int, float, str))
-
-
 def distribute_data_input(
     per_process_batch, layout, batch_dim_name, global_batch_size=None
 ):
@@ -70,7 +49,7 @@ def distribute_data_input(
     hold consecutive parts, sized as `torch.chunk` splits the batch, the others
     the same; `global_batch_size=None` exchanges the parts' sizes."""
     layout = layouts.as_torch_layout(layout)
-    leaves = _flatten(per_process_batch)
+    leaves = structures.flatten(per_process_batch)
     if not leaves:
         return per_process_batch
     if global_batch_size is None:
@@ -94,7 +73,7 @@ def distribute_data_input(
             value = value.redistribute(mesh, whole)
         return value
 
-    return _map_structure(put, per_process_batch)
+    return structures.map_structure(put, per_process_batch)
 
 
 def global_batch(data, global_size, distribution, batch_size=None, rows=None):
@@ -117,7 +96,7 @@ def global_batch(data, global_size, distribution, batch_size=None, rows=None):
             x, layout, distribution.batch_dim_name, global_size
         )
 
-    return _map_structure(put, data)
+    return structures.map_structure(put, data)
 
 
 def _global_size(x, layout, batch_dim_name):

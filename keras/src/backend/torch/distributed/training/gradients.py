@@ -26,9 +26,7 @@ def apply_gradients(apply_function, optimizer, grads, trainable_variables):
     if runtime.current_distribution() is None:
         return apply_function(grads, trainable_variables)
     grads = reduce_gradients(grads, buffers=optimizer_buffers(optimizer))
-    variables = trainable_variables
-    if variables is None:
-        variables = optimizer._trainable_variables
+    variables = trainable_variables or optimizer._trainable_variables
     # Redistributed once here, not by every optimizer op reading them.
     values = [getattr(v, "value", v) for v in variables]
     grads = [
@@ -40,12 +38,12 @@ def apply_gradients(apply_function, optimizer, grads, trainable_variables):
         for g, x in zip(grads, values)
     ]
     state = list(optimizer.variables) + list(variables)
-    if not (optimizer.built and local_state.all_replicated(state + grads)):
-        return apply_function(grads, trainable_variables)
-    with torch.no_grad(), local_state.local_reads(state):
-        return apply_function(
-            [local_state.local_value(g) for g in grads], trainable_variables
-        )
+    if optimizer.built and local_state.all_replicated(grads):
+        with torch.no_grad(), local_state.local_reads(state) as local:
+            if local:
+                grads = [local_state.local_value(g) for g in grads]
+                return apply_function(grads, trainable_variables)
+    return apply_function(grads, trainable_variables)
 
 
 def optimizer_buffers(optimizer):

@@ -236,8 +236,7 @@ def hold_replication(distribution):
     outside layer calls and steps mixes them with layer outputs."""
     global _replication_held
     if distribution is not None and not _replication_held:
-        # DTensor warns each time it takes a one-element plain tensor as
-        # replicated: here that is the rule, not an accident.
+        # DTensor warns of each one-element plain tensor taken as replicated.
         message = "Found a non-scalar tensor with numel=1"
         warnings.filterwarnings("ignore", message, UserWarning)
     _replication_held = distribution is not None

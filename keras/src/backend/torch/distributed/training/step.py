@@ -70,8 +70,7 @@ class DistributedStep:
         self._distributed_function = eager
         if self._unchecked:
             self._distributed_function = compiled_step.compile_step(eager)
-        # Keras' own train step reduces after one backward pass: its buckets
-        # can be all-reduced while that pass runs.
+        # Keras' own train step: buckets all-reduced during its one backward.
         self._overlaps_reduction = (
             kind == "train" and type(model).train_step is Model.train_step
         )
@@ -99,8 +98,7 @@ class DistributedStep:
     def _run(self, data, distribution):
         model, eager = self.model, self.eager_step_function
         if self._unchecked:
-            # Built eagerly, on the global batch: traced, the lazy build of
-            # the loss and metrics breaks dynamo.
+            # Built eagerly: the loss' and metrics' lazy build breaks dynamo.
             model._symbolic_build(data_batch=data[0])
             reason = compiled_step.eager_reason(model)
             reason = reason or techniques.eager_reason(model, distribution)

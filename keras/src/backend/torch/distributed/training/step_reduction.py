@@ -30,8 +30,11 @@ def reduce_step_gradients(reduction, optimizer, gradients):
         gradients = reduction.finish(gradients, as_local)
         deferred, reduction.deferred = reduction.deferred, []
     # The deferred state first: in the first bucket whatever its size.
+    sums = [
+        layouts.dtensor_from_local(x, m, [Partial()]) for m, _, x in deferred
+    ]
     reduced = gradients_lib.reduce_gradients(
-        [value for _, _, value in deferred] + list(gradients),
+        sums + list(gradients),
         gradients_lib.optimizer_buffers(optimizer),
         as_local,
     )
@@ -54,8 +57,7 @@ def overlapped_reduction(model, leaves, plans):
     key = tuple(map(id, trainable))
     plan = plans.get(key)
     if plan is None:
-        # 1-D meshes only: a model-parallel mesh's backward runs collectives
-        # these buckets would race.
+        # 1-D meshes only: a model-parallel backward's collectives would race.
         buckets = _reverse_buckets(
             [
                 v
@@ -135,17 +137,10 @@ class OverlappedReduction:
         self.handles.append(leaf.register_post_accumulate_grad_hook(hook))
         return leaf
 
-    def defer(self, local, value):
-        """Whether partial sum `value` for replicated `local`, if over the data
-        mesh, is deferred to the last bucket (unread before the optimizer)."""
-        mesh = self.trainable[0].value.device_mesh
-        if not (
-            isinstance(value, DTensor)
-            and value.device_mesh == mesh
-            and len(value.placements) == 1
-            and value.placements[0].is_partial()
-            and value.placements[0].reduce_op == "sum"
-        ):
+    def defer(self, local, value, mesh):
+        """Whether `value`, this process' term of a sum over 1-D `mesh` for
+        replicated `local`, is summed in the last bucket (the data mesh's)."""
+        if mesh != self.trainable[0].value.device_mesh:
             return False
         self.deferred.append((mesh, local, value.detach()))
         return True
@@ -180,8 +175,7 @@ class OverlappedReduction:
         if len(dims) != 1 or len(alike) > 1:
             return
         op = gradients_lib.reduce_op(placements[dims[0]])
-        # A shared weight accumulates again after its bucket completed: wait
-        # for the earlier launch, whose buffer this one reuses.
+        # A shared weight accumulated again: wait, its buffer is reused.
         if bucket_index in self.launched:
             timeout = datetime.timedelta(seconds=health.current_timeout())
             self.launched.pop(bucket_index)[2].wait(timeout)
@@ -225,8 +219,7 @@ class OverlappedReduction:
         for i, (v, gradient) in enumerate(zip(self.trainable, gradients)):
             leaf = self.leaf_of.get(id(v))
             if leaf is not None and gradient is not None:
-                # Also used through DTensor (a regularization loss): add the
-                # leaf's partial gradient.
+                # Also used through DTensor (a regularizer): plus the leaf's.
                 if leaf.grad is not None:
                     mesh = gradient.device_mesh
                     result[i] = gradient + layouts.dtensor_from_local(
@@ -248,10 +241,8 @@ class OverlappedReduction:
     def _reduce_pending(self, pending, result):
         """All-reduces the deferred state and `pending` `(index, part)`s."""
         deferred, self.deferred = self.deferred, []
-        parts = [
-            (value.to_local(), mesh, tuple(value.placements))
-            for mesh, _, value in deferred
-        ] + [part for _, part in pending]
+        parts = [(value, mesh, (Partial(),)) for mesh, _, value in deferred]
+        parts += [part for _, part in pending]
         reduced = gradients_lib.reduce_parts(parts, self.buffers, ("leaves",))
         _store(deferred, reduced)
         for (i, _), value in zip(pending, reduced[len(deferred) :]):
