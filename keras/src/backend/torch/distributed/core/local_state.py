@@ -50,9 +50,9 @@ def local_reads(variables):
         yield local
     finally:
         with torch.no_grad():
-            for variable, value, local_value in swapped:
-                if variable._value is not local_value:
-                    local_value.copy_(variable._value)
+            for variable, value, plain in swapped:
+                if variable._value is not plain:
+                    plain.copy_(variable._value)
                 variable._value = value
 
 

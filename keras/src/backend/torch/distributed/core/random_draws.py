@@ -115,8 +115,8 @@ def mix(z):
 
 def mix_int(z):
     """`mix` of one int64 value as Python integers (a key: no tensor ops)."""
+    z &= _MASK
     for bits, factor in ((30, _MIX_1), (27, _MIX_2), (31, 1)):
-        z &= _MASK
         z = ((z ^ (z >> bits)) * factor) & _MASK
     return z - (1 << 64) if z >> 63 else z
 
