@@ -55,6 +55,9 @@ ALLOWED_MODULE_STATE = {
     ("fsdp_schedule", "_running"),
     # Per step function, weakly: its gather schedule, kept across its steps.
     ("fsdp_schedule", "_schedules"),
+    # Per replicated `DTensor`, weakly: its local tensor, which never
+    # changes (the state a step reads locally).
+    ("local_state", "_REPLICATED_LOCALS"),
 }
 _MUTABLE_CALLS = {
     "dict",

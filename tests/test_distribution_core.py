@@ -456,6 +456,56 @@ def test_data_parallel_variables_are_replicated_dtensors():
             _assert_close(facts["global"], expected)
 
 
+def _replicated_locals_body(rank, world_size):
+    import gc
+
+    import torch
+    from torch.distributed.tensor import Shard
+
+    import keras
+    from keras.src.backend.torch.distributed.core import layouts
+    from keras.src.backend.torch.distributed.core import local_state
+
+    distributions.use_setting("dp")
+    variable = keras.Variable(np.arange(4.0, dtype="float32"))
+    value = variable.value
+    local = local_state.replicated_local(value)
+    facts = {
+        "kept": local_state.replicated_local(value) is local,
+        "same_storage": local.data_ptr() == value.to_local().data_ptr(),
+    }
+    sharded = layouts.dtensor_from_local(
+        torch.zeros(2), value.device_mesh, [Shard(0)], shape=(4,)
+    )
+    facts["sharded"] = local_state.replicated_local(sharded)
+    with local_state.local_reads([variable]) as read_locally:
+        facts["read_locally"] = read_locally
+        variable.assign_add(np.ones(4, "float32"))
+    facts["written_through"] = variable.value.full_tensor().tolist()
+    kept = len(local_state._REPLICATED_LOCALS)
+    del sharded
+    variable = value = local = None
+    gc.collect()
+    facts["forgotten"] = kept - len(local_state._REPLICATED_LOCALS)
+    keras.distribution.set_distribution(None)
+    return facts
+
+
+def test_replicated_local_tensors_are_kept_while_their_dtensor_lives():
+    # The optimizer's and the loss tracker's replicated state is read on
+    # its local tensors every step: each `DTensor`'s local tensor is taken
+    # once, a sharded one never, and forgotten with its `DTensor`.
+    for facts in run_on_ranks(_replicated_locals_body, world_size=2):
+        assert facts == {
+            "kept": True,
+            "same_storage": True,
+            "sharded": None,
+            "read_locally": True,
+            "written_through": [1.0, 2.0, 3.0, 4.0],
+            "forgotten": 1,
+        }
+
+
 def _model_parallel_dense_body(rank, world_size, mesh_shape):
     distributions.use_model_parallel(
         layout_rules={

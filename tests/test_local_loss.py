@@ -181,3 +181,53 @@ def test_per_sample_loss_on_local_rows_like_one_process(kwargs):
 )
 def test_other_losses_run_on_dtensor(kwargs):
     assert _check(kwargs) == [0, 0]
+
+
+def _backpropagated_losses(rank=None, world_size=None, *, scaled):
+    """Three steps of a small model: their losses, the final weights, and the
+    type of each loss the train step hands the optimizer to scale."""
+    import numpy as np
+
+    import keras
+    from tests import distributions
+
+    distributions.use_setting("single" if rank is None else "dp")
+    keras.utils.set_random_seed(pm.SEED)
+    model = keras.Sequential(
+        [keras.Input((5,)), keras.layers.Dense(8), keras.layers.Dense(3)]
+    )
+    optimizer = keras.optimizers.Adam(0.01)
+    if scaled:
+        optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())
+    model.compile(optimizer=optimizer, loss="mse")
+    types, scale_loss = [], optimizer.scale_loss
+
+    def recording_scale_loss(loss):
+        types.append(type(loss).__name__)
+        return scale_loss(loss)
+
+    optimizer.scale_loss = recording_scale_loss
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 5)).astype("float32")
+    y = rng.normal(size=(8, 3)).astype("float32")
+    losses = [float(model.train_on_batch(x, y)) for _ in range(3)]
+    weights = [np.array(w.numpy()) for w in model.weights]
+    return {"losses": losses, "weights": weights}, types
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["adam", "loss-scale"])
+def test_the_backward_pass_starts_from_this_process_plain_term(scaled):
+    # On the local rows the loss is this process' term of a sum over the
+    # processes: backpropagated as a plain tensor, the gradients are the
+    # terms the step sums (no DTensor in the backward pass). An optimizer
+    # that scales the loss by a variable (a replicated DTensor) gets the
+    # loss as a DTensor, partial over the processes.
+    per_rank = run_on_ranks(
+        _backpropagated_losses, world_size=2, kwargs={"scaled": scaled}
+    )
+    reference, _ = pm.run_single(_backpropagated_losses, scaled=scaled)
+    for rank, (result, _) in enumerate(per_rank):
+        pm.assert_close(result, reference, f"rank {rank}")
+    # The first step is the probe's, through DTensor.
+    expected = ["DTensor"] * 3 if scaled else ["DTensor"] + ["Tensor"] * 2
+    assert [types for _, types in per_rank] == [expected, expected]

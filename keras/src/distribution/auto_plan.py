@@ -53,8 +53,7 @@ class Plan:
         axes, reason = self._layout_axes(variable)
         if _is_float(variable.dtype):
             shape = tuple(variable.shape)
-            # Used whole, as if replicated: gathered with its layer's call
-            # where that is the call's one gather.
+            # Used whole: gathered per call where that is the call's one gather.
             gathered = self.batch_size == 1
             axes, reason, bound = self._share.bounded(
                 shape, axes, reason, SHARE_BOUND, gathered
@@ -134,8 +133,7 @@ class Plan:
         ):
             axes, reason = self._stack_axes(layer, shape)
         else:
-            # Dense and conv kernels (last two dims: in, out channels), and any
-            # layer's own matrices.
+            # Dense, conv kernels ([..., in, out]) and any layer's own matrices.
             scope = parent if kind in ("dense", "conv") else layer
             axes, reason = self._matmul_axes(layer, scope, parent, shape, kind)
         trainable = variable.trainable and layer is not None
@@ -145,8 +143,7 @@ class Plan:
 
     def _vector_axes(self, shape, layer):
         """Bias follows its layer's sharded output; other vectors replicate."""
-        replicated = (None,) * len(shape)
-        role = self._role(layer)
+        replicated, role = (None,) * len(shape), self._role(layer)
         if role[0] == STACK and len(shape) > 1:
             return self._stack_axes(layer, shape)
         if role[0] != COLUMN:
@@ -169,8 +166,7 @@ class Plan:
             return False
         if layer in self._batch_sharded or _is_block(parent):
             return True
-        # A block built on its first call creates its layers' weights in
-        # its own name scope.
+        # A block built on first call creates inner weights in its name scope.
         return any(True for _ in layer._flatten_layers(include_self=False))
 
     def _embedding_axes(self, layer, shape):
@@ -211,9 +207,8 @@ class Plan:
                     self._gathered_blocks.add(parent)
                 return self._gathered_for_call(layer, shape, kernel, contracted)
             if indivisible and contracted:
-                # Row-parallel input features: one all-reduce of the output
-                # and its gradient; splitting the head size would cost more
-                # collectives (rotary halves, scores).
+                # Row-parallel inputs: one all-reduce of output and gradient;
+                # head-dim splits cost more collectives (rotary halves, scores).
                 role, letters = ROW, contracted
                 what = "row-parallel over input features (heads indivisible)"
             else:
@@ -278,8 +273,7 @@ class Plan:
             return self._mesh.shard(shape)[0], reason
         role, ambiguous = self._pairs.role(in_width, out_width, scope, parent)
         orders = {COLUMN: [out_dim, in_dim], ROW: [in_dim, out_dim]}
-        order = orders[role]
-        what = f"{role}-parallel {widths}"
+        order, what = orders[role], f"{role}-parallel {widths}"
         axes, reason = self._mesh.shard(shape, order, lambda d: what)
         if axes[order[0]] == self.model_dim_name and layer is not None:
             self._roles[layer] = (role, shape[order[0]])

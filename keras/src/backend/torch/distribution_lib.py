@@ -26,9 +26,7 @@ from keras.src.backend.torch.distributed.tensor_parallel import pairing_check
 from keras.src.backend.torch.distributed.training import layer_call
 from keras.src.backend.torch.distributed.training import step
 
-# Distributions whose processes have agreed on torch's generator state.
-_rng_agreed = weakref.WeakSet()
-
+_rng_agreed = weakref.WeakSet()  # Distributions with torch's RNG state agreed.
 # The techniques' parts of each layer call and step.
 layer_call.techniques = layer_call.Techniques(
     # Data parallelism: per-sample calls on each process' rows, layers that
@@ -89,8 +87,7 @@ def batch_step(model, kind, step_function, eager_step_function):
         eager_step_function: the same function, not compiled.
     """
     eager = _on_first(eager_step_function)
-    # `==`: a bound method is a new object at each access, equal to others.
-    same = step_function == eager_step_function
+    same = step_function == eager_step_function  # Bound methods: new but equal.
     compiled = eager if same else _on_first(step_function)
     distributed = step.DistributedStep(model, kind, compiled, eager)
     return lambda batch: distributed([batch])
@@ -116,8 +113,7 @@ def list_devices(device_type=None):
     (`"gpu:i"` or `"cpu:i"`, `i` the global rank); otherwise the local ones.
 
     Args:
-        device_type: `"cpu"` or `"gpu"`. Defaults to `"gpu"` if CUDA is
-            available, otherwise `"cpu"`.
+        device_type: `"gpu"` (default with CUDA) or `"cpu"` (else the default).
     """
     if device_type is None:
         device_type = "gpu" if torch.cuda.is_available() else "cpu"
@@ -182,10 +178,8 @@ def distribute_tensor(tensor, layout):
     torch versions refuse views merging it), is replicated instead.
 
     Args:
-        tensor: a tensor, NumPy array, `Variable`, `DTensor` or nested
-            structure of them.
-        layout: `TensorLayout` to apply to each tensor, or `None` to return
-            `tensor` as is.
+        tensor: a tensor, NumPy array, `Variable`, `DTensor` or a nest of them.
+        layout: `TensorLayout` for each tensor; `None` returns `tensor` as is.
     """
     if layout is None:
         return tensor

@@ -80,8 +80,7 @@ def save_checkpoint(
     checkpoint is in place on process 0, where `on_complete` runs."""
     from keras.src.saving import saving_lib
 
-    no_dist = not _distributed()
-    group = None
+    no_dist, group = not _distributed(), None
     if background and not no_dist:
         group = _background_group(dist.group.WORLD)
     path = os.path.abspath(os.fspath(path))
@@ -172,11 +171,9 @@ def complete_steps(directory):
 
 
 def resolve(path):
-    """The checkpoint `path` names (itself or its latest complete step) as
-    process 0 finds it, on every process: their listings may lag behind a save,
-    and processes loading different steps would mix them silently."""
-    path = os.fspath(path)
-    found, error = None, None
+    """The checkpoint `path` names (itself or latest complete step) as process 0
+    finds it, for all: listings may lag saves; mixed steps load silently."""
+    path, found, error = os.fspath(path), None, None
     if os.path.isfile(os.path.join(path, INFO_FILE)):
         if _is_complete(path):
             found = path
@@ -205,8 +202,7 @@ def load_weights(model, path):
     """Loads checkpoint (or latest step) `path` into built `model`'s variables
     (the optimizer's too) in their current layouts; every process calls it."""
     path = resolve(path)
-    info = read_info(path)
-    groups = {"model": _model_variables(model)}
+    info, groups = read_info(path), {"model": _model_variables(model)}
     optimizer = getattr(model, "optimizer", None)
     if info.get("optimizer") is not None and optimizer is not None:
         if not optimizer.built:

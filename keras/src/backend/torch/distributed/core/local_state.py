@@ -2,6 +2,7 @@
 dispatch (an optimizer update with reduced gradients, a loss tracker's)."""
 
 import contextlib
+import weakref
 
 import torch
 
@@ -11,6 +12,9 @@ from keras.src.backend.torch.distributed.core import layouts
 from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.core.runtime import DTensor
 from keras.src.backend.torch.distributed.core.runtime import Partial
+
+# Per replicated `DTensor`, weakly: `{id(it): (weak reference, local tensor)}`.
+_REPLICATED_LOCALS = {}
 
 
 def all_replicated(values):
@@ -35,15 +39,31 @@ def local_value(x):
     return x.to_local() if isinstance(x, DTensor) else x
 
 
+def replicated_local(x):
+    """The local tensor of replicated `DTensor` `x` (kept: a `DTensor`'s local
+    tensor and placements never change), or `None` if `x` is not."""
+    kept = _REPLICATED_LOCALS.get(id(x))
+    if kept is not None and kept[0]() is x:
+        return kept[1]
+    if not all(p.is_replicate() for p in x.placements):
+        return None
+    with torch.no_grad():
+        local = x.to_local()
+    key = id(x)  # Tensors compare by value: not weak dictionary keys.
+    weakref.finalize(x, _REPLICATED_LOCALS.pop, key, None)
+    _REPLICATED_LOCALS[key] = (weakref.ref(x), local)
+    return local
+
+
 @contextlib.contextmanager
 def local_reads(variables):
     """Runs the block with `variables` holding their local tensors (same
     storage) if every `DTensor` among them is replicated, yielding whether
     they do: reads skip DTensor's dispatch, assignments write through."""
     values = [(v, v._value) for v in variables if isinstance(v._value, DTensor)]
-    local = all(p.is_replicate() for _, x in values for p in x.placements)
-    with torch.no_grad():
-        swapped = [(v, x, x.to_local()) for v, x in values] if local else []
+    swapped = [(v, x, replicated_local(x)) for v, x in values]
+    local = all(plain is not None for _, _, plain in swapped)
+    swapped = swapped if local else []
     for variable, _, value in swapped:
         variable._value = value
     try:
@@ -57,56 +77,60 @@ def local_reads(variables):
 
 
 @contextlib.contextmanager
-def local_metric_state(metric, defer=None, value=None):
+def local_metric_state(metric, defer=None, value=None, term_mesh=None):
     """Runs `metric`'s update on its replicated state's local values, yielding
-    what it reads: `value`, or with `defer` partial-sum `value`'s local term."""
-    states = [v.value for v in metric.variables]
+    what it reads: `value`, or with `defer` a partial sum's local term (with
+    `term_mesh`, `value` is this process' plain term of a sum over it)."""
+    states, mesh, term = [v.value for v in metric.variables], term_mesh, value
+    if isinstance(value, DTensor) and value.device_mesh.ndim == 1:
+        if value.placements[0] == Partial():
+            mesh, term = value.device_mesh, value.to_local()
+    if mesh is not None and _sums_terms(metric, states, defer, term, mesh):
+        with _on_local_term(metric, states, term, mesh, defer) as local:
+            yield local
+        return
+    if term_mesh is not None:
+        value = layouts.dtensor_from_local(value, term_mesh, [Partial()])
     if runtime.current_distribution() is None or not all_replicated(states):
         yield value
-    elif _sums_partial_value(metric, states, defer, value):
-        with _on_local_term(metric, states, value, defer) as local:
-            yield local
     else:
         with local_reads(metric.variables):
             yield value
 
 
-def _sums_partial_value(metric, states, defer, value):
+def _sums_terms(metric, states, defer, value, mesh):
     """Whether `metric` is Keras' `Mean` (`total` linear in the values, `count`
-    blind to them) and `value` a partial sum over its `states`' 1-D mesh."""
+    blind to them), `states` replicated on `mesh`, `value` a term over it."""
     # Imported here: the backend imports this module.
     from keras.src.metrics import reduction_metrics
 
     return (
         defer is not None
-        and isinstance(value, DTensor)
+        and runtime.current_distribution() is not None
         and type(metric).update_state is reduction_metrics.Mean.update_state
         and not torch.compiler.is_compiling()
         and get_keras_mask(value) is None
-        and value.device_mesh.ndim == 1
-        and value.placements[0].is_partial()
-        and value.placements[0].reduce_op == "sum"
         and all(
-            isinstance(x, DTensor) and x.device_mesh == value.device_mesh
-            for x in states
+            isinstance(x, DTensor) and x.device_mesh == mesh for x in states
         )
+        and all_replicated(states)
     )
 
 
 @contextlib.contextmanager
-def _on_local_term(metric, states, value, defer):
-    """Runs a `Mean`'s update on partial-sum `value`'s local term, yielding it:
-    `total` enters as its share of a partial sum (as DTensor partitions it) and
-    leaves as one, handed to `defer`; `count` reads no value."""
-    mesh = value.device_mesh
-    locals_ = [x.to_local() for x in states]
+def _on_local_term(metric, states, local_term, mesh, defer):
+    """Runs a `Mean`'s update on `local_term` of a partial sum over `mesh`,
+    yielding it: `total` enters as its share of a partial sum (as DTensor
+    partitions it) and leaves as one, handed to `defer`; `count` reads no
+    value."""
+    locals_ = [replicated_local(x) for x in states]
     with torch.no_grad():
         entered = [
             local / mesh.size() if v is metric.total else local
             for v, local in zip(metric.variables, locals_)
         ]
         with stateless_scope(zip(metric.variables, entered)) as scope:
-            yield value.to_local()
+            yield local_term
         for variable, local, start in zip(metric.variables, locals_, entered):
             new_value = scope.get_current_value(variable)
             if new_value is start:

@@ -227,8 +227,7 @@ def unseeded_key():
 
 def _draw_box(shape):
     """`(global_shape, offsets, local_shape)` of a draw of `shape` here."""
-    shape = tuple(int(d) for d in shape)
-    rows = _state.rows
+    shape, rows = tuple(int(d) for d in shape), _state.rows
     if rows is None or not rows[3].decide(shape, rows[1]):
         return shape, (0,) * len(shape), shape
     start, _, global_rows, _ = rows
@@ -286,8 +285,7 @@ def dropout(inputs, rate, noise_shape, seed):
             for p in layouts.reduced_placements(placements)
         ]
         scale = layouts.dtensor_from_local(scale, mesh, placements, shape=shape)
-    # One product, as torch's own dropout: its gradient is one product too.
-    return inputs * scale
+    return inputs * scale  # One product as torch's dropout: so is its gradient.
 
 
 def _device():

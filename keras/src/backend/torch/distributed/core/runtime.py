@@ -36,11 +36,9 @@ except ImportError:
 
 
 # The flat-buffer collectives (torch 2.12 renamed them; the old names warn).
-all_gather_flat = getattr(
-    dist, "all_gather_single", dist.all_gather_into_tensor
-)
-reduce_scatter_flat = getattr(
-    dist, "reduce_scatter_single", dist.reduce_scatter_tensor
+all_gather_flat, reduce_scatter_flat = (
+    getattr(dist, "all_gather_single", dist.all_gather_into_tensor),
+    getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor),
 )
 DEBUG_ENV = "KERAS_DISTRIBUTION_DEBUG"
 LOG_ALL_PROCESSES_ENV = "KERAS_DISTRIBUTION_LOG_ALL_PROCESSES"
@@ -51,10 +49,8 @@ _PER_PROCESS_ENV = (
     health.STEP_TIMEOUT_ENV,
     health.START_TIMEOUT_ENV,
 )
-
 logger = logging.getLogger("keras.distribution")
 log_debug = logger.debug
-
 # The last `set_distribution`: Keras' global state is per thread, but hooks
 # also run on threads that never set it (CUDA autograd's backward threads).
 process_distribution = None
@@ -117,10 +113,9 @@ def check_torch_version():
     """Raises if this torch cannot run a distribution."""
     if not DTENSOR_AVAILABLE or parse(torch.__version__).release < (2, 5):
         raise RuntimeError(
-            "Keras distribution with the torch backend needs torch>=2.5 "
-            "(with `torch.distributed.tensor`). "
-            f"Found torch=={torch.__version__}. Upgrade torch, or run "
-            "without a distribution."
+            "Keras distribution with the torch backend needs torch>=2.5 (with "
+            f"`torch.distributed.tensor`). Found torch=={torch.__version__}. "
+            "Upgrade torch, or run without a distribution."
         )
 
 
@@ -166,10 +161,9 @@ def agree_on_environment():
     values = {n: [own.get(n, "<unset>") for own in every] for n in names}
     values = {n: v for n, v in values.items() if len(set(v)) > 1}
     raise ValueError(
-        "Every process must set the same `KERAS_DISTRIBUTION_*` variables "
-        "that choose collectives. Received, per process "
-        f"(0 to {world_size() - 1}): {values}. Set them alike in the "
-        "environment of every process."
+        "Every process must set the same `KERAS_DISTRIBUTION_*` variables that "
+        f"choose collectives. Received, per process (0 to {world_size() - 1}): "
+        f"{values}. Set them alike in the environment of every process."
     )
 
 
@@ -283,8 +277,7 @@ def _init_process_group(coordinator, num_processes, process_id):
     else:
         how["init_method"] = "env://"
     dist.init_process_group(timeout=timeout, **how)
-    # Process groups torn down at interpreter shutdown can abort the process.
-    atexit.register(_destroy_process_group)
+    atexit.register(_destroy_process_group)  # Exit-time teardown can abort.
     health.install(coordinator)
     message = "process group: backend %(backend)s, world size %(world_size)d"
     log_debug(message, how)
@@ -334,7 +327,6 @@ if os.environ.get(DEBUG_ENV, "0") not in ("", "0", "false", "False"):
     logger.addHandler(_handler)
     logger.setLevel(logging.DEBUG)
     logger.propagate = False
-
 GATHERED_ALL_TO_ALL_NOTICE = (
     "CPU process group does not support alltoall yet, falling back with "
     "allgather + chunk!"

@@ -47,15 +47,16 @@ def batch_of(values):
     single = n == 1 and placements == (Replicate(),)
     if mesh.ndim != 1 or not (placements == (Shard(0),) or single):
         return None
-    parts = [layouts.chunk_bounds(global_rows, n, i) for i in range(n)]
-    if any(
+    # `torch.chunk`'s last part is its smallest: if it has rows, all have.
+    last = layouts.chunk_bounds(global_rows, n, n - 1)
+    if last[1] <= last[0] or any(
         x.shape[:1] != (global_rows,)
         or x.device_mesh != mesh
         or tuple(x.placements) != placements
         for x in leaves
-    ) or any(stop <= start for start, stop in parts):
+    ):
         return None
-    start, stop = parts[mesh.get_local_rank()]
+    start, stop = layouts.chunk_bounds(global_rows, n, mesh.get_coordinate()[0])
     return Batch(mesh, global_rows, stop - start, placements, start)
 
 

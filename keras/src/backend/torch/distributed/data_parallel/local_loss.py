@@ -49,9 +49,10 @@ def gathered_predictions(model, y, y_pred):
 def local_compiled_loss(
     model, y, y_pred, sample_weight, local_y_pred, local_weight
 ):
-    """The train step's loss from local tensors (`y_pred`'s rows from a
-    local-rows call: a partial sum; else replicated), or `None` if it may
-    differ. `local_weight(v)`: a weight's local value, for other losses."""
+    """The train step's loss from local tensors as `(this process' local
+    tensor, placements)` (`y_pred`'s rows from a local-rows call: a partial
+    sum; else replicated), or `None` if it may differ. `local_weight(v)`: a
+    weight's local value, for other losses."""
     from keras.src import ops
 
     entry = _single_compiled_loss(model, y, y_pred)
@@ -82,7 +83,7 @@ def local_compiled_loss(
                 for value, scale in others
             ]
             share = ops.add(share, ops.sum(parts))
-    return DTensor.from_local(share, mesh, placements, run_check=False)
+    return share, placements
 
 
 def _other_losses(model, mesh, placements, local_weight):

@@ -59,7 +59,8 @@ class StepRows:
         self._outputs.append((output, local))
 
     def compiled_loss(self, y, y_pred, sample_weight, step):
-        """`local_loss.local_compiled_loss` of `step`'s outputs, or `None`."""
+        """`local_loss.local_compiled_loss` of `step`'s outputs: `(local
+        tensor, placements)` or `None`."""
         local = next((x for o, x in self._outputs if o is y_pred), None)
         weight = functools.partial(local_weight, step=step)
         return local_loss.local_compiled_loss(
@@ -291,5 +292,5 @@ def local_weight(variable, step):
     value = variable.value
     if not value.requires_grad:
         return value.to_local()
-    leaf = None if step is None else step.local_leaf(variable)
+    leaf = None if step is None else step.local_leaf(variable, value)
     return value.to_local(grad_placements=[Partial()]) if leaf is None else leaf

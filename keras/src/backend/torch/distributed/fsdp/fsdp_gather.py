@@ -19,8 +19,7 @@ class PendingGather:
     mesh, mesh dim and dtype where possible, else by `redistribute`."""
 
     def __init__(self, shards, placements, async_op=False):
-        self._count = len(shards)
-        self._alone, grouped = {}, {}
+        self._count, self._alone, grouped = len(shards), {}, {}
         for index, (shard, target) in enumerate(zip(shards, placements)):
             mesh_dim = _flat_mesh_dim(shard, target)
             if mesh_dim is not None:
@@ -111,10 +110,9 @@ class _FlatGather:
 
     def __init__(self, indices, shards, placements, mesh_dim, async_op):
         self.indices, self.shards, self.placements = indices, shards, placements
-        self.mesh_dim = mesh_dim
         self.mesh = mesh = shards[0].device_mesh
+        self.mesh_dim, self.coordinate = mesh_dim, mesh.get_local_rank(mesh_dim)
         self.group, self.size = mesh.get_group(mesh_dim), mesh.size(mesh_dim)
-        self.coordinate = mesh.get_local_rank(mesh_dim)
         self.layouts = [_ShardLayout(x, mesh_dim, self.size) for x in shards]
         with torch.no_grad():
             flat = _concatenated(
@@ -175,9 +173,8 @@ class _FlatGather:
             if placement.is_partial():
                 summed.append((index, layout, grad.to_local()))
             else:
-                # This process' part, in a storage of its own.
                 parts = grad.to_local().split(layout.lengths, layout.dim)
-                results[index] = parts[self.coordinate].clone()
+                results[index] = parts[self.coordinate].clone()  # Own storage.
         if summed:
             if len(summed) == 1 and summed[0][1].is_whole_buffer():
                 # Parts are rows in order: the gradient is the flat tensor.
@@ -203,8 +200,7 @@ class _FlatGather:
     def _summed_over_other_dims(self, grads):
         """`grads` with partial sums along other mesh dims (weight replicated
         there) summed, in the step's gradient buckets."""
-        grads = list(grads)
-        indices, parts = [], []
+        grads, indices, parts = list(grads), [], []
         for index, (grad, target) in enumerate(zip(grads, self.placements)):
             if not isinstance(grad, DTensor):
                 continue
@@ -284,8 +280,7 @@ class _GatherFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, flat_gather, *shards):
-        # Unreached gradients stay `None`: an optimizer skips those, not 0s.
-        ctx.set_materialize_grads(False)
+        ctx.set_materialize_grads(False)  # Unreached: `None` (skipped), not 0s.
         ctx.flat_gather = flat_gather
         values, targets = flat_gather.local_values(), flat_gather.placements
         return tuple(map(_like, values, shards, targets))

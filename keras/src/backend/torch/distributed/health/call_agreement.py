@@ -20,7 +20,6 @@ from keras.src.backend.torch.distributed.health import health
 
 _WATCH_SECONDS = 0.05
 _KEY = "call/{}"
-
 _lock = threading.Lock()
 # "tried": the process that tried to start (a forked one has another pid).
 _state = dict.fromkeys(("count", "depth", "store", "pid", "tried", "watcher"))
@@ -55,8 +54,7 @@ def start():
     _state.update(store=store, pid=os.getpid(), count=0, depth=0)
     _state.update(watcher=watcher, stop=stop_event)
     watcher.start()
-    # Runs before the process group's teardown (atexit runs LIFO).
-    atexit.register(stop)
+    atexit.register(stop)  # Runs before the process group's teardown (LIFO).
 
 
 def stop(reason="the end of its program"):
@@ -68,8 +66,7 @@ def stop(reason="the end of its program"):
         _state["count"] += 1
         _state["pid"] = None
         try:
-            # Also wakes the watcher's wait.
-            _append(_state["store"], _state["count"], reason)
+            _append(_state["store"], _state["count"], reason)  # Wakes watcher.
         except dist.DistStoreError as error:
             # The store's host (a launcher, process 0) may be gone first.
             runtime.log_debug("call agreement: cannot announce: %s", error)
@@ -78,9 +75,8 @@ def stop(reason="the end of its program"):
 
 @contextlib.contextmanager
 def collective_call(description):
-    """Runs a collective call once every process announced `description`
-    (else `CallMismatchError`, or `health.JobFailedError` after the timeout);
-    not for nested calls, nor in a step or its tracing."""
+    """Unless nested, in a step or tracing, waits for all processes to announce
+    `description` (else `CallMismatchError`, on timeout `JobFailedError`)."""
     start()
     if not (
         _state["pid"] == os.getpid()
@@ -110,12 +106,11 @@ def check_same_num_batches(num_batches):
     unknown = num_batches is None and not distribution.auto_shard_dataset
     if counts is None and unknown and runtime.world_size() > 1:
         raise ValueError(
-            "With `auto_shard_dataset=False` each process iterates over "
-            "its own data, whose number of batches is unknown here (a "
-            "generator, or a dataset of unknown cardinality): a process "
-            "whose data ends first would pair its next steps with the "
-            "others' steps. Pass the same `steps_per_epoch` (and "
-            "`validation_steps`) on every process."
+            "With `auto_shard_dataset=False` each process iterates over its "
+            "own data, whose number of batches is unknown here (a generator, "
+            "or a dataset of unknown cardinality): a process whose data ends "
+            "first would pair its next steps with the others' steps. Pass the "
+            "same `steps_per_epoch` (and `validation_steps`) on every process."
         )
     if counts is None:
         return

@@ -15,9 +15,7 @@ import torch.distributed as dist
 
 STEP_TIMEOUT_ENV = "KERAS_DISTRIBUTION_TIMEOUT"
 START_TIMEOUT_ENV = "KERAS_DISTRIBUTION_START_TIMEOUT"
-# A failed process' wait for the others' reports; the bound on store access.
-REPORT_GRACE_SECONDS = 5.0
-
+REPORT_GRACE_SECONDS = 5.0  # A failed process' report wait; store access bound.
 _state = dict(started=False, steps={}, running=None, written=[])
 # Not `runtime.log_debug`: the runtime imports this module.
 _logger = logging.getLogger("keras.distribution")
@@ -134,8 +132,7 @@ def step_counts_text():
 
 def parse_step_counts(text):
     """The counts of `step_counts_text`'s `text`."""
-    pairs = (c.split("=") for c in text.split(",") if c)
-    return {k: int(n) for k, n in pairs}
+    return {k: int(n) for k, n in (c.split("=") for c in text.split(",") if c)}
 
 
 def report_failure(error):
@@ -222,9 +219,8 @@ def _job_error(error, where):
 
 
 def peer_failures():
-    """`[(rank, what)]` of the other processes that reported a failure in a
-    step this process has not gone past (a report of an earlier step is of a
-    failure its process caught and went on from, until it clears it)."""
+    """`[(rank, what)]` of others' failures reported in a step this process has
+    not passed (an earlier step's report, until cleared, is of a caught one)."""
     if _world_size() == 1:
         return []
     return [
@@ -247,9 +243,8 @@ def _peer_reports(wait=True):
 
 
 def _reports(current=False):
-    """`{rank: (its error, the step its collective failed in)}` of the other
-    processes, `None` where not reported (or, if `current`, reported in a
-    step before this process' current one)."""
+    """`{rank: (error, step its collective failed in)}` of other processes;
+    `None` if unreported or (if `current`) from before this process' step."""
     others = [r for r in range(dist.get_world_size()) if r != dist.get_rank()]
     return {
         r: (_report(f"failed/{r}", current), _report(f"waiting/{r}", current))
@@ -295,8 +290,7 @@ def _collective_in(error_traceback):
             caller = f"{filename.split('/keras/src/')[-1]}:{frame.lineno}"
     if collective is None:
         return "a collective"
-    # DTensor's collectives run asynchronously; a use waits for them.
-    if collective.startswith("wait"):
+    if collective.startswith("wait"):  # Async DTensor collective: a use waits.
         what, how = "an asynchronous DTensor collective", "waited for at"
     else:
         what, how = f"the collective `{collective}`", "called from"

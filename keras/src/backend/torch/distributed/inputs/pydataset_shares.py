@@ -62,8 +62,7 @@ class PyDatasetShares(data_parts.SharedAdapter):
                     if src == rank and reader.stale:
                         own = _read(reader.reread)
                     yield self._shared_batch(own if src == rank else None, src)
-                    # Resumed: more than Keras' peek at the first batch.
-                    reader.read_ahead()
+                    reader.read_ahead()  # Resumed past Keras' first-batch peek.
         finally:
             reader.close()
             if self._reader is reader:
@@ -75,8 +74,7 @@ class PyDatasetShares(data_parts.SharedAdapter):
         for _ in range(self._dataset.num_batches):
             src, batch = self._queue.next()
             yield self._shared_batch(batch, src)
-        # Only when resumed after its last batch, as Keras' pass.
-        self._queue.stop()
+        self._queue.stop()  # Only if resumed after the last batch (as Keras').
 
     def _shared_batch(self, batch, src):
         """The global batch `batch`, read on process `src`, as `DTensor`s."""
@@ -104,8 +102,7 @@ class _QueuedBatches:
     enqueuer would have read ahead (queue, batch being put) for `next()`."""
 
     def __init__(self, adapter):
-        self._adapter = adapter
-        queue_size = adapter.py_dataset.max_queue_size
+        self._adapter, queue_size = adapter, adapter.py_dataset.max_queue_size
         self._kept_at_stop = queue_size + 1 if queue_size > 0 else None
         self._kept, self._turn = collections.deque(), 0
         self._order = None  # The open window's batches.
@@ -128,8 +125,7 @@ class _QueuedBatches:
         count = min(left, self._kept_at_stop or left)
         self._kept.extend([self._next() for _ in range(count)])
         self._reader.close()
-        self._turn += len(self._order)
-        self._order = None
+        self._turn, self._order = self._turn + len(self._order), None
 
     def next(self):
         """Returns `(src, batch)`; `batch` is None off process `src`."""
@@ -142,8 +138,7 @@ class _QueuedBatches:
 
     def _next(self):
         if self._taken == len(self._order):
-            # Keras' enqueuer would wait for a batch forever.
-            raise ValueError(
+            raise ValueError(  # Keras' enqueuer would wait for a batch forever.
                 "The PyDataset's enqueuer has no batch left in this epoch."
             )
         src = (self._turn + self._taken) % runtime.world_size()
@@ -178,8 +173,7 @@ class _ShareReader:
         self._adapter, self._dataset = adapter, adapter.py_dataset
         self._indices, self._read = indices, 0
         self._enqueuer = self._batches = None
-        # The last batch returned was read before `rewind()`.
-        self.stale = False
+        self.stale = False  # The last batch returned predates `rewind()`.
 
     def next(self):
         self._read += 1
@@ -210,9 +204,8 @@ class _ShareReader:
             use_multiprocessing=self._dataset.use_multiprocessing,
             max_queue_size=self._dataset.max_queue_size,
         )
-        # Any epoch: it never shuffles shares.
         if "epoch" in inspect.signature(self._enqueuer.start).parameters:
-            self._enqueuer.start(epoch=0)
+            self._enqueuer.start(epoch=0)  # Any epoch: shares never shuffle.
         else:
             self._enqueuer.start()
         self._batches = self._enqueuer.get()
@@ -256,8 +249,7 @@ def _read(read):
 def _scatter_objects(objects, src):
     """Gives process `i` `objects[i]` from process `src`; returns its own. An
     error as `objects` is raised on `src`, one naming `src` on the others."""
-    device = runtime.comm_device()
-    failed = isinstance(objects, Exception)
+    device, failed = runtime.comm_device(), isinstance(objects, Exception)
     sizes = torch.full((runtime.world_size(),), -int(failed), device=device)
     if objects is not None and not failed:
         data = [pickle.dumps(o, pickle.HIGHEST_PROTOCOL) for o in objects]

@@ -20,12 +20,10 @@ from keras.src.backend.torch.distributed.core.runtime import Replicate
 from keras.src.backend.torch.distributed.dtensor_gaps import fallback
 from keras.src.backend.torch.distributed.dtensor_gaps import global_values
 
-# Small: a block the meta device cannot run is run on zeros.
-UNKNOWN_DIMENSION = 8
+UNKNOWN_DIMENSION = 8  # Small: a block the meta device fails runs on zeros.
 # `plan_pairs`' roles, not imported: the backend loads before `distribution`.
 COLUMN = "column"
 ROW = "row"
-
 _state = threading.local()
 
 
@@ -47,22 +45,19 @@ def check_layer(layer, distribution, args, kwargs):
     paired = [(inner, role) for inner, role in paired if role is not None]
     if not paired:
         return
-    trace = _Trace(distribution)
-    failure = None
+    trace, failure = _Trace(distribution), None
     try:
         trace.run(layer, args, kwargs)
     except _CallFailed as error:
         failure = str(error)
-    # Every process lays out alike (relaying out is a collective), also
-    # where the block's code fails on some processes only.
+    # Processes lay out alike (a collective) even where the block fails on some.
     if runtime.world_size() > 1 and collectives.any_process(failure, None):
         failure = failure or "it failed on another process"
     if failure is not None:
         message = "pairings of %s not checked: its trace failed (%s)"
         runtime.log_debug(message, layer.name, failure)
         trace.reads.clear()
-    # Unreached kernels keep their width pairing; a model holding the layer
-    # does not trace it again.
+    # Unreached kernels keep width pairings; no outer model retraces the block.
     for inner, role in paired:
         _check(inner, distribution, trace.reads.get(inner, role == ROW))
 
@@ -100,8 +95,7 @@ def _graph_reads_column(x, distribution):
             return True
         flatten = getattr(operation, "_flatten_layers", None)
         if role is not None or (flatten and flatten(include_self=False)):
-            # Row-parallel, stacked and block outputs are whole.
-            continue
+            continue  # Row-parallel, stacked and block outputs are whole.
         node = operation._inbound_nodes[history.node_index]
         pending.extend(node.input_tensors)
     return False

@@ -15,8 +15,7 @@ from keras.src.backend.torch.distributed.core.runtime import Partial
 from keras.src.backend.torch.distributed.core.runtime import Replicate
 from keras.src.backend.torch.distributed.core.runtime import Shard
 
-# Labels of the stacked dimensions of a batched matmul, as an einsum.
-_STACK_LABELS = "abcdefghlmnopq"
+_STACK_LABELS = "abcdefghlmnopq"  # Labels of stacked matmul dims, as an einsum.
 
 
 def local_einsum(function):
@@ -76,8 +75,7 @@ def local_matmul(function):
 def _shard_local_einsum(subscripts, operands, compute):
     """`compute(*local operands)` as a `DTensor` where it splits, or `None`."""
     if torch.compiler.is_compiling():
-        # Dynamo fails on this path (`InternalTorchDynamoError`).
-        return None
+        return None  # Dynamo fails on this path (`InternalTorchDynamoError`).
     projection = any(isinstance(x, KerasVariable) for x in operands)
     operands = [
         x.value if isinstance(x, KerasVariable) else x for x in operands
@@ -89,8 +87,7 @@ def _shard_local_einsum(subscripts, operands, compute):
     if "." in subscripts or "->" not in subscripts:
         return None
     inputs, output = subscripts.replace(" ", "").split("->")
-    inputs = inputs.split(",")
-    mesh = operands[0].device_mesh
+    inputs, mesh = inputs.split(","), operands[0].device_mesh
     if len(inputs) != len(operands) or any(
         x.device_mesh != mesh or not len(set(labels)) == len(labels) == x.ndim
         for labels, x in zip(inputs, operands)

@@ -28,23 +28,19 @@ from keras.src.backend.torch.distributed.dtensor_gaps import fallback
 
 CHECK_REPLICATION_ENV = "KERAS_DISTRIBUTION_CHECK_REPLICATION"
 GRADIENT_HOOK_ATTRIBUTE = "_keras_distribution_gradient_hook"
-
 # Process-wide, as torch's `implicit_replication` flag is.
-_replication_depth = 0
-_replication_held = False
-_implicit_replication = None
+_replication_depth, _replication_held, _implicit_replication = 0, False, None
 # Nesting depth of `_call_global`, per thread as Keras' call context.
 _calls = threading.local()
 
 
 @dataclasses.dataclass
 class Techniques:
-    """What techniques add to each layer call (the defaults add nothing):
-    `rows_call`, an outermost call's outputs on each process' rows (`None`:
-    call `through` on DTensors); `suspended_call`, a call inside one on rows;
-    `record`, a call's outputs on DTensors; `weights`, a context around that
-    call yielding a function of its outputs; `trace`, an object taking this
-    thread's layer calls, or `None`; `built`, a functional model built."""
+    """What techniques add to layer calls (none by default): `rows_call`, an
+    outermost call's outputs on local rows (`None`: `through` on DTensors);
+    `suspended_call`, one inside it on rows; `record`, a call's DTensor outputs;
+    `weights`, a context around it yielding a function of its outputs; `trace`,
+    this thread's call taker or `None`; `built`, a functional model built."""
 
     rows_call: object = lambda *args: None
     suspended_call: object = lambda call_function, layer, args, kwargs, *_: (
@@ -56,8 +52,7 @@ class Techniques:
     built: object = lambda *args: None
 
 
-# Set once, by `distribution_lib` as it composes the techniques.
-techniques = Techniques()
+techniques = Techniques()  # Set once by `distribution_lib` as it composes them.
 
 
 def call_layer(call_function, layer, *args, **kwargs):
@@ -179,8 +174,7 @@ def _layer_output(axes, x):
             for d, p in enumerate(y.placements)
         )
     ):
-        # A hook, not an autograd Function: the output stays the same
-        # tensor, which the next layer may update in place.
+        # A hook, not a Function: the next layer may alter this tensor in place.
         y.register_hook(functools.partial(_whole_gradient, y.placements, axes))
         setattr(y, GRADIENT_HOOK_ATTRIBUTE, True)
     mask = get_keras_mask(x)
@@ -198,9 +192,8 @@ def _hooked_by_inner_layer(output):
 
 
 def _whole_gradient(placements, axes, grad):
-    """A replicated output's gradient made whole where the output is, but
-    partial over `axes` (Megatron's `f`): left to DTensor, a LayerNorm would
-    leave partial weight gradients."""
+    """A replicated output's gradient, whole where the output is, not on `axes`
+    (Megatron's `f`): DTensor would leave LayerNorm weight gradients partial."""
     if not isinstance(grad, DTensor):
         return grad
     whole = [
@@ -212,9 +205,8 @@ def _whole_gradient(placements, axes, grad):
 
 @contextlib.contextmanager
 def replicated_plain_tensors():
-    """Treats plain tensors as replicated global values; only the outermost
-    entry acts. On CPU meshes it selects the math SDPA kernel: DTensor has no
-    sharding rule for the CPU flash kernel."""
+    """Treats plain tensors as replicated global values (outermost entry acts);
+    CPU meshes use math SDPA: DTensor has no rule for the CPU flash kernel."""
     global _replication_depth
     _replication_depth += 1
     try:

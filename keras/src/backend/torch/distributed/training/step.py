@@ -13,6 +13,7 @@ from keras.src import tree
 from keras.src.backend.torch.distributed.core import layouts
 from keras.src.backend.torch.distributed.core import local_state
 from keras.src.backend.torch.distributed.core import runtime
+from keras.src.backend.torch.distributed.core.runtime import Partial
 from keras.src.backend.torch.distributed.dtensor_gaps import fallback
 from keras.src.backend.torch.distributed.health import call_agreement
 from keras.src.backend.torch.distributed.health import health
@@ -76,9 +77,9 @@ class DistributedStep:
         )
         self.rows = techniques.rows(model)
         # Kept across steps: plain leaves, bucket plans.
-        self._leaves, self._buckets = {}, {}
-        # Of the running step (`_eager_step`).
-        self._reduction, self._fallback_on = None, None
+        self._leaves, self._buckets = step_reduction.KeptLeaves(), {}
+        # Of the running step (`_eager_step`); its loss if a plain term.
+        self._reduction, self._fallback_on, self._loss_term = None, None, None
 
     def __call__(self, data):
         distribution = runtime.current_distribution()
@@ -122,13 +123,13 @@ class DistributedStep:
     def _eager_step(self, data, distribution):
         """Runs an eager step, DTensor's refusals computed on global values
         (lazily where the model may run on local rows)."""
+        mesh = distribution.device_mesh.backend_mesh
+        lazy = self.rows is not None and self.rows.may_run_locally(mesh)
         reduction = contextlib.nullcontext()
         if self._overlaps_reduction:
             reduction = step_reduction.overlapped_reduction(
-                self.model, self._leaves, self._buckets
+                self.model, self._leaves, self._buckets, lazy
             )
-        mesh = distribution.device_mesh.backend_mesh
-        lazy = self.rows is not None and self.rows.may_run_locally(mesh)
         with (
             fallback.dtensor_fallback(lazy=lazy) as self._fallback_on,
             techniques.context(self, distribution),
@@ -137,19 +138,35 @@ class DistributedStep:
             try:
                 return self.eager_step_function(data)
             finally:
-                self._fallback_on = self._reduction = None
+                self._fallback_on = self._reduction = self._loss_term = None
 
-    def local_leaf(self, variable):
-        """The plain leaf for a weight in a local-rows call, or `None`."""
-        return self._reduction and self._reduction.local_leaf(variable)
+    def local_leaf(self, variable, value):
+        """The plain leaf for a weight (`value`) in a local-rows call, or
+        `None`."""
+        return self._reduction and self._reduction.local_leaf(variable, value)
 
     def local_compiled_loss(self, y, y_pred, sample_weight):
-        """See `local_loss` (the hook)."""
+        """See `local_loss` (the hook). A sum over the batch is this process'
+        plain term where the step sums it with the gradients and the optimizer
+        scales it by a number: its backward needs no DTensor."""
+        from keras.src.optimizers.base_optimizer import BaseOptimizer
+
         rows = self.rows
         loss = rows and rows.compiled_loss(y, y_pred, sample_weight, self)
-        if loss is None and self._fallback_on is not None:
-            self._fallback_on()  # Keras computes the loss through DTensor.
-        return loss
+        if loss is None:
+            if self._fallback_on is not None:
+                self._fallback_on()  # Keras computes it through DTensor.
+            return None
+        (share, placements), mesh = loss, y_pred.device_mesh
+        scales = type(self.model.optimizer).scale_loss
+        if (
+            placements == [Partial()]
+            and self._reduction is not None
+            and scales is BaseOptimizer.scale_loss
+        ):
+            self._loss_term = (share, mesh)
+            return share
+        return layouts.dtensor_from_local(share, mesh, placements)
 
     def reduce_gradients(self, gradients):
         """See `reduce_gradients` (the hook)."""
@@ -204,7 +221,9 @@ def local_metric_state(model, metric, value=None):
     if step is None:
         return contextlib.nullcontext(value)
     defer = getattr(step._reduction, "defer", None)
-    return local_state.local_metric_state(metric, defer, value)
+    term = step._loss_term
+    mesh = term[1] if term is not None and value is term[0] else None
+    return local_state.local_metric_state(metric, defer, value, mesh)
 
 
 def local_metric_reads(model, metric):

@@ -50,9 +50,10 @@ def _store(deferred, values):
 
 
 @contextlib.contextmanager
-def overlapped_reduction(model, leaves, plans):
+def overlapped_reduction(model, leaves, plans, local=False):
     """Yields the `OverlappedReduction` of a train step, or `None`. `leaves`
-    and `plans`: dicts kept across steps."""
+    (`KeptLeaves`) and `plans` (a dict): kept across steps; `local`: whether
+    the model may run on local rows, its weights as their kept leaves."""
     trainable = model.trainable_weights
     key = tuple(map(id, trainable))
     plan = plans.get(key)
@@ -78,7 +79,9 @@ def overlapped_reduction(model, leaves, plans):
     if optimizer is None or not plan[1]:
         yield None
         return
-    reduction = OverlappedReduction(optimizer, plan, leaves)
+    reduction = leaves.reduction = OverlappedReduction(
+        optimizer, plan, leaves, local
+    )
     try:
         yield reduction
         # Launched but not taken: wait, so processes leave the step together.
@@ -86,10 +89,33 @@ def overlapped_reduction(model, leaves, plans):
         if reduction.deferred:  # The step's gradients were not reduced.
             reduction._reduce_pending([], [])
     finally:
+        leaves.reduction = None
         for leaf in reduction.leaf_of.values():
             leaf.grad = None  # Freed before the next step.
         for handle in reduction.handles:
             handle.remove()
+
+
+class KeptLeaves(dict):
+    """`{id(weight): (its replicated value, plain leaf)}` kept across steps,
+    each leaf hooked once to report to the running `reduction`."""
+
+    reduction = None
+
+    def leaf(self, key, value):
+        """The leaf sharing `value`'s local storage, made anew for another."""
+        kept = self.get(key)
+        if kept is None or kept[0] is not value:
+            with torch.no_grad():
+                leaf = value.to_local().detach().requires_grad_()
+            kept = self[key] = (value, leaf)
+            hook = functools.partial(self._ready, key)
+            leaf.register_post_accumulate_grad_hook(hook)
+        return kept[1]
+
+    def _ready(self, key, leaf):
+        if self.reduction and self.reduction.leaf_of.get(key) is leaf:
+            self.reduction.gradient_ready(key, leaf)
 
 
 def _reverse_buckets(variables):
@@ -105,11 +131,11 @@ class OverlappedReduction:
     `DTensor`s or, for a weight taken as a plain leaf (`local_leaf`, which
     skips DTensor's per-weight dispatch), as plain partial sums."""
 
-    def __init__(self, optimizer, plan, leaves):
+    def __init__(self, optimizer, plan, leaves, local=False):
         self.buffers = gradients_lib.optimizer_buffers(optimizer)
         self.trainable, self.buckets, self.positions = plan
         self.arrived = [[None] * len(bucket) for bucket in self.buckets]
-        # By id(variable): all leaves made (kept across steps), this step's.
+        # All leaves made (`KeptLeaves`); this step's, by id(variable).
         self.leaves, self.leaf_of = leaves, {}
         # `{bucket index: (gradients, flat, work)}`; `(mesh, local, value)`s.
         self.launched, self.deferred = {}, []
@@ -119,22 +145,17 @@ class OverlappedReduction:
             )
             for bucket in self.buckets[:-1]
             for v in bucket
+            # Those used as leaves get their gradient there.
+            if not (local and id(v) in leaves)
         ]
 
-    def local_leaf(self, variable):
-        """The plain leaf sharing replicated `variable`'s local storage, or
-        `None` for a variable this reduction does not reduce."""
+    def local_leaf(self, variable, value):
+        """The plain leaf sharing replicated `variable`'s local storage (its
+        `value`), or `None` for a variable this reduction does not reduce."""
         key = id(variable)
         if key not in self.positions or key in self.leaf_of:
             return self.leaf_of.get(key)
-        with torch.no_grad():
-            local = variable.value.to_local()
-        leaf = self.leaves.get(key)
-        if leaf is None or leaf.data_ptr() != local.data_ptr():
-            leaf = self.leaves[key] = local.detach().requires_grad_()
-        self.leaf_of[key] = leaf
-        hook = functools.partial(self.gradient_ready, key)
-        self.handles.append(leaf.register_post_accumulate_grad_hook(hook))
+        leaf = self.leaf_of[key] = self.leaves.leaf(key, value)
         return leaf
 
     def defer(self, local, value, mesh):
@@ -232,7 +253,7 @@ class OverlappedReduction:
             if entry is not None and entry[0] is gradient:
                 result[i] = entry[1]
             elif leaf is not None and gradient is not None:
-                mesh = v.value.device_mesh
+                mesh = self.leaves[id(v)][0].device_mesh
                 pending.append((i, (gradient, mesh, (Partial(),))))
         if pending:
             self._reduce_pending(pending, result)
