@@ -89,7 +89,7 @@ def keras_collectives(model, train_function, batch):
     # collectives, and the step leaves its raw (possibly `Partial`)
     # gradients in `.grad` for the counts below.
     local_leaf = DistributedStep.local_leaf
-    DistributedStep.local_leaf = lambda self, variable: None
+    DistributedStep.local_leaf = lambda self, *args: None
     try:
         step = count_collectives(lambda: train_function(batch), [model])
     finally:

@@ -42,16 +42,18 @@ def local_value(x):
 def replicated_local(x):
     """The local tensor of replicated `DTensor` `x` (kept: a `DTensor`'s local
     tensor and placements never change), or `None` if `x` is not."""
-    kept = _REPLICATED_LOCALS.get(id(x))
+    compiling = torch.compiler.is_compiling()  # Dynamo would guard the cache.
+    kept = None if compiling else _REPLICATED_LOCALS.get(id(x))
     if kept is not None and kept[0]() is x:
         return kept[1]
     if not all(p.is_replicate() for p in x.placements):
         return None
     with torch.no_grad():
         local = x.to_local()
-    key = id(x)  # Tensors compare by value: not weak dictionary keys.
-    weakref.finalize(x, _REPLICATED_LOCALS.pop, key, None)
-    _REPLICATED_LOCALS[key] = (weakref.ref(x), local)
+    if not compiling:
+        key = id(x)  # Tensors compare by value: not weak dictionary keys.
+        weakref.finalize(x, _REPLICATED_LOCALS.pop, key, None)
+        _REPLICATED_LOCALS[key] = (weakref.ref(x), local)
     return local
 
 

@@ -59,8 +59,7 @@ class StepRows:
         self._outputs.append((output, local))
 
     def compiled_loss(self, y, y_pred, sample_weight, step):
-        """`local_loss.local_compiled_loss` of `step`'s outputs: `(local
-        tensor, placements)` or `None`."""
+        """`local_loss.local_compiled_loss` of `step`'s outputs, or `None`."""
         local = next((x for o, x in self._outputs if o is y_pred), None)
         weight = functools.partial(local_weight, step=step)
         return local_loss.local_compiled_loss(

@@ -145,7 +145,6 @@ class OverlappedReduction:
             )
             for bucket in self.buckets[:-1]
             for v in bucket
-            # Those used as leaves get their gradient there.
             if not (local and id(v) in leaves)
         ]
 
