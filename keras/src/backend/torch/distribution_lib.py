@@ -107,10 +107,8 @@ def process_data_adapter(adapter):
 
 
 def list_devices(device_type=None):
-    """Return all the available devices based on the device type.
-
-    In a multi-process job these are the global devices, one per process
-    (`"gpu:i"` or `"cpu:i"`, `i` the global rank); otherwise the local ones.
+    """Returns the available devices: in a multi-process job one per process
+    (`"gpu:i"` or `"cpu:i"`, `i` the global rank), else local ones.
 
     Args:
         device_type: `"gpu"` (default with CUDA) or `"cpu"` (else the default).
@@ -138,15 +136,13 @@ def get_device_count(device_type=None):
 
 
 def initialize(job_addresses=None, num_processes=None, process_id=None):
-    """Initializes the default process group of a multi-process job.
-
-    `None` arguments are read from torchrun's environment. Uses NCCL (and gloo
-    for CPU tensors) on CUDA, else gloo; called again, it only checks that the
-    arguments agree. Agrees on a global random seed if none was set.
+    """Initializes a multi-process job's default process group; `None` arguments
+    come from torchrun's environment. NCCL (and gloo for CPU tensors) on CUDA,
+    else gloo; called again, only checks that the arguments agree. Agrees on a
+    global random seed if none was set.
 
     Args:
-        job_addresses: comma separated `host:port` of all processes or of the
-            coordinator alone; the first one is the coordinator.
+        job_addresses: comma separated `host:port`s, coordinator first or alone.
         num_processes: int, the number of processes in the job.
         process_id: int, the rank of this process, in `[0, num_processes)`.
     """
@@ -170,12 +166,10 @@ def set_global_distribution(distribution):
 
 
 def distribute_tensor(tensor, layout):
-    """Lays out a tensor, or every tensor in a nested structure.
-
-    Differentiable. A plain tensor, array or `Variable` is the global value,
-    the same on every process (as in JAX), cut locally. A dimension too short
-    to give every process a part, or sharded over a mesh axis of size 1 (some
-    torch versions refuse views merging it), is replicated instead.
+    """Lays out a tensor, or each tensor of a nest, differentiably. A plain
+    tensor, array or `Variable` is the global value (as in JAX), cut locally. A
+    dimension too short to give every process a part, or sharded over a size-1
+    mesh axis (some torch versions refuse views merging it), is replicated.
 
     Args:
         tensor: a tensor, NumPy array, `Variable`, `DTensor` or a nest of them.
@@ -232,8 +226,7 @@ def is_distributed_checkpoint(path):
 
 
 def load_checkpoint_weights(model, path):
-    """Loads a `DistributedCheckpoint` (or a directory's latest step) into the
-    built `model`, in its layouts."""
+    """Loads a `DistributedCheckpoint` or latest step into `model`'s layouts."""
     _checkpoint().load_weights(model, path)
 
 

@@ -31,10 +31,9 @@ def all_reduce(x, op="sum", axis_name="model"):
 
 
 def all_gather(x, axis=0, axis_name="model"):
-    """Concatenates `x` over one mesh axis in mesh order, as a plain tensor.
-
-    Like `jax.lax.all_gather(..., tiled=True)`; parts may differ in size
-    along `axis` (padded for the exchange, then cut back).
+    """Concatenates `x` over one mesh axis in mesh order, as a plain tensor,
+    like `jax.lax.all_gather(..., tiled=True)`; parts may differ in size along
+    `axis` (padded for the exchange, then cut back).
 
     Args:
         x: a tensor (a `DTensor` contributes its local shard).

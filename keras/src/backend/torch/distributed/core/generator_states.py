@@ -51,8 +51,7 @@ def advanced(states, torch_keys=0, python_draws=False):
 def python_advanced(before, after):
     """Whether Python's or NumPy's generator moved between two `take`s."""
     a, b = before["numpy"], after["numpy"]
-    # NumPy's state holds an array: `==` on it is ambiguous.
-    return (
+    return (  # NumPy's state holds an array: `==` on it is ambiguous.
         before["python"] != after["python"]
         or (a["state"]["pos"], a["has_gauss"], a["gauss"])
         != (b["state"]["pos"], b["has_gauss"], b["gauss"])

@@ -16,8 +16,7 @@ def layout_map_of(distribution):
 
 def matching_rule(layout_map, path):
     """The key laying out `path`: itself, else its one regex match, or None."""
-    # Not `path in layout_map`: `LayoutMap` answers every lookup.
-    keys = list(layout_map or ())
+    keys = list(layout_map or ())  # `path in layout_map` is always true.
     if path in keys:
         return path
     matches = [key for key in keys if re.fullmatch(key, path)]

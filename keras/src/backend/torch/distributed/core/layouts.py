@@ -18,8 +18,7 @@ TorchLayout.__doc__ = """The torch counterpart of a Keras `TensorLayout`: a
 torch `device_mesh`, one DTensor placement per mesh dimension, and `ndim`, the
 number of layout entries (a tensor's dimensions past them are replicated)."""
 
-# Cached: a 2-D mesh creates process groups, not to be recreated per Keras mesh.
-_torch_meshes = {}
+_torch_meshes = {}  # Cached: a 2-D mesh creates process groups.
 
 
 def to_torch_device(device_name):
@@ -75,13 +74,11 @@ def to_torch_mesh(device_mesh):
     shape, names = tuple(device_mesh.shape), tuple(device_mesh.axis_names)
     key = (device_type, ranks, shape, names)
     world, torch_mesh = _torch_meshes.get(key, (None, None))
-    # A mesh belongs to the process group it was made in.
-    if world is not dist.group.WORLD:
+    if world is not dist.group.WORLD:  # A mesh is of the group it was made in.
         grid = torch.tensor(ranks).reshape(shape)
         torch_mesh = DeviceMesh(device_type, grid, mesh_dim_names=names)
         _torch_meshes[key] = (dist.group.WORLD, torch_mesh)
-        # The job's own group keeps its bound until the first step.
-        health.bound_groups(
+        health.bound_groups(  # WORLD keeps its bound until the first step.
             g for g in torch_mesh.get_all_groups() if g != dist.group.WORLD
         )
         runtime.log_debug(

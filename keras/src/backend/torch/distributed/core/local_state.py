@@ -13,8 +13,7 @@ from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.core.runtime import DTensor
 from keras.src.backend.torch.distributed.core.runtime import Partial
 
-# Per replicated `DTensor`, weakly: `{id(it): (weak reference, local tensor)}`.
-_REPLICATED_LOCALS = {}
+_REPLICATED_LOCALS = {}  # `{id(replicated DTensor): (weakref, local tensor)}`
 
 
 def all_replicated(values):
@@ -59,9 +58,8 @@ def replicated_local(x):
 
 @contextlib.contextmanager
 def local_reads(variables):
-    """Runs the block with `variables` holding their local tensors (same
-    storage) if every `DTensor` among them is replicated, yielding whether
-    they do: reads skip DTensor's dispatch, assignments write through."""
+    """Runs the block with `variables` on local tensors (same storage) if all
+    are replicated, yielding whether: reads skip DTensor, writes go through."""
     values = [(v, v._value) for v in variables if isinstance(v._value, DTensor)]
     swapped = [(v, x, replicated_local(x)) for v, x in values]
     local = all(plain is not None for _, _, plain in swapped)
@@ -123,8 +121,7 @@ def _sums_terms(metric, states, defer, value, mesh):
 def _on_local_term(metric, states, local_term, mesh, defer):
     """Runs a `Mean`'s update on `local_term` of a partial sum over `mesh`,
     yielding it: `total` enters as its share of a partial sum (as DTensor
-    partitions it) and leaves as one, handed to `defer`; `count` reads no
-    value."""
+    partitions it) and leaves as one, handed to `defer`; `count` reads none."""
     locals_ = [replicated_local(x) for x in states]
     with torch.no_grad():
         entered = [

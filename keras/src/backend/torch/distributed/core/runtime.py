@@ -42,8 +42,7 @@ all_gather_flat, reduce_scatter_flat = (
 )
 DEBUG_ENV = "KERAS_DISTRIBUTION_DEBUG"
 LOG_ALL_PROCESSES_ENV = "KERAS_DISTRIBUTION_LOG_ALL_PROCESSES"
-# May differ per process; the others choose collectives, so must agree.
-_PER_PROCESS_ENV = (
+_PER_PROCESS_ENV = (  # Per-process; others choose collectives, so must agree.
     DEBUG_ENV,
     LOG_ALL_PROCESSES_ENV,
     health.STEP_TIMEOUT_ENV,

@@ -1,5 +1,4 @@
-"""What a distribution stores on this process, from local metadata only (no
-collective), so any process may ask alone."""
+"""What this process stores, from local metadata: any process may ask alone."""
 
 import numpy as np
 
@@ -17,9 +16,8 @@ def mesh_info(device_mesh=None):
         device_mesh: a `DeviceMesh`; defaults to the current distribution's.
 
     Returns:
-        A dict with `shape`, `axis_names`, `devices` (Keras device names,
-        nested), `process_id`, `num_processes` and `coordinate` (this
-        process' index along each mesh axis, or `None` outside the mesh).
+        A dict: `shape`, `axis_names`, `devices` (Keras names), `process_id`,
+        `num_processes`, `coordinate` (this process' index per axis, or `None`).
     """
     if device_mesh is None:
         distribution = runtime.current_distribution()
@@ -47,15 +45,13 @@ def sharding_summary(model, print_fn=None):
 
     Args:
         model: a Keras model or layer (anything with `.variables`).
-        print_fn: if given, called with a table of the variables and of the
-            ops DTensor refused.
+        print_fn: if given, gets a table of variables and ops DTensor refused.
 
     Returns:
         A list of dicts, one per variable: `path`, `dtype`, `global_shape`,
-        `placements` (per mesh axis, `"R"` or `"S(d)"`; `("R",)` for a plain
-        tensor), `local_shape`, `local_bytes` (stored on this process) and
-        `layout_rule`: the matching `LayoutMap` key, else the plan's reason
-        under `AutoModelParallel` (`"auto: ..."`), else `None`.
+        `placements` (per mesh axis, `"R"` or `"S(d)"`; `("R",)` if plain),
+        `local_shape`, `local_bytes` and `layout_rule`: the matching `LayoutMap`
+        key, else the `AutoModelParallel` reason (`"auto: ..."`), else `None`.
     """
     distribution = runtime.current_distribution()
     layout_map = layout_rules.layout_map_of(distribution)

@@ -14,8 +14,7 @@ from keras.src.backend.common import global_state
 from keras.src.backend.torch.distributed.core import collectives
 from keras.src.backend.torch.distributed.core.runtime import DTensor
 
-# Per thread: the depth of `explained` blocks, the calls `recording` keeps.
-_thread = threading.local()
+_thread = threading.local()  # `explained`'s depth, `recording`'s calls.
 
 
 class Verdict(typing.NamedTuple):
@@ -126,8 +125,7 @@ def first_differing_layer(model, dtensor_calls, local_calls, own_rows, skip):
     for i, (layer, local) in enumerate(local_calls):
         count = sum(called is layer for called, _ in local_calls[:i])
         outputs = [o for called, o in dtensor_calls if called is layer]
-        # A layer called inside one called through DTensor returns DTensors.
-        if (
+        if (  # A layer called inside a DTensor-routed one returns DTensors.
             layer not in layers
             or len(outputs) <= count
             or any(isinstance(x, DTensor) for x in local)

@@ -1,6 +1,5 @@
-"""Layers coupling a batch's samples in a model run on the local rows: each
-is called alone through DTensor on the global batch, weights replicated, and
-its outputs return to the rows."""
+"""Layers coupling samples in a model run on local rows: each called alone via
+DTensor on the global batch (weights replicated), its outputs back on rows."""
 
 import collections
 import contextlib
@@ -21,16 +20,14 @@ from keras.src.backend.torch.distributed.core.runtime import Partial
 from keras.src.backend.torch.distributed.core.runtime import Replicate
 from keras.src.backend.torch.distributed.core.runtime import Shard
 
-# The running call's `Routing`, per thread as layer calls are.
-_state = threading.local()
+_state = threading.local()  # The running call's `Routing`, per thread.
 
 
 class NotRows(Exception):
     """A coupled layer's output is not split by the rows of the batch."""
 
 
-# Where this process' rows sit in a local call's global batch.
-Batch = collections.namedtuple(
+Batch = collections.namedtuple(  # Where local rows sit in the global batch.
     "Batch", ["mesh", "global_rows", "local_rows", "placements", "start"]
 )
 
@@ -61,8 +58,7 @@ def batch_of(values):
 
 
 def batch_group():
-    """The process group over the batch of this thread's call on local rows,
-    else `None` (not inside one)."""
+    """The batch's process group of this thread's local-rows call, or `None`."""
     current = getattr(_state, "routing", None)
     return None if current is None else current.batch.mesh.get_group()
 
@@ -93,8 +89,7 @@ def routed(layers, batch):
 
 
 def suspended_call(call_fn, layer, args, kwargs, through, plain_as_replicated):
-    """A layer call inside a call on local rows: through DTensor (`call`) if
-    the local call routes `layer` there, else as it is."""
+    """A layer call in a local-rows call: via `call` if routed, else as is."""
     current = getattr(_state, "routing", None)
     if not current or id(layer) not in current.layer_ids:
         return call_fn(layer, *args, **kwargs)

@@ -49,10 +49,9 @@ def gathered_predictions(model, y, y_pred):
 def local_compiled_loss(
     model, y, y_pred, sample_weight, local_y_pred, local_weight
 ):
-    """The train step's loss from local tensors as `(this process' local
-    tensor, placements)` (`y_pred`'s rows from a local-rows call: a partial
-    sum; else replicated), or `None` if it may differ. `local_weight(v)`: a
-    weight's local value, for other losses."""
+    """The step's loss from local tensors as `(local tensor, placements)`: a
+    partial sum if `y_pred`'s rows are a local-rows call's, else replicated;
+    `None` if it may differ. `local_weight(v)`: a weight's local value."""
     from keras.src import ops
 
     entry = _single_compiled_loss(model, y, y_pred)

@@ -19,6 +19,7 @@ from keras.src.backend.torch.distributed.core.runtime import Partial
 from keras.src.backend.torch.distributed.data_parallel import batch_coupling
 from keras.src.backend.torch.distributed.data_parallel import coupled_layers
 from keras.src.backend.torch.distributed.data_parallel import local_loss
+from keras.src.backend.torch.distributed.data_parallel import local_metrics
 from keras.src.backend.torch.distributed.dtensor_gaps import fallback
 from keras.src.backend.torch.distributed.training.step import running_step
 
@@ -38,6 +39,8 @@ class StepRows:
         self.runs_through_dtensor = False
         # The probe's `{training: Verdict}`; kept by `local_variables`.
         self.verdicts, self._variables, self._outputs = {}, (None, None), []
+        # Whether compiled metrics update on the rows (`None`: not checked).
+        self.metrics_on_rows = None
 
     def may_run_locally(self, mesh):
         """Whether the model may be called on the local rows of `mesh`."""
@@ -65,6 +68,10 @@ class StepRows:
         return local_loss.local_compiled_loss(
             self.model, y, y_pred, sample_weight, local, weight
         )
+
+    # The compiled metrics' update on the rows (`local_metrics`).
+    compiled_metrics = local_metrics.compiled_metrics
+    add_metrics = local_metrics.add_with_gradients
 
     def finish(self):
         """Forgets the running step's outputs."""

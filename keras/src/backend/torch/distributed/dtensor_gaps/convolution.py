@@ -1,7 +1,6 @@
-"""Convolutions by a kernel sharded on its channels: DTensor's convolution
-rule keeps the input's placements whatever the kernel's, so it labels each
-process' channels as the whole output and then fails to differentiate it
-(pytorch/pytorch#186129)."""
+"""Convolutions by a kernel sharded on channels: DTensor's conv rule keeps the
+input's placements whatever the kernel's, labelling each process' channels as
+the whole output, then fails to differentiate it (pytorch/pytorch#186129)."""
 
 try:
     from torch.distributed.tensor import DTensor
@@ -11,9 +10,8 @@ except ImportError:  # A torch without DTensor: Keras' backend still imports.
 
 
 def conv_operands(inputs, kernel):
-    """`(inputs, kernel)` as DTensor convolves them correctly: inputs sharded
-    on the batch only, the kernel replicated; the rest gathered,
-    differentiably."""
+    """`(inputs, kernel)` as DTensor convolves them correctly: inputs sharded on
+    batch only, the kernel replicated; the rest gathered, differentiably."""
     operands = []
     for x in (inputs, kernel):
         if isinstance(x, DTensor):

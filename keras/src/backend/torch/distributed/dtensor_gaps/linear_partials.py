@@ -21,8 +21,7 @@ _LINEAR_OPERANDS = {
     # `self` where `index` does not point, `src` where it does (backward of
     # `topk`, `max`, `sort`).
     _aten.scatter.src: ((0, 3), 1),
-    # Partial sum + shard (`_sum_with_shards`); + a replicated value stays
-    # DTensor's (reduced first).
+    # Partial sum + shard (`_sum_with_shards`); + replicated stays DTensor's.
     _aten.add.Tensor: None,
 }
 

@@ -97,8 +97,7 @@ def _batch_split(args, kwargs):
     global_rows, parts = split[0].shape[0], mesh.size(mesh_dim)
     if layouts.chunk_bounds(global_rows, parts, parts - 1)[0] == global_rows:
         return None  # A process without rows: its kernels may refuse them.
-    # A whole operand of as many rows (a gradient made whole by a sum over
-    # the batch) is taken by rows too.
+    # Also by rows: a whole operand of as many rows (a batch-summed gradient).
     rows = [id(x) for x in operands if x.ndim > 0 and x.shape[0] == global_rows]
     start, stop = layouts.chunk_bounds(
         global_rows, parts, mesh.get_local_rank(mesh_dim)

@@ -8,8 +8,7 @@ import torch
 
 from keras.src.backend.torch.distributed.fsdp import fsdp_gather
 
-# Per thread, as Keras' own state is.
-_thread_state = threading.local()
+_thread_state = threading.local()  # Per thread, as Keras' own state is.
 
 
 def calls_now():

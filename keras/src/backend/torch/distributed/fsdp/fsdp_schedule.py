@@ -10,8 +10,7 @@ import numpy as np
 
 GATHER_AHEAD_ENV = "KERAS_DISTRIBUTION_GATHER_AHEAD"
 
-# Per thread, as Keras' own state is.
-_running = threading.local()
+_running = threading.local()  # Per thread, as Keras' own state is.
 # `{step function: GatherSchedule}`, kept across its steps.
 _schedules = weakref.WeakKeyDictionary()
 
@@ -44,8 +43,7 @@ def gathers_ahead(distribution):
 
 
 def step_schedule(step, distribution):
-    """`following` the schedule of `step` (a step function), kept across its
-    steps."""
+    """`following` step function `step`'s schedule, kept across its steps."""
     schedule = _schedules.get(step)
     if schedule is None:
         schedule = _schedules[step] = GatherSchedule()

@@ -1,6 +1,5 @@
-"""User calls that are collectives (`get_weights`, `numpy()`, starting `fit`)
-announced in the job's store, which cannot pair with a collective, before they
-communicate: made on some processes only, they raise instead of hanging."""
+"""Collective user calls (`get_weights`, `numpy()`, starting `fit`) announced
+first in the job's store: made on some processes only, they raise, not hang."""
 
 import atexit
 import contextlib
@@ -191,8 +190,7 @@ def _entries(store, number):
     entries = {}
     for line in store.get(_KEY.format(number)).decode().splitlines():
         rank, counts, description = line.split("\t", 2)
-        # A process announces once per number; the first line stands.
-        entries.setdefault(
+        entries.setdefault(  # A process' first line per number stands.
             int(rank), (health.parse_step_counts(counts), description)
         )
     return entries

@@ -1,6 +1,5 @@
-"""Collectives bounded by `start_timeout()`, then (once a step completed) by
-`step_timeout()`; a process' own error is written to the job's store, and a
-failed collective raises `JobFailedError` naming who failed or never came."""
+"""Collective timeouts (`start_timeout()`, then `step_timeout()`), errors
+reported in the job's store, `JobFailedError`s naming who failed or hung."""
 
 import contextlib
 import datetime

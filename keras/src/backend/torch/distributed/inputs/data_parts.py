@@ -38,8 +38,7 @@ def batch_rows(distribution):
     global batch process `rank` (default: this one) holds."""
     mesh = distribution.device_mesh.backend_mesh
     batch_dim = mesh.mesh_dim_names.index(distribution.batch_dim_name)
-    # The batch-axis coordinate of every rank of the job.
-    parts = {
+    parts = {  # The batch-axis coordinate of every rank of the job.
         int(mesh.mesh[index]): index[batch_dim]
         for index in np.ndindex(*mesh.mesh.shape)
     }

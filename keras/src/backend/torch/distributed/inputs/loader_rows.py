@@ -60,8 +60,7 @@ class DataLoaderRows(data_parts.SharedAdapter):
                     rows, global_size, self._distribution
                 )
                 if first:
-                    # Resumed: more than Keras' peek at the first batch.
-                    reader.start()
+                    reader.start()  # Resumed past Keras' first-batch peek.
                     first = False
         finally:
             reader.close()

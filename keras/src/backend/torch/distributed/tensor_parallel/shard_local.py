@@ -1,6 +1,5 @@
-"""Einsum, batched matmul and attention on each process' shards, where torch
-on `DTensor`s would merge a sharded head or batch dimension into a strided
-shard (which `fallback` gathers) or have every process compute every head."""
+"""Einsum, matmul, attention on local shards, where DTensor makes a sharded head
+or batch dim a strided shard (`fallback` gathers) or runs all heads on all."""
 
 import functools
 
@@ -52,8 +51,7 @@ def _gather_uneven_dims(x):
 
 
 def local_matmul(function):
-    """Wraps the backend's `matmul` (`function`) as `local_einsum` where
-    batched (rank > 2, stacked dimensions alike)."""
+    """Wraps `matmul` as `local_einsum` if batched (rank > 2, stacks alike)."""
 
     @functools.wraps(function)
     def matmul(x1, x2):
@@ -129,8 +127,7 @@ def _split_label(inputs, operands, mesh_dim):
         return False if found else None
     (label,) = found
     num_shards = operands[0].device_mesh.size(mesh_dim)
-    # Slicing an operand replicated along the label costs nothing forward,
-    # but an all-gather of its gradient backward.
+    # Cutting a label-replicated operand is free, but all-gathers its gradient.
     if any(
         label in labels
         and (not p.is_shard() or x.shape[labels.index(label)] % num_shards)

@@ -51,9 +51,8 @@ def run(compiled_step_function, model, data):
 
 
 def run_first(compiled_step_function, model, data):
-    """Runs the compiled step; if it fails on every process, restores the
-    variables it may have changed (all but the weights), warns and raises
-    `CompileFailed`. Failed on some processes only, it raises on all."""
+    """Runs the compiled step; failing everywhere, restores state it may change
+    (not weights), warns, raises `CompileFailed`; on some, raises on all."""
     state = [*model.non_trainable_variables, *model.metrics_variables]
     optimizer = getattr(model, "optimizer", None)
     if getattr(optimizer, "built", False):

@@ -20,9 +20,8 @@ _GRADIENT_BUFFERS = weakref.WeakKeyDictionary()
 
 
 def apply_gradients(apply_function, optimizer, grads, trainable_variables):
-    """The optimizer's `apply_function(grads, variables)` on gradients reduced
-    once, each laid out as its variable; on local tensors (no DTensor
-    dispatch) when all is replicated, assigned in place."""
+    """`apply_function` on gradients reduced once, laid out as their variables,
+    and if all replicated on local tensors (no DTensor dispatch)."""
     if runtime.current_distribution() is None:
         return apply_function(grads, trainable_variables)
     grads = reduce_gradients(grads, buffers=optimizer_buffers(optimizer))
@@ -69,14 +68,12 @@ def reduce_gradients(gradients, buffers=None, as_local=False):
 
 
 def reduce_parts(parts, buffers=None, key_prefix=()):
-    """The local tensors of `parts` (`(local tensor, mesh, placements)`s)
-    summed over their partial mesh axes, in buckets of parts alike; meshes are
-    keyed by value, as DTensor's propagation cache hands out equal copies."""
+    """Sums `parts`' locals (`(local, mesh, placements)`) over partial axes,
+    bucketing like parts; meshes keyed by value: DTensor's cache copies them."""
     reduced = [None] * len(parts)
     groups = {}
     for i, (local, mesh, placements) in enumerate(parts):
-        # `None`, not `False`, for the others: `ReduceOp.SUM == 0 == False`.
-        ops = tuple(
+        ops = tuple(  # Else `None`, not `False`: `ReduceOp.SUM == 0 == False`.
             reduce_op(p) if p.is_partial() else None for p in placements
         )
         key = (mesh, ops, local.dtype, local.device)

@@ -1,7 +1,6 @@
-"""Layer calls under a distribution, plain tensors replicated global values (as
-in JAX); partial-sum outputs reduced as the layer returns, and a replicated
-output's partial gradients where the backward needs them (Megatron's `f`).
-Techniques add to the call through `techniques`, set by `distribution_lib`."""
+"""Layer calls under a distribution: plain tensors as replicated global values
+(as in JAX), partial-sum outputs reduced on return, replicated outputs' partial
+gradients as backward needs them (Megatron's `f`), plus `techniques`."""
 
 import contextlib
 import dataclasses
@@ -30,8 +29,7 @@ CHECK_REPLICATION_ENV = "KERAS_DISTRIBUTION_CHECK_REPLICATION"
 GRADIENT_HOOK_ATTRIBUTE = "_keras_distribution_gradient_hook"
 # Process-wide, as torch's `implicit_replication` flag is.
 _replication_depth, _replication_held, _implicit_replication = 0, False, None
-# Nesting depth of `_call_global`, per thread as Keras' call context.
-_calls = threading.local()
+_calls = threading.local()  # `_call_global` depth, per thread as Keras' calls.
 
 
 @dataclasses.dataclass
@@ -56,9 +54,8 @@ techniques = Techniques()  # Set once by `distribution_lib` as it composes them.
 
 
 def call_layer(call_function, layer, *args, **kwargs):
-    """Calls `layer` (via `call_function`) under the distribution in effect,
-    plain tensor inputs as replicated DTensors (so autograd saves DTensors),
-    checked first if `KERAS_DISTRIBUTION_CHECK_REPLICATION=1`."""
+    """Calls `layer` via `call_function`, plain tensor inputs as replicated
+    DTensors (for autograd to save), checked if `CHECK_REPLICATION_ENV`=1."""
     distribution = runtime.current_distribution()
     # Under `torch.compile` the step entered the context (dynamo can't).
     if distribution is None or torch.compiler.is_compiling():
@@ -248,9 +245,8 @@ def _update_implicit_replication():
 
 
 def loop_function(function, condition=False):
-    """`function` (a `while_loop` body or `condition`) taking plain tensors as
-    replicated under a distribution; a condition's `DTensor` result is made
-    global before the loop reads it (else processes may leave apart)."""
+    """`function` (a `while_loop` body or condition) on replicated plain
+    tensors; a condition's `DTensor` result gathered, lest processes diverge."""
     if runtime.current_distribution() is None:
         return function
 

@@ -78,8 +78,10 @@ class DistributedStep:
         self.rows = techniques.rows(model)
         # Kept across steps: plain leaves, bucket plans.
         self._leaves, self._buckets = step_reduction.KeptLeaves(), {}
-        # Of the running step (`_eager_step`); its loss if a plain term.
+        # Of the running step (`_eager_step`); its loss if a plain term; the
+        # loss' inputs, kept for the metrics (`keep_metric_inputs`).
         self._reduction, self._fallback_on, self._loss_term = None, None, None
+        self._metric_inputs = None
 
     def __call__(self, data):
         distribution = runtime.current_distribution()
@@ -145,6 +147,13 @@ class DistributedStep:
         `None`."""
         return self._reduction and self._reduction.local_leaf(variable, value)
 
+    def keep_metric_inputs(self, inputs):
+        """Keeps the loss' inputs, `(y, y_pred, sample_weight)`, for the
+        metrics, whose sums on the rows join the gradients' where they can."""
+        reduction, rows = self._reduction, self.rows
+        added = reduction and rows and rows.add_metrics(inputs, reduction.defer)
+        self._metric_inputs = (inputs, bool(added))
+
     def local_compiled_loss(self, y, y_pred, sample_weight):
         """See `local_loss` (the hook). A sum over the batch is this process'
         plain term where the step sums it with the gradients and the optimizer
@@ -192,7 +201,11 @@ def local_loss(model, y, y_pred, sample_weight):
     """The train step's compiled loss on local tensors, or `None` (outside a
     step, or where local tensors can't give DTensor's numbers)."""
     step = running_step(model)
-    return step and step.local_compiled_loss(y, y_pred, sample_weight)
+    if step is None:
+        return None
+    if not torch.compiler.is_compiling():
+        step.keep_metric_inputs((y, y_pred, sample_weight))
+    return step.local_compiled_loss(y, y_pred, sample_weight)
 
 
 def metric_predictions(model, y_pred):
@@ -227,7 +240,13 @@ def local_metric_state(model, metric, value=None):
 
 
 def local_metric_reads(model, metric):
-    """A context reading `metric`'s replicated state locally in a step."""
-    if running_step(model) is None:
+    """A context reading `metric`'s replicated state locally in a step; in
+    Keras' own train step, the compiled metrics updated on the local rows
+    where they only sum over them (`local_metrics`)."""
+    step = running_step(model)
+    if step is None:
         return contextlib.nullcontext()
-    return local_state.local_reads(metric.variables)
+    kept, step._metric_inputs = step._metric_inputs, None
+    if kept is None or step.rows is None:
+        return local_state.local_reads(metric.variables)
+    return step.rows.compiled_metrics(metric, *kept)

@@ -29,8 +29,7 @@ def reduce_step_gradients(reduction, optimizer, gradients):
     if reduction is not None:
         gradients = reduction.finish(gradients, as_local)
         deferred, reduction.deferred = reduction.deferred, []
-    # The deferred state first: in the first bucket whatever its size.
-    sums = [
+    sums = [  # The deferred state first: in the first bucket whatever its size.
         layouts.dtensor_from_local(x, m, [Partial()]) for m, _, x in deferred
     ]
     reduced = gradients_lib.reduce_gradients(
@@ -119,17 +118,15 @@ class KeptLeaves(dict):
 
 
 def _reverse_buckets(variables):
-    """`variables` reversed, in buckets of DDP's sizes sized by global shapes,
-    so every process buckets alike."""
+    """`variables` reversed in DDP's buckets, by global sizes (so all agree)."""
     return gradients_lib.buckets(
         variables[::-1], lambda v: v.value, gradients_lib.FIRST_BUCKET_BYTES
     )
 
 
 class OverlappedReduction:
-    """The buckets of one train step, launched as their gradients arrive: as
-    `DTensor`s or, for a weight taken as a plain leaf (`local_leaf`, which
-    skips DTensor's per-weight dispatch), as plain partial sums."""
+    """A train step's buckets, launched as gradients arrive: `DTensor`s or, for
+    plain leaves (`local_leaf`: no DTensor dispatch), plain partial sums."""
 
     def __init__(self, optimizer, plan, leaves, local=False):
         self.buffers = gradients_lib.optimizer_buffers(optimizer)

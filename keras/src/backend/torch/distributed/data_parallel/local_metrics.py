@@ -1,0 +1,111 @@
+"""Compiled metrics updated on each process' rows in Keras' own train step: a
+`Mean` of values (every built-in accuracy, error or crossentropy metric) only
+adds sums over rows, so processes add their rows' sums, all-reduced at once.
+The first step checks this against the update through DTensor."""
+
+import contextlib
+
+import torch
+
+from keras.src.backend.torch.distributed.core import local_state
+from keras.src.backend.torch.distributed.core import runtime
+from keras.src.backend.torch.distributed.core import structures
+from keras.src.backend.torch.distributed.core.runtime import Partial
+from keras.src.backend.torch.distributed.data_parallel import batch_coupling
+from keras.src.backend.torch.distributed.data_parallel import coupled_layers
+from keras.src.backend.torch.distributed.training import gradients
+
+
+@contextlib.contextmanager
+def compiled_metrics(rows, tracker, inputs, added=False):
+    """Runs Keras' `compute_metrics` (the block) of `rows.model` (`StepRows`)
+    reading `tracker` locally; with the compiled metrics' update skipped and
+    read locally if `added` (by `add_with_gradients`), or checked against the
+    rows' sums if not yet."""
+    model = rows.model
+    metrics, batch = _summing_metrics(model, inputs)
+    check, reads = metrics and rows.metrics_on_rows is None, tracker.variables
+    variables = metrics.variables if metrics else []
+    if check:
+        sums = gradients.reduce_parts(_row_sums(metrics, inputs, batch.mesh))
+        before = [local_state.replicated_local(v.value) for v in variables]
+        before = [x.clone() for x in before]
+    if added:
+        metrics = model._compile_metrics
+        metrics.update_state = lambda *args, **kwargs: None  # Made already.
+        reads = list(reads) + metrics.variables
+    try:
+        with local_state.local_reads(reads):
+            yield
+    finally:
+        if added:
+            del metrics.update_state
+    if check:  # Keras' update through DTensor, replicated on every process.
+        rows.metrics_on_rows = all(
+            batch_coupling.same(b + s, local_state.replicated_local(v.value))
+            for v, b, s in zip(variables, before, sums)
+        )
+
+
+def add_with_gradients(rows, inputs, defer):
+    """Whether `rows.model`'s compiled metrics' sums on the local rows of
+    `inputs` were handed to `defer` (`OverlappedReduction.defer`: summed with
+    the gradients' last bucket, no collective of their own)."""
+    metrics, batch = _summing_metrics(rows.model, inputs)
+    if not (metrics and rows.metrics_on_rows):
+        return False
+    n, parts = batch.mesh.size(), _row_sums(metrics, inputs, batch.mesh)
+    locals_ = [local_state.replicated_local(v.value) for v in metrics.variables]
+    # Each enters as its share of the sum, as DTensor partitions it.
+    return all(
+        [
+            defer(local, local / n + increment, batch.mesh)
+            for local, (increment, _, _) in zip(locals_, parts)
+        ]
+    )
+
+
+def _summing_metrics(model, inputs):
+    """`(model's compiled metrics, the Batch of inputs)` if Keras'
+    `compute_metrics` only adds to the metrics (each a `Mean` of values),
+    replicated on the batch's mesh; else `(None, None)`."""
+    metrics = model._compile_metrics
+    if metrics is None:
+        return None, None
+    from keras.src.metrics.reduction_metrics import Mean
+    from keras.src.metrics.reduction_metrics import MeanMetricWrapper
+    from keras.src.trainers.compile_utils import CompileMetrics
+    from keras.src.trainers.trainer import Trainer
+
+    adding = (Mean.update_state, MeanMetricWrapper.update_state)
+    if (
+        type(metrics) is not CompileMetrics
+        or not metrics.built
+        or type(model).compute_metrics is not Trainer.compute_metrics
+        or torch.compiler.is_compiling()
+        or not all(type(m).update_state in adding for m in metrics.metrics)
+    ):
+        return None, None
+    batch = coupled_layers.batch_of(inputs)
+    values = [v.value for v in metrics.variables]
+    if batch and local_state.all_replicated(values):
+        if all(getattr(x, "device_mesh", None) == batch.mesh for x in values):
+            return metrics, batch
+    return None, None
+
+
+def _row_sums(metrics, inputs, mesh):
+    """What the local rows of `inputs` add to each of `metrics`' variables,
+    as `reduce_parts`' parts (partial sums over `mesh`)."""
+    y, y_pred, weight = structures.map_structure(
+        local_state.local_value, inputs
+    )
+    variables = metrics.variables
+    zeros = [(v, torch.zeros_like(v.value.to_local())) for v in variables]
+    with (
+        torch.no_grad(),
+        runtime.distribution_suspended(),
+        local_state.stateless_scope(zeros) as scope,
+    ):
+        metrics.update_state(y, y_pred, weight)
+    return [(scope.get_current_value(v), mesh, (Partial(),)) for v in variables]

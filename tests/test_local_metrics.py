@@ -1,0 +1,109 @@
+"""Compiled metrics updated on each process' rows in Keras' own train step.
+
+Under `DataParallel`, a compiled metric that is a `Mean` of values (every
+built-in accuracy, error and crossentropy metric) only adds sums over the
+batch's rows: each process adds its rows' sums, all-reduced at once
+(`local_metrics`). The first step checks this against the update through
+DTensor; a metric whose values mix the batch's rows stays on DTensor. These
+tests check the metrics and weights against one process, and the path.
+"""
+
+import pytest
+
+from tests import parity_models as pm
+from tests.harness import run_on_ranks
+
+NUM_SAMPLES = 22
+
+
+def _coupling(y_true, y_pred):
+    """Per-row values that depend on the whole batch (its mean)."""
+    from keras import ops
+
+    return ops.square(y_pred[:, 0] - ops.mean(y_pred[:, 0]))
+
+
+def _fit(rank=None, world_size=None, *, coupled, batch_size):
+    """Two epochs of a classifier with compiled and weighted metrics: the
+    history, the weights, and (on ranks) whether metrics took the rows."""
+    import numpy as np
+
+    import keras
+    from tests import distributions
+
+    distributions.use_setting("single" if rank is None else "dp")
+    keras.utils.set_random_seed(pm.SEED)
+    model = keras.Sequential(
+        [
+            keras.Input((5,)),
+            keras.layers.Dense(8, activation="relu"),
+            keras.layers.Dense(4),
+        ]
+    )
+    metrics = ["accuracy", keras.metrics.SparseTopKCategoricalAccuracy(k=2)]
+    if coupled:
+        metrics.append(keras.metrics.MeanMetricWrapper(_coupling, name="mix"))
+    model.compile(
+        optimizer="adam",
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=metrics,
+        weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name="w")],
+    )
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(NUM_SAMPLES, 5)).astype("float32")
+    y = rng.integers(0, 4, size=(NUM_SAMPLES,))
+    weight = rng.uniform(0.5, 2.0, NUM_SAMPLES).astype("float32")
+    added = []
+    if rank is not None:
+        from keras.src.backend.torch.distributed.data_parallel import local_rows
+
+        add = local_rows.StepRows.add_metrics
+
+        def counting_add(*args):
+            added.append(add(*args))
+            return added[-1]
+
+        local_rows.StepRows.add_metrics = counting_add
+    history = model.fit(
+        x,
+        y,
+        sample_weight=weight,
+        batch_size=batch_size,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+    )
+    weights = [np.array(w.numpy()) for w in model.weights]
+    result = {"history": history.history, "weights": weights}
+    if rank is None:
+        return result
+    from keras.src.backend.torch.distributed.training.step import model_step
+
+    local_rows.StepRows.add_metrics = add
+    return result, (model_step(model, "train").rows.metrics_on_rows, added)
+
+
+@pytest.mark.parametrize(
+    "world_size, batch_size, coupled",
+    [(2, 7, False), (4, 8, False), (2, 8, True)],
+    ids=["2-uneven", "4", "2-mixing-metric"],
+)
+def test_compiled_metrics_on_local_rows_like_one_process(
+    world_size, batch_size, coupled
+):
+    # Batches of 7 split 4 + 3 on 2 processes; on 4, batches of 8. After
+    # the first step's check, each split step's sums join the gradients'
+    # last bucket. A metric whose values mix the rows fails the check:
+    # every compiled metric then stays on DTensor.
+    kwargs = {"coupled": coupled, "batch_size": batch_size}
+    per_rank = run_on_ranks(_fit, world_size=world_size, kwargs=kwargs)
+    reference = pm.run_single(_fit, **kwargs)
+    for rank, (result, _) in enumerate(per_rank):
+        pm.assert_close(result, reference, f"rank {rank}")
+    pm.assert_ranks_agree([result for result, _ in per_rank])
+    # The last batch, 1 row or 6 on 4 processes (parts of 2, 2, 2, 0), is
+    # not split: whole on each process.
+    epoch = [True] * (NUM_SAMPLES // batch_size) + [False]
+    added = [False] + epoch[1:] + epoch
+    expected = (False, [False] * len(added)) if coupled else (True, added)
+    assert [path for _, path in per_rank] == [expected] * world_size
