@@ -107,3 +107,50 @@ def test_compiled_metrics_on_local_rows_like_one_process(
     added = [False] + epoch[1:] + epoch
     expected = (False, [False] * len(added)) if coupled else (True, added)
     assert [path for _, path in per_rank] == [expected] * world_size
+
+
+def _fit_masked(rank=None, world_size=None):
+    """A model whose predictions carry a mask (its first batch masks nothing,
+    its second some steps): the history, weights and the metrics' path."""
+    import numpy as np
+
+    import keras
+    from tests import distributions
+
+    distributions.use_setting("single" if rank is None else "dp")
+    keras.utils.set_random_seed(pm.SEED)
+    model = keras.Sequential(
+        [
+            keras.Input((4, 3)),
+            keras.layers.Masking(0.0),
+            keras.layers.Dense(3),
+        ]
+    )
+    model.compile(
+        optimizer="adam",
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 4, 3)).astype("float32")
+    x[8:, 2:] = 0.0
+    y = rng.integers(0, 3, size=(16, 4))
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    weights = [np.array(w.numpy()) for w in model.weights]
+    result = {"history": history.history, "weights": weights}
+    if rank is None:
+        return result
+    from keras.src.backend.torch.distributed.training.step import model_step
+
+    return result, model_step(model, "train").rows.metrics_on_rows
+
+
+def test_masked_predictions_keep_the_dtensor_path():
+    # The mask weighs the metric's values; the rows' predictions do not keep
+    # it, so masked predictions never take the rows, even where the first
+    # step's mask hides nothing.
+    per_rank = run_on_ranks(_fit_masked, world_size=2)
+    reference = pm.run_single(_fit_masked)
+    for rank, (result, _) in enumerate(per_rank):
+        pm.assert_close(result, reference, f"rank {rank}")
+    assert [on_rows for _, on_rows in per_rank] == [None, None]

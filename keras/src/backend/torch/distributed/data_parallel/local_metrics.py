@@ -7,6 +7,8 @@ import contextlib
 
 import torch
 
+from keras.src import tree
+from keras.src.backend.common.masking import get_keras_mask
 from keras.src.backend.torch.distributed.core import local_state
 from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.core import structures
@@ -88,7 +90,9 @@ def _summing_metrics(model, inputs):
         return None, None
     batch = coupled_layers.batch_of(inputs)
     values = [v.value for v in metrics.variables]
-    if batch and local_state.all_replicated(values):
+    # A mask on the predictions weighs the metrics (the rows' do not keep it).
+    masked = any(get_keras_mask(x) is not None for x in tree.flatten(inputs[1]))
+    if batch and not masked and local_state.all_replicated(values):
         if all(getattr(x, "device_mesh", None) == batch.mesh for x in values):
             return metrics, batch
     return None, None
