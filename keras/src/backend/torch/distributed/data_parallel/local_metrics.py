@@ -76,14 +76,15 @@ def _summing_metrics(model, inputs):
         return None, None
     from keras.src.metrics.reduction_metrics import Mean
     from keras.src.metrics.reduction_metrics import MeanMetricWrapper
+    from keras.src.models.model import Model
     from keras.src.trainers.compile_utils import CompileMetrics
-    from keras.src.trainers.trainer import Trainer
 
     adding = (Mean.update_state, MeanMetricWrapper.update_state)
     if (
         type(metrics) is not CompileMetrics
         or not metrics.built
-        or type(model).compute_metrics is not Trainer.compute_metrics
+        # Keras' own (the trainer's, whatever the base names its class).
+        or type(model).compute_metrics is not Model.compute_metrics
         or torch.compiler.is_compiling()
         or not all(type(m).update_state in adding for m in metrics.metrics)
     ):
