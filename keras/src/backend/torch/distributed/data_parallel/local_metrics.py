@@ -1,7 +1,7 @@
 """Compiled metrics updated on each process' rows in Keras' own train step: a
 `Mean` of values (every built-in accuracy, error or crossentropy metric) only
-adds sums over rows, so processes add their rows' sums, all-reduced at once.
-The first step checks this against the update through DTensor."""
+adds sums over rows, so processes add their rows' sums, reduced with the
+gradients. The first step checks this against the update through DTensor."""
 
 import contextlib
 
