@@ -25,7 +25,8 @@ def compiled_metrics(rows, tracker, inputs, added=False):
     read locally if `added` (by `add_with_gradients`), or checked against the
     rows' sums if not yet."""
     model = rows.model
-    metrics, batch = _summing_metrics(model, inputs)
+    # Checked already where `added` (the hot path): not again.
+    metrics, batch = (None, None) if added else _summing_metrics(model, inputs)
     check, reads = metrics and rows.metrics_on_rows is None, tracker.variables
     variables = metrics.variables if metrics else []
     if check:
