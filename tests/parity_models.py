@@ -438,11 +438,13 @@ def fit_run(
     epochs=2,
     validation=True,
     with_placements=False,
+    validation_samples=10,
 ):
     """Builds model `kind` under `setting`, fits it, returns `fit_result`.
 
-    With `validation`, 10 validation samples are evaluated after each
-    epoch (a ragged last validation batch unless `batch_size` divides 10).
+    With `validation`, `validation_samples` validation samples are evaluated
+    after each epoch (a ragged last validation batch unless `batch_size`
+    divides them).
     With `with_placements`, the result also has the variables' placements
     (see `placements`).
     """
@@ -450,7 +452,9 @@ def fit_run(
     model = build_model(kind)
     x, y = make_data(kind, num_samples=num_samples)
     validation_data = (
-        make_data(kind, num_samples=10, seed=1) if validation else None
+        make_data(kind, num_samples=validation_samples, seed=1)
+        if validation
+        else None
     )
     history = model.fit(
         x,

@@ -56,7 +56,6 @@ run_on_one_process = process_io.run_on_one_process
 save_from_one_process = process_io.save_from_one_process
 mesh_info = summary.mesh_info
 sharding_summary = summary.sharding_summary
-check_same_num_batches = call_agreement.check_same_num_batches
 current_distribution = runtime.current_distribution
 num_processes = runtime.world_size
 process_id = runtime.rank
@@ -75,6 +74,26 @@ metric_predictions = step.metric_predictions
 reduce_gradients = step.reduce_gradients
 local_metric_state = step.local_metric_state
 local_metric_reads = step.local_metric_reads
+
+
+def check_same_num_batches(num_batches, data_adapter=None):
+    """Agrees on the start of iterating over a dataset; raises on every
+    process if their numbers of batches differ. Where each process reads its
+    own data, parts of sizes every process agrees on here are assembled into
+    global batches without a collective at each step.
+
+    Args:
+        num_batches: the number of batches of the epoch, or `None`.
+        data_adapter: the data's adapter.
+    """
+    # Lazy: data sources import the data adapters, which import this module.
+    from keras.src.backend.torch.distributed.inputs import equal_parts
+
+    distribution, sizes = runtime.current_distribution(), None
+    if distribution is not None and not distribution.auto_shard_dataset:
+        sizes = equal_parts.batch_sizes(data_adapter)
+    if call_agreement.check_same_num_batches(num_batches, sizes):
+        equal_parts.agree(data_adapter)
 
 
 def batch_step(model, kind, step_function, eager_step_function):

@@ -94,14 +94,19 @@ def collective_call(description):
         _state["depth"] -= 1
 
 
-def check_same_num_batches(num_batches):
+def check_same_num_batches(num_batches, sizes=None):
     """Agrees on the start of `fit`/`evaluate`/`predict`; raises on every
-    process if their `num_batches` (or `steps_per_epoch`, or `None`) differ."""
+    process if their `num_batches` (or `steps_per_epoch`, or `None`) differ.
+    Returns whether every process gave the same `sizes` of its batches (a
+    description; `None` if unknown)."""
     distribution = runtime.current_distribution()
     if distribution is None:
-        return
+        return False
     with collective_call(_iterating_method()):
-        counts = agreement.gather_if_different(str(num_batches))
+        texts = agreement.gather_if_different(f"{num_batches}\t{sizes}")
+    counts = texts and [text.split("\t")[0] for text in texts]
+    if counts and all(count == counts[0] for count in counts):
+        counts = None
     unknown = num_batches is None and not distribution.auto_shard_dataset
     if counts is None and unknown and runtime.world_size() > 1:
         raise ValueError(
@@ -112,7 +117,7 @@ def check_same_num_batches(num_batches):
             "same `steps_per_epoch` (and `validation_steps`) on every process."
         )
     if counts is None:
-        return
+        return texts is None and sizes is not None
     per_process = ", ".join(f"process {i}: {n}" for i, n in enumerate(counts))
     raise ValueError(
         "Every process must iterate over the same number of batches (every "

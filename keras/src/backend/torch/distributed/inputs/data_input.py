@@ -80,6 +80,7 @@ def global_batch(data, global_size, distribution, batch_size=None, rows=None):
     """The global batch of `global_size` (`None`: gathered) from this process'
     part `data`, or its `rows` `(start, stop)`; with `batch_size`, checks that
     every array of `data` has as many rows."""
+    sizes = [global_size]  # Gathered once for all arrays.
 
     def put(x):
         if not _is_batch_array(x):
@@ -92,8 +93,10 @@ def global_batch(data, global_size, distribution, batch_size=None, rows=None):
         size = int(x.shape[0]) if global_size is None else global_size
         layout = _data_layout(distribution, (size,) + tuple(x.shape[1:]))
         x = x if rows is None else x[rows[0] : rows[1]]
+        if sizes[0] is None:
+            sizes[0] = _global_size(x, layout, distribution.batch_dim_name)
         return distribute_data_input(
-            x, layout, distribution.batch_dim_name, global_size
+            x, layout, distribution.batch_dim_name, sizes[0]
         )
 
     return structures.map_structure(put, data)
