@@ -1,4 +1,5 @@
-"""Compiled metrics updated on each process' rows in Keras' own train step.
+"""Compiled metrics updated on each process' rows in Keras' own train and test
+steps.
 
 Under `DataParallel`, a compiled metric that is a `Mean` of values (every
 built-in accuracy, error and crossentropy metric) only adds sums over the
@@ -23,15 +24,12 @@ def _coupling(y_true, y_pred):
     return ops.square(y_pred[:, 0] - ops.mean(y_pred[:, 0]))
 
 
-def _fit(rank=None, world_size=None, *, coupled, batch_size):
-    """Two epochs of a classifier with compiled and weighted metrics: the
-    history, the weights, and (on ranks) whether metrics took the rows."""
+def _classifier(coupled):
+    """A classifier with compiled and weighted metrics, and its data."""
     import numpy as np
 
     import keras
-    from tests import distributions
 
-    distributions.use_setting("single" if rank is None else "dp")
     keras.utils.set_random_seed(pm.SEED)
     model = keras.Sequential(
         [
@@ -53,6 +51,18 @@ def _fit(rank=None, world_size=None, *, coupled, batch_size):
     x = rng.normal(size=(NUM_SAMPLES, 5)).astype("float32")
     y = rng.integers(0, 4, size=(NUM_SAMPLES,))
     weight = rng.uniform(0.5, 2.0, NUM_SAMPLES).astype("float32")
+    return model, (x, y, weight)
+
+
+def _fit(rank=None, world_size=None, *, coupled, batch_size):
+    """Two epochs of `_classifier`: the history, the weights, and (on ranks)
+    whether metrics took the rows."""
+    import numpy as np
+
+    from tests import distributions
+
+    distributions.use_setting("single" if rank is None else "dp")
+    model, (x, y, weight) = _classifier(coupled)
     added = []
     if rank is not None:
         from keras.src.backend.torch.distributed.data_parallel import local_rows
@@ -107,6 +117,39 @@ def test_compiled_metrics_on_local_rows_like_one_process(
     added = [False] + epoch[1:] + epoch
     expected = (False, [False] * len(added)) if coupled else (True, added)
     assert [path for _, path in per_rank] == [expected] * world_size
+
+
+def _evaluate(rank=None, world_size=None, *, batch_size):
+    """`evaluate` of `_classifier` (with sample weights), twice: the second
+    one's results, and (on ranks) its all-reduces."""
+    import torch
+
+    from tests import distributions
+
+    distributions.use_setting("single" if rank is None else "dp")
+    model, (x, y, weight) = _classifier(coupled=False)
+    kwargs = dict(sample_weight=weight, batch_size=batch_size, verbose=0)
+    model.evaluate(x, y, **kwargs)  # Probes the call and checks the metrics.
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities) as profile:
+        results = model.evaluate(x, y, return_dict=True, **kwargs)
+    if rank is None:
+        return results
+    events = [e.name for e in profile.events()]
+    return results, events.count("gloo:all_reduce")
+
+
+@pytest.mark.parametrize("world_size, split_steps", [(2, 3), (4, 2)])
+def test_evaluate_reduces_each_step_once(world_size, split_steps):
+    # Batches of 8, 8 and 6 rows. Each split step's loss and metric sums on
+    # the rows are all-reduced together, once; on 4 processes the last
+    # batch (parts of 2, 2, 2, 0) is whole on each process: no all-reduce.
+    kwargs = {"batch_size": 8}
+    per_rank = run_on_ranks(_evaluate, world_size=world_size, kwargs=kwargs)
+    reference = pm.run_single(_evaluate, **kwargs)
+    for rank, (results, all_reduces) in enumerate(per_rank):
+        pm.assert_close(results, reference, f"rank {rank}")
+        assert all_reduces == split_steps
 
 
 def _fit_masked(rank=None, world_size=None):

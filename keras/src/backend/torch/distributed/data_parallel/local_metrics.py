@@ -1,7 +1,8 @@
-"""Compiled metrics updated on each process' rows in Keras' own train step: a
-`Mean` of values (every built-in accuracy, error or crossentropy metric) only
-adds sums over rows, so processes add their rows' sums, reduced with the
-gradients. The first step checks this against the update through DTensor."""
+"""Compiled metrics updated on each process' rows in Keras' own train and test
+steps: a `Mean` of values (every built-in accuracy, error or crossentropy
+metric) only adds sums over rows, so processes add their rows' sums, reduced
+with the gradients (a test step's with the loss tracker's). The first step
+checks this against the update through DTensor."""
 
 import contextlib
 
@@ -53,7 +54,8 @@ def compiled_metrics(rows, tracker, inputs, added=False):
 def add_with_gradients(rows, inputs, defer):
     """Whether `rows.model`'s compiled metrics' sums on the local rows of
     `inputs` were handed to `defer` (`OverlappedReduction.defer`: summed with
-    the gradients' last bucket, no collective of their own)."""
+    the gradients' last bucket; a test step's `DeferredSums.defer`: with the
+    loss tracker's; no collective of their own)."""
     metrics, batch = _summing_metrics(rows.model, inputs)
     if not (metrics and rows.metrics_on_rows):
         return False

@@ -75,6 +75,10 @@ class DistributedStep:
         self._overlaps_reduction = (
             kind == "train" and type(model).train_step is Model.train_step
         )
+        # Keras' own test step: its metrics' sums reduced in one collective.
+        self._defers_sums = (
+            kind == "test" and type(model).test_step is Model.test_step
+        )
         self.rows = techniques.rows(model)
         # Kept across steps: plain leaves, bucket plans.
         self._leaves, self._buckets = step_reduction.KeptLeaves(), {}
@@ -132,6 +136,8 @@ class DistributedStep:
             reduction = step_reduction.overlapped_reduction(
                 self.model, self._leaves, self._buckets, lazy
             )
+        elif self._defers_sums and mesh.ndim == 1:
+            reduction = step_reduction.deferred_sums(mesh)
         with (
             fallback.dtensor_fallback(lazy=lazy) as self._fallback_on,
             techniques.context(self, distribution),
@@ -156,22 +162,23 @@ class DistributedStep:
 
     def local_compiled_loss(self, y, y_pred, sample_weight):
         """See `local_loss` (the hook). A sum over the batch is this process'
-        plain term where the step sums it with the gradients and the optimizer
-        scales it by a number: its backward needs no DTensor."""
+        plain term where the step sums it (with the gradients; a test step
+        with its metrics) and no optimizer scales it by a variable: its
+        backward needs no DTensor."""
         from keras.src.optimizers.base_optimizer import BaseOptimizer
 
-        rows = self.rows
+        rows, optimizer = self.rows, self.model.optimizer
         loss = rows and rows.compiled_loss(y, y_pred, sample_weight, self)
         if loss is None:
             if self._fallback_on is not None:
                 self._fallback_on()  # Keras computes it through DTensor.
             return None
         (share, placements), mesh = loss, y_pred.device_mesh
-        scales = type(self.model.optimizer).scale_loss
+        scales = getattr(type(optimizer), "scale_loss", None)
         if (
             placements == [Partial()]
             and self._reduction is not None
-            and scales is BaseOptimizer.scale_loss
+            and scales in (None, BaseOptimizer.scale_loss)
         ):
             self._loss_term = (share, mesh)
             return share
@@ -198,8 +205,8 @@ def loss_predictions(model, y, y_pred):
 
 
 def local_loss(model, y, y_pred, sample_weight):
-    """The train step's compiled loss on local tensors, or `None` (outside a
-    step, or where local tensors can't give DTensor's numbers)."""
+    """A train or test step's compiled loss on local tensors, or `None`
+    (outside a step, or where local tensors can't give DTensor's numbers)."""
     step = running_step(model)
     if step is None:
         return None
@@ -246,6 +253,8 @@ def local_metric_reads(model, metric):
     step = running_step(model)
     if step is None:
         return contextlib.nullcontext()
+    if step._reduction is not None:
+        step._reduction.flush()  # The step's deferred sums, before reads.
     kept, step._metric_inputs = step._metric_inputs, None
     if kept is None or step.rows is None:
         return local_state.local_reads(metric.variables)

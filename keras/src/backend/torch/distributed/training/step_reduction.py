@@ -85,14 +85,50 @@ def overlapped_reduction(model, leaves, plans, local=False):
         yield reduction
         # Launched but not taken: wait, so processes leave the step together.
         reduction.wait_all(as_local=False)
-        if reduction.deferred:  # The step's gradients were not reduced.
-            reduction._reduce_pending([], [])
+        reduction.flush()  # The step's gradients were not reduced.
     finally:
         leaves.reduction = None
         for leaf in reduction.leaf_of.values():
             leaf.grad = None  # Freed before the next step.
         for handle in reduction.handles:
             handle.remove()
+
+
+@contextlib.contextmanager
+def deferred_sums(mesh):
+    """Yields a test step's `DeferredSums` over the 1-D `mesh`, reduced at the
+    latest as the step ends."""
+    sums = DeferredSums(mesh)
+    yield sums
+    sums.flush()
+
+
+class DeferredSums:
+    """A test step's partial sums of replicated state (the loss tracker's, the
+    compiled metrics'), all-reduced together once, before the step reads
+    them (`flush`): no collective of each metric's own."""
+
+    def __init__(self, mesh):
+        self.mesh, self.deferred = mesh, []
+
+    def local_leaf(self, variable, value):
+        return None  # A test step takes no gradients.
+
+    def defer(self, local, value, mesh):
+        """Whether `value`, this process' term of a sum over `mesh` for the
+        replicated `local`, is summed at `flush`."""
+        if mesh != self.mesh:
+            return False
+        self.deferred.append((mesh, local, value.detach()))
+        return True
+
+    def flush(self):
+        """All-reduces the deferred terms, in one collective, into their
+        states."""
+        deferred, self.deferred = self.deferred, []
+        if deferred:
+            parts = [(value, mesh, (Partial(),)) for mesh, _, value in deferred]
+            _store(deferred, gradients_lib.reduce_parts(parts))
 
 
 class KeptLeaves(dict):
@@ -254,6 +290,11 @@ class OverlappedReduction:
         if pending:
             self._reduce_pending(pending, result)
         return result
+
+    def flush(self):
+        """All-reduces the deferred state not reduced with the gradients."""
+        if self.deferred:
+            self._reduce_pending([], [])
 
     def _reduce_pending(self, pending, result):
         """All-reduces the deferred state and `pending` `(index, part)`s."""
