@@ -165,6 +165,48 @@ def test_a_cached_gaussian_taken_alone_is_seen():
     assert generator_states.advanced(states)
 
 
+def test_numpy_state_read_in_full_only_after_a_draw(monkeypatch):
+    """NumPy's state is copied in full once while its generator's memory
+    stays the same; a draw, a cached Gaussian or a reseed reads it again."""
+    reads = []
+    get_state = np.random.get_state
+
+    def counted(*args, **kwargs):
+        reads.append(1)
+        return get_state(*args, **kwargs)
+
+    monkeypatch.setattr(np.random, "get_state", counted)
+    np.random.seed(0)
+    for _ in range(3):
+        generator_states.take()
+    assert len(reads) == 1
+    np.random.random()
+    generator_states.take()
+    assert len(reads) == 2
+    np.random.standard_normal()  # A Gaussian cached: read each time.
+    generator_states.take(), generator_states.take()
+    assert len(reads) == 4
+    np.random.seed(0)
+    generator_states.take()
+    assert len(reads) == 5
+
+
+def test_another_global_bit_generator_is_read_in_full():
+    """A global generator other than MT19937 is read through its `state`,
+    its draws seen as before."""
+    previous = np.random.get_bit_generator()
+    np.random.set_bit_generator(np.random.PCG64(0))
+    try:
+        states = generator_states.take()
+        assert not generator_states.advanced(states)
+        np.random.random()
+        assert generator_states.advanced(states)
+        generator_states.restore(states)
+        assert not generator_states.advanced(states)
+    finally:
+        np.random.set_bit_generator(previous)
+
+
 def test_draw_plan_follows_the_probe():
     """Later calls draw whole or as rows what the probe drew so; a shape
     that fits neither, or both, breaks the plan."""

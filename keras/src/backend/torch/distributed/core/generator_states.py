@@ -1,10 +1,19 @@
 """The states of torch's, Python's and NumPy's global generators, which a call
 on local rows must leave as found, or advance as a call on the global batch."""
 
+import ctypes
 import random
+import sys
 
 import numpy as np
 import torch
+
+# NumPy's MT19937 state in memory: 624 words, then the next word's position.
+_MT_BYTES = 624 * 4 + 4
+# `[bit generator, whether its memory is read as MT19937's]`, checked once.
+_LAYOUT = [None, False]
+# NumPy's global state as last read in full: `[its memory, its state]`.
+_LAST_NUMPY = [None, None]
 
 
 def take():
@@ -12,11 +21,58 @@ def take():
     states = {
         "cpu": torch.get_rng_state(),
         "python": random.getstate(),
-        "numpy": np.random.get_state(legacy=False),
+        "numpy": _numpy_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states["cuda"] = torch.cuda.get_rng_state_all()
     return states
+
+
+def _numpy_state():
+    """NumPy's global state, read in full (624 words copied in Python) only if
+    its generator's memory changed since the last full read. Equal memory is
+    the same state where no normal deviate was cached then: caching one draws
+    from the generator (only `set_state` caches one without)."""
+    memory = _numpy_memory()
+    last_memory, last_state = _LAST_NUMPY
+    if memory is not None and memory == last_memory:
+        if not last_state["has_gauss"]:
+            return last_state
+    state = np.random.get_state(legacy=False)
+    _LAST_NUMPY[:] = [memory, state]
+    return state
+
+
+def _numpy_memory():
+    """The bytes of NumPy's global MT19937 state, or `None` if its memory
+    does not hold the layout `_MT_BYTES` describes."""
+    get_bit_generator = getattr(np.random, "get_bit_generator", None)
+    bits = get_bit_generator and get_bit_generator()
+    if bits is None:
+        return None
+    if bits is not _LAYOUT[0]:
+        _LAYOUT[:] = [bits, _mt19937_layout(bits)]
+    if not _LAYOUT[1]:
+        return None
+    return ctypes.string_at(bits.ctypes.state_address, _MT_BYTES)
+
+
+def _mt19937_layout(global_bits):
+    """Whether `global_bits` is an MT19937 holding its state as `_MT_BYTES`
+    describes, checked on a fresh one before and after a draw."""
+    if type(global_bits) is not np.random.MT19937:
+        return False
+    bits = np.random.MT19937(0)
+
+    def held():
+        state = bits.state["state"]
+        pos = int(state["pos"]).to_bytes(4, sys.byteorder, signed=True)
+        memory = ctypes.string_at(bits.ctypes.state_address, _MT_BYTES)
+        return memory == state["key"].astype(np.uint32).tobytes() + pos
+
+    first = held()
+    bits.random_raw()
+    return first and held()
 
 
 def restore(states):
@@ -50,13 +106,20 @@ def advanced(states, torch_keys=0, python_draws=False):
 
 def python_advanced(before, after):
     """Whether Python's or NumPy's generator moved between two `take`s."""
-    a, b = before["numpy"], after["numpy"]
-    return (  # NumPy's state holds an array: `==` on it is ambiguous.
-        before["python"] != after["python"]
-        or (a["state"]["pos"], a["has_gauss"], a["gauss"])
-        != (b["state"]["pos"], b["has_gauss"], b["gauss"])
-        or not np.array_equal(a["state"]["key"], b["state"]["key"])
+    return before["python"] != after["python"] or not _same(
+        before["numpy"], after["numpy"]
     )
+
+
+def _same(a, b):
+    """Whether two NumPy states (nested dicts holding arrays) are equal."""
+    if a is b:
+        return True
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, np.ndarray):  # `==` on an array is ambiguous.
+        return np.array_equal(a, b)
+    return a == b
 
 
 def differ(a, b):
