@@ -39,6 +39,11 @@ ALLOWED_MODULE_STATE = {
     ("layer_call", "_replication_depth"),
     ("layer_call", "_replication_held"),
     ("layer_call", "_implicit_replication"),
+    # Mirror torch's process-wide SDPA flags: the backends enabled outside
+    # the step's math SDPA on a CPU mesh, and the open local-rows calls
+    # that take them back.
+    ("layer_call", "_outer_sdpa_backends"),
+    ("layer_call", "_plain_kernels_depth"),
     # Per thread: the depth of the layer calls a thread makes.
     ("layer_call", "_calls"),
     # Per layer, weakly: the probe's verdicts on calls outside a step (a

@@ -529,3 +529,36 @@ def test_a_batch_leaving_a_process_without_rows_is_gathered():
     for rank, (result, placements) in enumerate(per_rank):
         pm.assert_close(result, reference, f"rank {rank}")
         assert placements == ["R"], placements
+
+
+def _attention_kernels_body(rank, world_size):
+    import collections
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        result = pm.fit_run("attention", "dp")
+    names = collections.Counter(event.name for event in profiler.events())
+    kernels = {
+        kind: names[f"aten::_scaled_dot_product_{kind}"]
+        for kind in ("flash_attention_for_cpu", "attention_math")
+    }
+    return result, kernels
+
+
+def test_attention_on_local_rows_runs_one_process_kernels():
+    # A CPU mesh makes the step run math SDPA (DTensor has no rule for the
+    # CPU flash kernel); calls on the local rows take the kernels enabled
+    # outside it, as one process does, but the probe's check compares with
+    # DTensor's output on DTensor's kernel.
+    reference = pm.run_single(pm.fit_run, "attention", "single")
+    for world_size in (1, 2):
+        per_rank = run_on_ranks(_attention_kernels_body, world_size=world_size)
+        for rank, (result, kernels) in enumerate(per_rank):
+            pm.assert_close(result, reference, f"rank {rank} of {world_size}")
+            # 6 train and 4 validation steps, the first of each the probe's
+            # (a DTensor call and its check); the symbolic build's on meta.
+            assert kernels["flash_attention_for_cpu"] >= 8, kernels
+            assert kernels["attention_math"] <= 5, kernels
+        pm.assert_ranks_agree([result for result, _ in per_rank])

@@ -21,6 +21,7 @@ from keras.src.backend.torch.distributed.data_parallel import coupled_layers
 from keras.src.backend.torch.distributed.data_parallel import local_loss
 from keras.src.backend.torch.distributed.data_parallel import local_metrics
 from keras.src.backend.torch.distributed.dtensor_gaps import fallback
+from keras.src.backend.torch.distributed.training import layer_call
 from keras.src.backend.torch.distributed.training.step import running_step
 
 # `{layer: {training: Verdict}}` for calls outside a step.
@@ -172,8 +173,12 @@ def _on_rows(call_fn, layer, inputs, batch, mapping, plan, coupled):
     args, kwargs = structures.map_structure(local_state.local_value, inputs)
     try:
         with (
-            # The probe's check keeps nothing.
+            # The probe's check keeps nothing, and compares its outputs with
+            # DTensor's: with DTensor's kernels.
             torch.no_grad() if plan.recording else contextlib.nullcontext(),
+            contextlib.nullcontext()
+            if plan.recording
+            else layer_call.plain_tensor_kernels(),
             runtime.distribution_suspended(),
             random_draws.one_key_per_call(),
             random_draws.local_rows_scope(

@@ -29,6 +29,10 @@ CHECK_REPLICATION_ENV = "KERAS_DISTRIBUTION_CHECK_REPLICATION"
 GRADIENT_HOOK_ATTRIBUTE = "_keras_distribution_gradient_hook"
 # Process-wide, as torch's `implicit_replication` flag is.
 _replication_depth, _replication_held, _implicit_replication = 0, False, None
+# Process-wide, as torch's SDPA flags are: the backends enabled outside the
+# outermost `replicated_plain_tensors` that made a CPU mesh use math SDPA
+# (`None`: it did not), and the depth of `plain_tensor_kernels`.
+_outer_sdpa_backends, _plain_kernels_depth = None, 0
 _calls = threading.local()  # `_call_global` depth, per thread as Keras' calls.
 
 
@@ -203,21 +207,70 @@ def _whole_gradient(placements, axes, grad):
 @contextlib.contextmanager
 def replicated_plain_tensors():
     """Treats plain tensors as replicated global values (outermost entry acts);
-    CPU meshes use math SDPA: DTensor has no rule for the CPU flash kernel."""
-    global _replication_depth
+    CPU meshes use math SDPA: DTensor has no rule for the CPU flash kernel
+    (again inside `plain_tensor_kernels`, for a call on DTensors there)."""
+    global _replication_depth, _outer_sdpa_backends
     _replication_depth += 1
     try:
         if _replication_depth > 1:
-            yield
+            with _math_sdpa() if _plain_kernels_depth else _no_context():
+                yield
             return
         _update_implicit_replication()
         mesh = runtime.current_distribution().device_mesh.backend_mesh
-        cpu = mesh.device_type == "cpu"
-        with sdpa_kernel(SDPBackend.MATH) if cpu else contextlib.nullcontext():
+        if mesh.device_type != "cpu":
             yield
+            return
+        _outer_sdpa_backends = _enabled_sdpa_backends()
+        try:
+            with _math_sdpa():
+                yield
+        finally:
+            _outer_sdpa_backends = None
     finally:
         _replication_depth -= 1
         _update_implicit_replication()
+
+
+@contextlib.contextmanager
+def plain_tensor_kernels():
+    """Runs a call on plain local tensors with the SDPA backends enabled
+    outside `replicated_plain_tensors` (one process' kernels, the CPU flash
+    one included) where it made them math SDPA."""
+    global _plain_kernels_depth
+    backends = _outer_sdpa_backends
+    if not backends or _plain_kernels_depth:
+        yield
+        return
+    _plain_kernels_depth += 1
+    try:
+        with sdpa_kernel(backends):
+            yield
+    finally:
+        _plain_kernels_depth -= 1
+
+
+def _math_sdpa():
+    return sdpa_kernel(SDPBackend.MATH)
+
+
+def _no_context():
+    return contextlib.nullcontext()
+
+
+def _enabled_sdpa_backends():
+    """The SDPA backends torch's flags enable now."""
+    flags = torch.backends.cuda
+    return [
+        backend
+        for backend, enabled in (
+            (SDPBackend.FLASH_ATTENTION, flags.flash_sdp_enabled),
+            (SDPBackend.EFFICIENT_ATTENTION, flags.mem_efficient_sdp_enabled),
+            (SDPBackend.MATH, flags.math_sdp_enabled),
+            (SDPBackend.CUDNN_ATTENTION, flags.cudnn_sdp_enabled),
+        )
+        if enabled()
+    ]
 
 
 def hold_replication(distribution):
