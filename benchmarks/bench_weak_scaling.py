@@ -3,6 +3,8 @@
     python benchmarks/bench_weak_scaling.py                 # every model
     python benchmarks/bench_weak_scaling.py --models dense own_layer \\
         --procs 1 2 --rows 32 --steps 12
+    python benchmarks/bench_weak_scaling.py --models mlp --procs 1 2 \\
+        --steps 200 --repeats 3 --interleaved
 
 For each model and number of processes, two torchrun jobs train the same
 Keras model on the same global batch (`--rows` rows per process):
@@ -20,6 +22,12 @@ Their difference is what Keras' own `train_on_batch` costs over that
 loop; added to ``keras_ddp``'s step it is the step of a `DataParallel`
 whose distribution would cost exactly DDP's communication: the floor of
 the `keras_dp / keras_ddp` ratio, printed as `floor`.
+
+With ``--interleaved``, one job per point runs the four sides in the same
+processes, in turns of `BLOCK` steps (each side under its own
+distribution, the first step after a switch untimed): the machine's
+state, which moves separate jobs' medians apart on a shared machine,
+then changes alike for all four. It measures step times only.
 
 Each job measures, per process, the peak resident memory added by its
 steps (VmHWM, reset after the first steps) and the median step time, and
@@ -70,6 +78,8 @@ from weak_scaling_models import SEQUENCE
 
 IMPLS = ("keras_dp", "keras_ddp")
 FLOOR_IMPLS = ("keras_alone", "loop_alone")
+# Steps a side runs in turn with `--interleaved`.
+BLOCK = 10
 MIB = 1024 * 1024
 
 
@@ -95,6 +105,12 @@ def parse_args():
         action="store_true",
         help="with --floor: time the train step's parts (DP, Keras alone)",
     )
+    p.add_argument(
+        "--interleaved",
+        action="store_true",
+        help="the four sides of --floor in the same processes, in turns of "
+        f"{BLOCK} steps (step times only)",
+    )
     p.add_argument("--worker", nargs=2, metavar=("IMPL", "MODEL"))
     return p.parse_args()
 
@@ -112,21 +128,17 @@ def _reset_peak():
         f.write("5")
 
 
-def worker(impl, kind, args):
-    """One process of one job; prints `RESULT <json>` on process 0."""
+def _make_step(impl, kind, args, rank, size):
+    """`(model, step)`: `impl`'s model of `kind` and one training step of it
+    on the global batch (`keras_dp`) or this process' rows (the others),
+    built under the distribution `impl` uses, which is left set."""
     import numpy as np
     import torch
-    import torch.distributed as dist
 
     import keras
     from keras import distribution as kd
-    from keras.src.backend.torch.distributed.training.step import model_step
 
-    torch.set_num_threads(1)
-    kd.initialize()
-    rank, size = dist.get_rank(), dist.get_world_size()
-    timed = args.phases and impl in ("keras_dp", "keras_alone")
-    phase_totals = _timed_phases() if timed else {}
+    kd.set_distribution(None)
     if impl == "keras_dp" and kind.endswith("_mp"):
         kd.set_distribution(weak_scaling_models.model_parallel(size))
     elif impl == "keras_dp":
@@ -137,45 +149,56 @@ def worker(impl, kind, args):
     x, y = weak_scaling_models.make_data(kind, args.rows * size)
     part = slice(rank * args.rows, (rank + 1) * args.rows)
     if impl == "keras_dp":
-
-        def step():
-            model.train_on_batch(x, y)
-
-    elif impl == "keras_alone":
+        return model, lambda: model.train_on_batch(x, y)
+    if impl == "keras_alone":
         own_x = keras.tree.map_structure(lambda a: a[part], x)
         own_y = y[part]
+        return model, lambda: model.train_on_batch(own_x, own_y)
+    # A functional model's variables become torch parameters here.
+    model._track_variables()
+    ddp = model
+    if impl == "keras_ddp":
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+    local_x = keras.tree.map_structure(
+        lambda a: torch.from_numpy(np.asarray(a[part])), x
+    )
+    local_y = torch.from_numpy(y[part])
+    loss_fn = model.loss
+    if not isinstance(loss_fn, keras.losses.Loss):
+        loss_fn = keras.losses.MeanSquaredError()
+    optimizer = model.optimizer
+    optimizer.build(model.trainable_variables)
 
-        def step():
-            model.train_on_batch(own_x, own_y)
+    def step():
+        model.zero_grad()
+        loss = loss_fn(local_y, ddp(local_x, training=True))
+        if model.losses:
+            # Regularization and the layers' losses, as Keras adds them.
+            loss = loss + sum(model.losses)
+        loss.backward()
+        variables = model.trainable_variables
+        grads = [v.value.grad for v in variables]
+        with torch.no_grad():
+            optimizer.apply(grads, variables)
 
-    else:
-        # A functional model's variables become torch parameters here.
-        model._track_variables()
-        ddp = model
-        if impl == "keras_ddp":
-            ddp = torch.nn.parallel.DistributedDataParallel(model)
-        local_x = keras.tree.map_structure(
-            lambda a: torch.from_numpy(np.asarray(a[part])), x
-        )
-        local_y = torch.from_numpy(y[part])
-        loss_fn = model.loss
-        if not isinstance(loss_fn, keras.losses.Loss):
-            loss_fn = keras.losses.MeanSquaredError()
-        optimizer = model.optimizer
-        optimizer.build(model.trainable_variables)
+    return model, step
 
-        def step():
-            model.zero_grad()
-            loss = loss_fn(local_y, ddp(local_x, training=True))
-            if model.losses:
-                # Regularization and the layers' losses, as Keras adds them.
-                loss = loss + sum(model.losses)
-            loss.backward()
-            variables = model.trainable_variables
-            grads = [v.value.grad for v in variables]
-            with torch.no_grad():
-                optimizer.apply(grads, variables)
 
+def worker(impl, kind, args):
+    """One process of one job; prints `RESULT <json>` on process 0."""
+    import torch
+    import torch.distributed as dist
+
+    from keras import distribution as kd
+
+    torch.set_num_threads(1)
+    kd.initialize()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    if impl == "interleaved":
+        return _interleaved(kind, args, rank, size)
+    timed = args.phases and impl in ("keras_dp", "keras_alone")
+    phase_totals = _timed_phases() if timed else {}
+    model, step = _make_step(impl, kind, args, rank, size)
     for _ in range(3):
         step()
     _reset_peak()
@@ -194,14 +217,7 @@ def worker(impl, kind, args):
     dist.all_reduce(per_step, op=dist.ReduceOp.MAX)
     peaks = [None] * size
     dist.all_gather_object(peaks, peak)
-    path = ""
-    if impl == "keras_dp" and kind.endswith("_mp"):
-        path = f"ModelParallel on ({size // 2}, 2)"
-    elif impl == "keras_dp":
-        verdict = model_step(model, "train").rows.verdicts[True]
-        path = "local" if verdict.per_sample else f"dtensor: {verdict.reason}"
-        if verdict.per_sample and verdict.coupled:
-            path = f"local, {len(verdict.coupled)} layer(s) on DTensor"
+    path = _path(impl, kind, model, size)
     if rank == 0:
         print(
             "RESULT "
@@ -221,6 +237,60 @@ def worker(impl, kind, args):
             ),
             flush=True,
         )
+
+
+def _path(impl, kind, model, size):
+    """The path `impl`'s trained `model` took ("" off `DataParallel`)."""
+    from keras.src.backend.torch.distributed.training.step import model_step
+
+    if impl == "keras_dp" and kind.endswith("_mp"):
+        return f"ModelParallel on ({size // 2}, 2)"
+    if impl != "keras_dp":
+        return ""
+    verdict = model_step(model, "train").rows.verdicts[True]
+    if not verdict.per_sample:
+        return f"dtensor: {verdict.reason}"
+    if verdict.coupled:
+        return f"local, {len(verdict.coupled)} layer(s) on DTensor"
+    return "local"
+
+
+def _interleaved(kind, args, rank, size):
+    """The four sides (`IMPLS`, `FLOOR_IMPLS`) in these same processes, in
+    turn: blocks of `BLOCK` steps, each side under its own distribution, so
+    that the machine's state changes alike for all. Prints a `RESULT` per
+    side: its median step, the slowest process'."""
+    import torch
+    import torch.distributed as dist
+
+    from keras import distribution as kd
+
+    sides, models = {}, {}
+    for impl in IMPLS + FLOOR_IMPLS:
+        models[impl], step = _make_step(impl, kind, args, rank, size)
+        sides[impl] = (kd.distribution(), step)
+    times = {impl: [] for impl in sides}
+    for _ in range(max(1, args.steps // BLOCK)):
+        for impl, (distribution, step) in sides.items():
+            kd.set_distribution(distribution)
+            step()  # Untimed: the first after the switch (and the warm-up).
+            for _ in range(BLOCK):
+                dist.barrier()
+                start = time.perf_counter()
+                step()
+                times[impl].append(time.perf_counter() - start)
+    for impl, values in times.items():
+        per_step = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(per_step, op=dist.ReduceOp.MAX)
+        result = {
+            "impl": impl,
+            "model": kind,
+            "procs": size,
+            "step_ms": statistics.median(per_step.tolist()) * 1e3,
+            "path": _path(impl, kind, models[impl], size),
+        }
+        if rank == 0:
+            print("RESULT " + json.dumps(result), flush=True)
 
 
 # The parts of Keras' train step timed by `--phases`: (label, module,
@@ -334,9 +404,13 @@ def _job(impl, kind, nproc, args):
     out = subprocess.run(
         command, capture_output=True, text=True, env=env, timeout=1200
     )
-    for line in out.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
+    results = [
+        json.loads(line[len("RESULT ") :])
+        for line in out.stdout.splitlines()
+        if line.startswith("RESULT ")
+    ]
+    if results:
+        return results
     raise RuntimeError(
         f"{impl} {kind} on {nproc} processes printed no result:\n"
         f"{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
@@ -349,14 +423,19 @@ def _jobs(kind, nproc, args):
     impls = IMPLS + (FLOOR_IMPLS if args.floor else ())
     runs = {impl: [] for impl in impls}
     for _ in range(args.repeats):
+        if args.interleaved:
+            for result in _job("interleaved", kind, nproc, args):
+                runs[result["impl"]].append(result)
+            continue
         for impl in impls:
-            runs[impl].append(_job(impl, kind, nproc, args))
+            runs[impl] += _job(impl, kind, nproc, args)
     results = {}
     for impl, jobs in runs.items():
         result = dict(jobs[0])
         for key in ("step_ms", "peak_mib"):
-            result[key] = statistics.median(job[key] for job in jobs)
-        labels = {label for job in jobs for label in job["phases_ms"]}
+            if key in result:
+                result[key] = statistics.median(job[key] for job in jobs)
+        labels = {label for job in jobs for label in job.get("phases_ms", {})}
         result["phases_ms"] = {
             label: statistics.median(
                 job["phases_ms"].get(label, 0.0) for job in jobs
@@ -373,6 +452,7 @@ def main():
     args = parse_args()
     if args.worker:
         return worker(*args.worker, args)
+    args.floor = args.floor or args.interleaved
     print(
         f"rows per process {args.rows}, sequences {SEQUENCE} x {FEATURES}, "
         f"{args.steps} timed steps (median of the slowest process')"
@@ -394,11 +474,15 @@ def main():
         )
         for n in procs:
             dp, ddp = results[n]["keras_dp"], results[n]["keras_ddp"]
+            peaks = "(not measured interleaved)"
+            if not args.interleaved:
+                peaks = (
+                    f"{dp['peak_mib']:>12.1f} {ddp['peak_mib']:>13.1f} "
+                    f"{dp['peak_mib'] / max(ddp['peak_mib'], 1e-3):>6.2f}"
+                )
             print(
                 f"{n:>5} {dp['step_ms']:>11.1f} {ddp['step_ms']:>12.1f} "
-                f"{dp['step_ms'] / ddp['step_ms']:>6.2f} "
-                f"{dp['peak_mib']:>12.1f} {ddp['peak_mib']:>13.1f} "
-                f"{dp['peak_mib'] / max(ddp['peak_mib'], 1e-3):>6.2f}"
+                f"{dp['step_ms'] / ddp['step_ms']:>6.2f} {peaks}"
             )
             if args.floor:
                 _print_floor(results[n])
