@@ -200,16 +200,49 @@ def seed_key(seed):
     return mix(seed[0] * _GAMMA + seed[1])
 
 
-def one_key_per_call():
+@contextlib.contextmanager
+def one_key_per_call(started=None):
     """Unseeded draws in the block derive from one key of torch's generator,
-    so a repeat of the probe's call draws the same keys with one collective."""
-    return _setting("keys", _state.keys or [None, 0])
+    so a repeat of the probe's call draws the same keys with one collective;
+    `started` (of `start_key`): that key, agreed in the background until the
+    first draw needs it, and waited for at the end if none did."""
+    if _state.keys is not None:
+        yield
+        return
+    keys = [None, 0, started]
+    with _setting("keys", keys):
+        try:
+            yield
+        finally:
+            if keys[2] is not None:
+                _agreed(keys)
+
+
+def start_key():
+    """Draws a call's key from torch's generator and starts agreeing on
+    process 0's: `(key, broadcast work or None)`, for `one_key_per_call`."""
+    key = generator_states.torch_key()
+    if runtime.world_size() == 1:
+        return key, None
+    key = key.to(runtime.comm_device())
+    return key, torch.distributed.broadcast(key, src=0, async_op=True)
+
+
+def _agreed(keys):
+    """Sets `keys[0]` to the key `start_key` started agreeing on."""
+    (key, work), keys[2] = keys[2], None
+    if work is not None:
+        work.wait()
+    keys[0] = int(key)
 
 
 def unseeded_key():
     """The key of an unseeded draw, from process 0's torch generator
     (processes may seed theirs differently), once per `one_key_per_call`."""
     keys = _state.keys
+    if keys is not None and keys[0] is None and keys[2] is not None:
+        _agreed(keys)
+        return mix_int(keys[0])
     if keys is not None and keys[0] is not None:
         keys[1] += 1
         return mix_int(keys[0] + keys[1] * _GAMMA)

@@ -167,9 +167,10 @@ def _own_rows(x, batch):
     return None
 
 
-def _on_rows(call_fn, layer, inputs, batch, mapping, plan, coupled):
+def _on_rows(call_fn, layer, inputs, batch, mapping, plan, coupled, key=None):
     """Calls `layer` on the local rows from `mapping`, `coupled` layers through
-    DTensor: `(outputs, scope, Routing, updates, why DTensor's may differ)`."""
+    DTensor (`key`: of `random_draws.start_key`): `(outputs, scope, Routing,
+    updates, why DTensor's may differ)`."""
     args, kwargs = structures.map_structure(local_state.local_value, inputs)
     try:
         with (
@@ -180,7 +181,7 @@ def _on_rows(call_fn, layer, inputs, batch, mapping, plan, coupled):
             if plan.recording
             else layer_call.plain_tensor_kernels(),
             runtime.distribution_suspended(),
-            random_draws.one_key_per_call(),
+            random_draws.one_key_per_call(key),
             random_draws.local_rows_scope(
                 batch.start, batch.local_rows, batch.global_rows, plan
             ),
@@ -243,7 +244,13 @@ def _call_locally(on_rows, layer, batch, variables, verdict, step):
     # A call dropped below must leave the generators as it found them.
     rng_states = generator_states.take()
     plan = verdict.draws.following()
-    outputs, scope, _, updated, why = on_rows(mapping, plan, verdict.coupled)
+    key = None
+    if verdict.draws.unseeded:
+        # The probe's call took an unseeded key: agreed during the call.
+        key, plan.unseeded = random_draws.start_key(), 1
+    outputs, scope, _, updated, why = on_rows(
+        mapping, plan, verdict.coupled, key
+    )
     if why is None and plan.broken:
         why = "a random draw of another shape than the probe's"
     if why is None and generator_states.advanced(
