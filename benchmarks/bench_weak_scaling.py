@@ -128,62 +128,6 @@ def _reset_peak():
         f.write("5")
 
 
-def _make_step(impl, kind, args, rank, size):
-    """`(model, step)`: `impl`'s model of `kind` and one training step of it
-    on the global batch (`keras_dp`) or this process' rows (the others),
-    built under the distribution `impl` uses, which is left set."""
-    import numpy as np
-    import torch
-
-    import keras
-    from keras import distribution as kd
-
-    kd.set_distribution(None)
-    if impl == "keras_dp" and kind.endswith("_mp"):
-        kd.set_distribution(weak_scaling_models.model_parallel(size))
-    elif impl == "keras_dp":
-        kd.set_distribution(kd.DataParallel())
-    if impl == "keras_dp" and kind.endswith("_whole"):
-        weak_scaling_models.whole_model_couples()
-    model = weak_scaling_models.build_model(kind)
-    x, y = weak_scaling_models.make_data(kind, args.rows * size)
-    part = slice(rank * args.rows, (rank + 1) * args.rows)
-    if impl == "keras_dp":
-        return model, lambda: model.train_on_batch(x, y)
-    if impl == "keras_alone":
-        own_x = keras.tree.map_structure(lambda a: a[part], x)
-        own_y = y[part]
-        return model, lambda: model.train_on_batch(own_x, own_y)
-    # A functional model's variables become torch parameters here.
-    model._track_variables()
-    ddp = model
-    if impl == "keras_ddp":
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
-    local_x = keras.tree.map_structure(
-        lambda a: torch.from_numpy(np.asarray(a[part])), x
-    )
-    local_y = torch.from_numpy(y[part])
-    loss_fn = model.loss
-    if not isinstance(loss_fn, keras.losses.Loss):
-        loss_fn = keras.losses.MeanSquaredError()
-    optimizer = model.optimizer
-    optimizer.build(model.trainable_variables)
-
-    def step():
-        model.zero_grad()
-        loss = loss_fn(local_y, ddp(local_x, training=True))
-        if model.losses:
-            # Regularization and the layers' losses, as Keras adds them.
-            loss = loss + sum(model.losses)
-        loss.backward()
-        variables = model.trainable_variables
-        grads = [v.value.grad for v in variables]
-        with torch.no_grad():
-            optimizer.apply(grads, variables)
-
-    return model, step
-
-
 def worker(impl, kind, args):
     """One process of one job; prints `RESULT <json>` on process 0."""
     import torch
@@ -198,7 +142,9 @@ def worker(impl, kind, args):
         return _interleaved(kind, args, rank, size)
     timed = args.phases and impl in ("keras_dp", "keras_alone")
     phase_totals = _timed_phases() if timed else {}
-    model, step = _make_step(impl, kind, args, rank, size)
+    model, step = weak_scaling_models.make_step(
+        impl, kind, args.rows, rank, size
+    )
     for _ in range(3):
         step()
     _reset_peak()
@@ -267,7 +213,9 @@ def _interleaved(kind, args, rank, size):
 
     sides, models = {}, {}
     for impl in IMPLS + FLOOR_IMPLS:
-        models[impl], step = _make_step(impl, kind, args, rank, size)
+        models[impl], step = weak_scaling_models.make_step(
+            impl, kind, args.rows, rank, size
+        )
         sides[impl] = (kd.distribution(), step)
     times = {impl: [] for impl in sides}
     for _ in range(max(1, args.steps // BLOCK)):

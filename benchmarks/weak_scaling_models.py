@@ -1,5 +1,6 @@
-"""The models and data of `bench_weak_scaling.py` (its docstring describes
-them): each built from the same seed on every process and side."""
+"""The models, data and training steps of `bench_weak_scaling.py` (its
+docstring describes them): each built from the same seed on every process
+and side."""
 
 MODELS = (
     "dense",
@@ -187,3 +188,60 @@ def whole_model_couples():
     from keras.src.backend.torch.distributed.data_parallel import batch_coupling
 
     batch_coupling.coupling_layers = lambda model, watch: None
+
+
+def make_step(impl, kind, rows, rank, size):
+    """`(model, step)`: `impl`'s model of `kind` and one training step of it
+    on the global batch of `rows` per process (`keras_dp`) or this
+    process' rows (the others),
+    built under the distribution `impl` uses, which is left set."""
+    import numpy as np
+    import torch
+
+    import keras
+    from keras import distribution as kd
+
+    kd.set_distribution(None)
+    if impl == "keras_dp" and kind.endswith("_mp"):
+        kd.set_distribution(model_parallel(size))
+    elif impl == "keras_dp":
+        kd.set_distribution(kd.DataParallel())
+    if impl == "keras_dp" and kind.endswith("_whole"):
+        whole_model_couples()
+    model = build_model(kind)
+    x, y = make_data(kind, rows * size)
+    part = slice(rank * rows, (rank + 1) * rows)
+    if impl == "keras_dp":
+        return model, lambda: model.train_on_batch(x, y)
+    if impl == "keras_alone":
+        own_x = keras.tree.map_structure(lambda a: a[part], x)
+        own_y = y[part]
+        return model, lambda: model.train_on_batch(own_x, own_y)
+    # A functional model's variables become torch parameters here.
+    model._track_variables()
+    ddp = model
+    if impl == "keras_ddp":
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+    local_x = keras.tree.map_structure(
+        lambda a: torch.from_numpy(np.asarray(a[part])), x
+    )
+    local_y = torch.from_numpy(y[part])
+    loss_fn = model.loss
+    if not isinstance(loss_fn, keras.losses.Loss):
+        loss_fn = keras.losses.MeanSquaredError()
+    optimizer = model.optimizer
+    optimizer.build(model.trainable_variables)
+
+    def step():
+        model.zero_grad()
+        loss = loss_fn(local_y, ddp(local_x, training=True))
+        if model.losses:
+            # Regularization and the layers' losses, as Keras adds them.
+            loss = loss + sum(model.losses)
+        loss.backward()
+        variables = model.trainable_variables
+        grads = [v.value.grad for v in variables]
+        with torch.no_grad():
+            optimizer.apply(grads, variables)
+
+    return model, step
