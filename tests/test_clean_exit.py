@@ -32,3 +32,18 @@ def test_every_rank_exits_0_after_its_last_collectives():
             f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
         )
         assert result.stdout.count("returns") == 2, result.stdout
+
+
+def test_a_script_that_destroys_its_process_group_exits_cleanly():
+    # The processes' announcement at exit read the rank from the group.
+    result = run_torchrun(
+        SCRIPT,
+        nproc=2,
+        args=["--user-destroys"],
+        timeout=120,
+        env={"CUDA_VISIBLE_DEVICES": ""},
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("returns") == 2, result.stdout
+    assert "Exception ignored" not in result.stderr, result.stderr[-4000:]

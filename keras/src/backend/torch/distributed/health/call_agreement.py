@@ -21,7 +21,10 @@ _WATCH_SECONDS = 0.05
 _KEY = "call/{}"
 _lock = threading.Lock()
 # "tried": the process that tried to start (a forked one has another pid).
-_state = dict.fromkeys(("count", "depth", "store", "pid", "tried", "watcher"))
+# "rank": this process', kept for announcing after the group is destroyed.
+_state = dict.fromkeys(
+    ("count", "depth", "store", "pid", "tried", "watcher", "rank")
+)
 
 
 class CallMismatchError(ValueError):
@@ -51,6 +54,7 @@ def start():
         daemon=True,
     )
     _state.update(store=store, pid=os.getpid(), count=0, depth=0)
+    _state["rank"] = dist.get_rank()
     _state.update(watcher=watcher, stop=stop_event)
     watcher.start()
     atexit.register(stop)  # Runs before the process group's teardown (LIFO).
@@ -186,7 +190,8 @@ def _agree(description):
 
 
 def _append(store, number, description):
-    line = f"{dist.get_rank()}\t{health.step_counts_text()}\t{description}"
+    # At exit the script may have destroyed its process group: no get_rank.
+    line = f"{_state['rank']}\t{health.step_counts_text()}\t{description}"
     store.append(_KEY.format(number), line.replace("\n", " ") + "\n")
 
 
