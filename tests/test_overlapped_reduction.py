@@ -78,13 +78,25 @@ def _launch_order_body(rank, world_size):
         events.append(("all_reduce", bool(kwargs.get("async_op"))))
         return all_reduce(tensor, *args, **kwargs)
 
+    from keras.src.backend.torch.distributed.training import step_reduction
+
+    reduction = step_reduction.OverlappedReduction
+    wait_all = reduction.wait_all
+
+    def recording_wait_all(self, *args, **kwargs):
+        if self.launched:
+            events.append("launches waited for")
+        return wait_all(self, *args, **kwargs)
+
     dist.all_reduce = recording_all_reduce
     torch.Tensor.backward = recording_backward
+    reduction.wait_all = recording_wait_all
     try:
         loss = _with_one_variable_buckets(model.train_on_batch, x, y)
     finally:
         dist.all_reduce = all_reduce
         torch.Tensor.backward = backward
+        reduction.wait_all = wait_all
         keras.distribution.set_distribution(None)
     return {"events": events, "loss": float(loss)}
 
@@ -96,9 +108,10 @@ def test_buckets_are_launched_during_the_backward_pass():
     end = events.index("backward ends")
     # 6 variables, a bucket each: fc3's and fc2's 4 buckets and fc1's bias
     # are launched, asynchronously, before the backward pass ends; fc1's
-    # kernel, the last bucket, after it, together with the loss.
+    # kernel, the last bucket, after it, together with the loss, and
+    # before waiting for the launched ones (in flight meanwhile).
     assert events[:end] == [("all_reduce", True)] * 5
-    assert events[end + 1 :] == [("all_reduce", False)]
+    assert events[end + 1 :] == [("all_reduce", False), "launches waited for"]
 
 
 def _shared_layer_run():

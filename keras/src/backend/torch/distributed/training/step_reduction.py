@@ -19,26 +19,29 @@ from keras.src.backend.torch.distributed.training import (
 
 def reduce_step_gradients(reduction, optimizer, gradients):
     """A train step's `gradients` reduced once, after `reduction` (or `None`);
-    replicated ones as local tensors, which the optimizer computes on."""
+    replicated ones as local tensors, which the optimizer computes on. What
+    backward did not launch is issued before waiting for what it did."""
     as_local = all(
         all(p.is_partial() or p.is_replicate() for p in g.placements)
         for g in gradients
         if isinstance(g, DTensor)
     )
-    deferred = []
+    deferred, taken = [], set()
     if reduction is not None:
-        gradients = reduction.finish(gradients, as_local)
+        gradients, taken = reduction.finish(gradients)
         deferred, reduction.deferred = reduction.deferred, []
     sums = [  # The deferred state first: in the first bucket whatever its size.
         layouts.dtensor_from_local(x, m, [Partial()]) for m, _, x in deferred
     ]
+    rest = [None if i in taken else g for i, g in enumerate(gradients)]
     reduced = gradients_lib.reduce_gradients(
-        sums + list(gradients),
-        gradients_lib.optimizer_buffers(optimizer),
-        as_local,
+        sums + rest, gradients_lib.optimizer_buffers(optimizer), as_local
     )
     _store(deferred, reduced)
-    return reduced[len(deferred) :]
+    reduced = reduced[len(deferred) :]
+    if reduction is not None:
+        reduction.take_launched(reduced, taken, as_local)
+    return reduced
 
 
 def _store(deferred, values):
@@ -258,17 +261,22 @@ class OverlappedReduction:
         self.launched = {}
         return reduced
 
-    def finish(self, gradients, as_local):
-        """The step's `gradients` (a leaf's `None`) with what this reduced: the
-        launched buckets, then the leaves not launched."""
+    def finish(self, gradients):
+        """`(gradients, taken)`: the step's `gradients` (a leaf's `None`), the
+        leaves not launched reduced (while the launches may be in flight), and
+        the indices of those the launches reduce (see `take_launched`)."""
         if len(gradients) != len(self.trainable):
             raise RuntimeError(
                 "The train step's gradients do not match the model's "
                 f"trainable weights: {len(gradients)} gradients for "
                 f"{len(self.trainable)} weights."
             )
-        launched = self.wait_all(as_local)
-        result, pending = list(gradients), []
+        in_flight = {
+            id(v): g
+            for index, (launched, _, _) in self.launched.items()
+            for v, g in zip(self.buckets[index], launched)
+        }
+        result, pending, taken = list(gradients), [], set()
         for i, (v, gradient) in enumerate(zip(self.trainable, gradients)):
             leaf = self.leaf_of.get(id(v))
             if leaf is not None and gradient is not None:
@@ -280,16 +288,21 @@ class OverlappedReduction:
                     )
                 continue
             gradient = gradient if leaf is None else leaf.grad
-            entry = launched.get(id(v))
             # Reduced as launched, unless accumulated again since.
-            if entry is not None and entry[0] is gradient:
-                result[i] = entry[1]
+            if gradient is not None and in_flight.get(id(v)) is gradient:
+                taken.add(i)
             elif leaf is not None and gradient is not None:
                 mesh = self.leaves[id(v)][0].device_mesh
                 pending.append((i, (gradient, mesh, (Partial(),))))
         if pending:
             self._reduce_pending(pending, result)
-        return result
+        return result, taken
+
+    def take_launched(self, result, taken, as_local):
+        """Waits for the launches; their values into `result` at `taken`."""
+        launched = self.wait_all(as_local)
+        for i in taken:
+            result[i] = launched[id(self.trainable[i])][1]
 
     def flush(self):
         """All-reduces the deferred state not reduced with the gradients."""
