@@ -249,8 +249,6 @@ def test_bench_weak_scaling_prints_both_sides_and_the_path():
             "4",
             "--steps",
             "2",
-            "--repeats",
-            "2",
             "--floor",
             "--phases",
         ],
@@ -258,11 +256,6 @@ def test_bench_weak_scaling_prints_both_sides_and_the_path():
     )
     # A user's layer is per-sample: the local rows.
     assert "mlp_own (DataParallel path: local)" in out, out
-    # Two alternated jobs a side: the ratio of each.
-    repeats = re.search(
-        r"step ratio of each repeat: ([\d.]+), ([\d.]+)$", out, re.M
-    )
-    assert repeats is not None, out
     row = re.search(r"^\s+2\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", out, re.M)
     assert row is not None, out
     dp, ddp, ratio = map(float, row.groups())
@@ -287,6 +280,40 @@ def test_bench_weak_scaling_prints_both_sides_and_the_path():
     assert parts["train_step"][0] > 0 and parts["train_step"][1] > 0, out
     assert parts["gradients reduced"][1] > 0, out
     assert parts["the batch distributed"][0] == 0, out
+
+
+def test_bench_weak_scaling_interleaved_repeats_in_one_job_each():
+    # The four sides in the same processes, one torchrun job a repeat.
+    out = _run_script(
+        "bench_weak_scaling.py",
+        [
+            "--models",
+            "mlp",
+            "--procs",
+            "2",
+            "--rows",
+            "4",
+            "--steps",
+            "10",
+            "--repeats",
+            "2",
+            "--interleaved",
+        ],
+        timeout=600,
+    )
+    assert "mlp (DataParallel path: local)" in out, out
+    row = re.search(
+        r"^\s+2\s+([\d.]+)\s+([\d.]+)\s+([\d.]+) \(not measured", out, re.M
+    )
+    assert row is not None, out
+    dp, ddp, ratio = map(float, row.groups())
+    assert dp > 0 and ddp > 0 and ratio > 0, out
+    # Each side's step in each job: the two jobs' ratios, and the floor.
+    repeats = re.search(
+        r"step ratio of each repeat: ([\d.]+), ([\d.]+)$", out, re.M
+    )
+    assert repeats is not None, out
+    assert re.search(r"Keras [\d.]+ ms, loop [\d.]+ ms; floor", out), out
 
 
 def test_bench_call_agreement_prints_the_step_and_read_costs():
