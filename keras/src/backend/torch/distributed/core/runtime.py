@@ -35,7 +35,8 @@ except ImportError:
         """Stands in for torch's `DTensor`: no tensor is one."""
 
 
-# The flat-buffer collectives (torch 2.12 renamed them; the old names warn).
+# The flat-buffer collectives (newer releases name them `*_single`, and
+# warn on the old names).
 all_gather_flat, reduce_scatter_flat = (
     getattr(dist, "all_gather_single", dist.all_gather_into_tensor),
     getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor),

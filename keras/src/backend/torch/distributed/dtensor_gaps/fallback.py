@@ -24,7 +24,7 @@ from keras.src.backend.torch.distributed.dtensor_gaps import sharded_positions
 _LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default
 _ARGMAX, _ARGMIN = torch.ops.aten.argmax.default, torch.ops.aten.argmin.default
 # What DTensor raises when it cannot compute an op on these placements
-# (`IndexError`: its planner padding a sharded dim, torch 2.11).
+# (`IndexError`: its planner padding a sharded dim, in some releases).
 _REFUSALS = (RuntimeError, ValueError, AssertionError, IndexError)
 _DTENSOR_PACKAGE = os.path.join("torch", "distributed", "tensor", "")
 

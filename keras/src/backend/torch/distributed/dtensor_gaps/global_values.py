@@ -52,8 +52,8 @@ def on_global_values(
             continue
         whole = x.full_tensor() if differentiable else gathered_at_once(x)
         if whole is None:
-            # Nothing is recorded below autograd; torch < 2.13's DTensor
-            # refuses the `detach_` a requires-grad gather ends in.
+            # Nothing is recorded below autograd; older DTensor releases
+            # refuse the `detach_` a requires-grad gather ends in.
             whole = x.detach().full_tensor()
         # Contiguous for a view (it takes every view a plain tensor takes),
         # else in `x`'s memory order (cuDNN's batch-first RNN backward).

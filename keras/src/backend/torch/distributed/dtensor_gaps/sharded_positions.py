@@ -12,7 +12,7 @@ from keras.src.backend.torch.distributed.dtensor_gaps import global_values
 
 _ON_GLOBAL_VALUES = (
     "positions (argmax, argmin) taken over a sharded dimension, which "
-    "torch 2.15 takes per shard"
+    "newer DTensor releases take per shard"
 )
 
 
