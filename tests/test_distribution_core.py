@@ -285,6 +285,20 @@ def test_uneven_dimension_is_chunked_like_torch_chunk():
         np.testing.assert_array_equal(result["global"], value)
 
 
+@pytest.mark.parametrize(
+    "shape", [(), (5,), (4, 1, 7), (0, 3), (2, 0, 3), (3, 0), (2, 3, 4, 5)]
+)
+def test_contiguous_strides_are_torch_s(shape):
+    import torch
+
+    from keras.src.backend.torch.distributed.core import layouts
+
+    assert layouts.contiguous_strides(shape) == torch.empty(shape).stride()
+    assert layouts.contiguous_strides(torch.Size(shape)) == (
+        torch.empty(shape).stride()
+    )
+
+
 def _too_short_body(rank, world_size):
     import torch
 

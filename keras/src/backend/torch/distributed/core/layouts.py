@@ -250,5 +250,10 @@ def drop_unit_shards(mesh, placements):
 
 
 def contiguous_strides(shape):
-    """The strides of a contiguous tensor of `shape` (allocating nothing)."""
-    return torch.empty(shape, device="meta").stride()
+    """The strides of a contiguous tensor of `shape`, as torch computes them
+    (an empty dimension counts as one)."""
+    strides, step = [], 1
+    for size in reversed(tuple(shape)):
+        strides.append(step)
+        step *= max(int(size), 1)
+    return tuple(reversed(strides))

@@ -30,14 +30,18 @@ def distribute_global_batch(data, distribution):
 
 
 def _data_layout(distribution, shape):
-    """`distribution.get_data_layout(shape)`, as a `TorchLayout`."""
+    """`(layout, placements, kept)` of a global batch of `shape`: the
+    `TorchLayout` of `distribution.get_data_layout(shape)`, its placements
+    without shards on size-1 axes, and those the batch is kept in (`_put`)."""
     known = _DATA_LAYOUTS.setdefault(distribution, {})
     if shape not in known:
         if len(known) >= 64:  # Bounds the cache for batches of many lengths.
             known.clear()
-        known[shape] = layouts.as_torch_layout(
-            distribution.get_data_layout(shape)
-        )
+        layout = layouts.as_torch_layout(distribution.get_data_layout(shape))
+        mesh = layout.device_mesh
+        placements = layouts.drop_unit_shards(mesh, layout.placements)
+        kept = layouts.without_empty_shards(shape, mesh, placements)
+        known[shape] = (layout, placements, kept)
     return known[shape]
 
 
@@ -54,26 +58,32 @@ def distribute_data_input(
         return per_process_batch
     if global_batch_size is None:
         global_batch_size = _global_size(leaves[0], layout, batch_dim_name)
+    placements = layouts.drop_unit_shards(layout.device_mesh, layout.placements)
+    return structures.map_structure(
+        lambda x: _put(x, layout, placements, global_batch_size),
+        per_process_batch,
+    )
+
+
+def _put(x, layout, placements, global_batch_size, kept=None):
+    """This process' part `x` as a DTensor of the global batch with
+    `placements`, kept in `kept` (default: computed from the global shape)."""
+    x = collectives.as_local_tensor(x)
+    layouts.check_rank(x, layout, "data input")
+    local = tuple(x.shape)
+    shape = (global_batch_size,) + local[1:]
+    runtime.log_debug(
+        "data input: local %s -> global %s %s", local, shape, placements
+    )
     mesh = layout.device_mesh
-    placements = layouts.drop_unit_shards(mesh, layout.placements)
-
-    def put(x):
-        x = collectives.as_local_tensor(x)
-        layouts.check_rank(x, layout, "data input")
-        local = tuple(x.shape)
-        shape = (global_batch_size,) + local[1:]
-        runtime.log_debug(
-            "data input: local %s -> global %s %s", local, shape, placements
-        )
-        value = layouts.dtensor_from_local(x, mesh, placements, shape=shape)
-        whole = layouts.without_empty_shards(shape, mesh, placements)
-        if whole != tuple(placements):
-            # A process without rows would fail alone in some kernels (a
-            # `max` over the batch) while the others go on: gathered.
-            value = value.redistribute(mesh, whole)
-        return value
-
-    return structures.map_structure(put, per_process_batch)
+    value = layouts.dtensor_from_local(x, mesh, placements, shape=shape)
+    if kept is None:
+        kept = layouts.without_empty_shards(shape, mesh, placements)
+    if kept != tuple(placements):
+        # A process without rows would fail alone in some kernels (a `max`
+        # over the batch) while the others go on: gathered.
+        value = value.redistribute(mesh, kept)
+    return value
 
 
 def global_batch(data, global_size, distribution, batch_size=None, rows=None):
@@ -91,13 +101,14 @@ def global_batch(data, global_size, distribution, batch_size=None, rows=None):
                 f"Received sizes {batch_size} and {int(x.shape[0])}."
             )
         size = int(x.shape[0]) if global_size is None else global_size
-        layout = _data_layout(distribution, (size,) + tuple(x.shape[1:]))
+        shape = (size,) + tuple(x.shape[1:])
+        layout, placements, kept = _data_layout(distribution, shape)
         x = x if rows is None else x[rows[0] : rows[1]]
         if sizes[0] is None:
             sizes[0] = _global_size(x, layout, distribution.batch_dim_name)
-        return distribute_data_input(
-            x, layout, distribution.batch_dim_name, sizes[0]
-        )
+        if sizes[0] != size:
+            kept = None  # Kept placements are those of the gathered size.
+        return _put(x, layout, placements, sizes[0], kept)
 
     return structures.map_structure(put, data)
 
