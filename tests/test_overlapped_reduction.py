@@ -114,6 +114,50 @@ def test_buckets_are_launched_during_the_backward_pass():
     assert events[end + 1 :] == [("all_reduce", False), "launches waited for"]
 
 
+def _reports_body(rank, world_size):
+    """How many gradients reported their arrival to the step's reduction in
+    a train step on the local rows, and the step's loss."""
+    import numpy as np
+
+    import keras
+    from keras.src.backend.torch.distributed.training import step_reduction
+
+    distributions.use_setting("dp")
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(4)]
+    )
+    model.compile(optimizer="adam", loss="mse")
+    rng = np.random.RandomState(0)
+    x = rng.rand(8, 8).astype("float32")
+    y = rng.rand(8, 4).astype("float32")
+    _with_one_variable_buckets(model.train_on_batch, x, y)  # The probe's.
+    reduction = step_reduction.OverlappedReduction
+    gradient_ready, reports = reduction.gradient_ready, []
+
+    def recording(self, *args, **kwargs):
+        reports.append(args[0])
+        return gradient_ready(self, *args, **kwargs)
+
+    reduction.gradient_ready = recording
+    try:
+        loss = _with_one_variable_buckets(model.train_on_batch, x, y)
+    finally:
+        reduction.gradient_ready = gradient_ready
+        keras.distribution.set_distribution(None)
+    return {"reports": len(reports), "loss": float(loss)}
+
+
+def test_only_a_mesh_of_processes_reports_arriving_gradients():
+    # On one process a bucket has no axis to reduce over: no gradient hook
+    # runs. On two, each of the 4 weights reports as it arrives.
+    (alone,) = run_on_ranks(_reports_body, world_size=1)
+    per_rank = run_on_ranks(_reports_body, world_size=2)
+    assert alone["reports"] == 0, alone
+    assert [r["reports"] for r in per_rank] == [4, 4], per_rank
+    assert per_rank[0]["loss"] == per_rank[1]["loss"]
+
+
 def _shared_layer_run():
     """Three train steps of a model that calls one Dense layer twice: its
     weights accumulate two gradients in each backward pass."""

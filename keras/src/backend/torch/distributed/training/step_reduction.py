@@ -147,13 +147,20 @@ class KeptLeaves(dict):
             with torch.no_grad():
                 leaf = value.to_local().detach().requires_grad_()
             kept = self[key] = (value, leaf)
-            hook = functools.partial(self._ready, key)
-            leaf.register_post_accumulate_grad_hook(hook)
+            if _launches(value):
+                hook = functools.partial(self._ready, key)
+                leaf.register_post_accumulate_grad_hook(hook)
         return kept[1]
 
     def _ready(self, key, leaf):
         if self.reduction and self.reduction.leaf_of.get(key) is leaf:
             self.reduction.gradient_ready(key, leaf)
+
+
+def _launches(value):
+    """Whether a weight's gradient is launched as it arrives: not on a mesh of
+    one process, where a bucket has no axis to reduce over."""
+    return value.device_mesh.size() > 1
 
 
 def _reverse_buckets(variables):
@@ -181,7 +188,7 @@ class OverlappedReduction:
             )
             for bucket in self.buckets[:-1]
             for v in bucket
-            if not (local and id(v) in leaves)
+            if not (local and id(v) in leaves) and _launches(v.value)
         ]
 
     def local_leaf(self, variable, value):
