@@ -23,11 +23,15 @@ loop; added to ``keras_ddp``'s step it is the step of a `DataParallel`
 whose distribution would cost exactly DDP's communication: the floor of
 the `keras_dp / keras_ddp` ratio, printed as `floor`.
 
-With ``--interleaved``, one job per point runs the four sides in the same
-processes, in turns of `BLOCK` steps (each side under its own
-distribution, the first step after a switch untimed): the machine's
-state, which moves separate jobs' medians apart on a shared machine,
-then changes alike for all four. It measures step times only.
+With ``--interleaved``, one job per point runs these four sides and a
+fifth in the same processes, in turns of `BLOCK` steps (each side under
+its own distribution, the first step after a switch untimed): the
+machine's state, which moves separate jobs' medians apart on a shared
+machine, then changes alike for all. It measures step times only. The
+fifth, ``keras_step_ddp``, is Keras' own `train_on_batch` on each
+process' rows with the model's calls going through DDP, which wraps it:
+what Keras master's torch trainer runs (its train step calls its
+DDP-wrapped model), measured rather than estimated as the floor is.
 
 Each job measures, per process, the peak resident memory added by its
 steps (VmHWM, reset after the first steps) and the median step time, and
@@ -78,6 +82,9 @@ from weak_scaling_models import SEQUENCE
 
 IMPLS = ("keras_dp", "keras_ddp")
 FLOOR_IMPLS = ("keras_alone", "loop_alone")
+# With `--interleaved`: Keras' own `train_on_batch` on each process' rows,
+# its model called through DDP (Keras master's torch trainer's mechanism).
+STEP_DDP_IMPL = "keras_step_ddp"
 # Steps a side runs in turn with `--interleaved`.
 BLOCK = 10
 MIB = 1024 * 1024
@@ -108,7 +115,8 @@ def parse_args():
     p.add_argument(
         "--interleaved",
         action="store_true",
-        help="the four sides of --floor in the same processes, in turns of "
+        help="the sides of --floor and Keras' step on DDP in the same "
+        "processes, in turns of "
         f"{BLOCK} steps (step times only)",
     )
     p.add_argument("--worker", nargs=2, metavar=("IMPL", "MODEL"))
@@ -202,17 +210,17 @@ def _path(impl, kind, model, size):
 
 
 def _interleaved(kind, args, rank, size):
-    """The four sides (`IMPLS`, `FLOOR_IMPLS`) in these same processes, in
-    turn: blocks of `BLOCK` steps, each side under its own distribution, so
-    that the machine's state changes alike for all. Prints a `RESULT` per
-    side: its median step, the slowest process'."""
+    """The sides (`IMPLS`, `FLOOR_IMPLS`, `STEP_DDP_IMPL`) in these same
+    processes, in turn: blocks of `BLOCK` steps, each side under its own
+    distribution, so that the machine's state changes alike for all.
+    Prints a `RESULT` per side: its median step, the slowest process'."""
     import torch
     import torch.distributed as dist
 
     from keras import distribution as kd
 
     sides, models = {}, {}
-    for impl in IMPLS + FLOOR_IMPLS:
+    for impl in IMPLS + FLOOR_IMPLS + (STEP_DDP_IMPL,):
         models[impl], step = weak_scaling_models.make_step(
             impl, kind, args.rows, rank, size
         )
@@ -369,6 +377,7 @@ def _jobs(kind, nproc, args):
     """Both sides' results on `nproc` processes: with `--repeats`, their
     jobs alternate, and each number is the median of the jobs'."""
     impls = IMPLS + (FLOOR_IMPLS if args.floor else ())
+    impls += (STEP_DDP_IMPL,) if args.interleaved else ()
     runs = {impl: [] for impl in impls}
     for _ in range(args.repeats):
         if args.interleaved:
@@ -434,17 +443,32 @@ def main():
             )
             if args.floor:
                 _print_floor(results[n])
+            if args.interleaved:
+                _print_step_ddp(results[n])
             if args.floor and args.phases:
                 _print_phases(results[n])
             if args.repeats > 1:
-                ratios = [
-                    a / b
-                    for a, b in zip(dp["step_ms_runs"], ddp["step_ms_runs"])
-                ]
-                print(
-                    "      step ratio of each repeat: "
-                    + ", ".join(f"{r:.2f}" for r in ratios)
-                )
+                _print_repeats("step ratio of each repeat", dp, ddp)
+            if args.repeats > 1 and args.interleaved:
+                step_ddp = results[n][STEP_DDP_IMPL]
+                _print_repeats("against Keras' step on DDP", dp, step_ddp)
+
+
+def _print_repeats(label, dp, peer):
+    """The `dp / peer` step ratio of each repeat."""
+    ratios = [a / b for a, b in zip(dp["step_ms_runs"], peer["step_ms_runs"])]
+    print(f"      {label}: " + ", ".join(f"{r:.2f}" for r in ratios))
+
+
+def _print_step_ddp(results):
+    """DataParallel against Keras' own step with its model called through
+    DDP: what Keras master's torch trainer runs, in the same processes."""
+    dp = results["keras_dp"]["step_ms"]
+    step_ddp = results[STEP_DDP_IMPL]["step_ms"]
+    print(
+        f"      Keras' train_on_batch, its model called through DDP: "
+        f"{step_ddp:.1f} ms; DataParallel / it {dp / step_ddp:.2f}"
+    )
 
 
 def _print_floor(results):

@@ -213,9 +213,13 @@ def make_step(impl, kind, rows, rank, size):
     part = slice(rank * rows, (rank + 1) * rows)
     if impl == "keras_dp":
         return model, lambda: model.train_on_batch(x, y)
-    if impl == "keras_alone":
+    if impl in ("keras_alone", "keras_step_ddp"):
         own_x = keras.tree.map_structure(lambda a: a[part], x)
         own_y = y[part]
+        if impl == "keras_step_ddp":
+            # Builds the loss and metrics, changing no weight.
+            model.test_on_batch(own_x, own_y)
+            _calls_through_ddp(model)
         return model, lambda: model.train_on_batch(own_x, own_y)
     # A functional model's variables become torch parameters here.
     model._track_variables()
@@ -245,3 +249,27 @@ def make_step(impl, kind, rows, rank, size):
             optimizer.apply(grads, variables)
 
     return model, step
+
+
+def _calls_through_ddp(model):
+    """Makes `model`'s outermost calls go through `DistributedDataParallel`,
+    which wraps it (its weights synchronized from process 0): Keras' own
+    train step then computes, reduces and applies as Keras master's torch
+    trainer does with its DDP-wrapped model."""
+    import torch
+
+    model._track_variables()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    base, inside = type(model), [False]
+
+    def __call__(self, *args, **kwargs):
+        if inside[0]:  # DDP's forward calls the model itself.
+            return base.__call__(self, *args, **kwargs)
+        inside[0] = True
+        try:
+            return ddp(*args, **kwargs)
+        finally:
+            inside[0] = False
+
+    through = type(base.__name__, (base,), {"__call__": __call__})
+    object.__setattr__(model, "__class__", through)

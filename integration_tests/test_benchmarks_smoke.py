@@ -283,7 +283,7 @@ def test_bench_weak_scaling_prints_both_sides_and_the_path():
 
 
 def test_bench_weak_scaling_interleaved_repeats_in_one_job_each():
-    # The four sides in the same processes, one torchrun job a repeat.
+    # The five sides in the same processes, one torchrun job a repeat.
     out = _run_script(
         "bench_weak_scaling.py",
         [
@@ -314,6 +314,47 @@ def test_bench_weak_scaling_interleaved_repeats_in_one_job_each():
     )
     assert repeats is not None, out
     assert re.search(r"Keras [\d.]+ ms, loop [\d.]+ ms; floor", out), out
+    # The fifth side: Keras' own step with its model called through DDP.
+    step_ddp = re.search(
+        r"called through DDP: ([\d.]+) ms; DataParallel / it ([\d.]+)$",
+        out,
+        re.M,
+    )
+    assert step_ddp is not None, out
+    peer, against = map(float, step_ddp.groups())
+    slack = against * (0.05 / dp + 0.05 / peer) + 0.005
+    assert peer > 0 and abs(against - dp / peer) <= slack, out
+    assert re.search(
+        r"against Keras' step on DDP: ([\d.]+), ([\d.]+)$", out, re.M
+    ), out
+
+
+def _step_through_ddp_body(rank, world_size):
+    """Each side's weights after 3 steps on this process' own rows, summed."""
+    import numpy as np
+
+    sys.path.insert(0, str(BENCHMARKS))
+    import weak_scaling_models
+
+    sums = {}
+    for impl in ("keras_step_ddp", "keras_alone"):
+        model, step = weak_scaling_models.make_step(
+            impl, "mlp", 4, rank, world_size
+        )
+        for _ in range(3):
+            step()
+        sums[impl] = [float(np.sum(w)) for w in model.get_weights()]
+    return sums
+
+
+def test_keras_step_through_ddp_reduces_the_gradients():
+    # The benchmark's peer trains each process on its own rows: only DDP's
+    # reduction keeps the processes' weights equal (alone, they differ).
+    from tests.harness import run_on_ranks
+
+    first, second = run_on_ranks(_step_through_ddp_body, world_size=2)
+    assert first["keras_step_ddp"] == second["keras_step_ddp"]
+    assert first["keras_alone"] != second["keras_alone"]
 
 
 def test_bench_call_agreement_prints_the_step_and_read_costs():
