@@ -357,6 +357,55 @@ def test_keras_step_through_ddp_reduces_the_gradients():
     assert first["keras_alone"] != second["keras_alone"]
 
 
+def test_bench_step_parts_prints_each_freed_part_against_the_peer():
+    result = run_torchrun(
+        BENCHMARKS / "bench_step_parts.py",
+        2,
+        ["--model", "mlp", "--rows", "4", "--rounds", "1"]
+        + ["--parts", "nothing", "generator_check"],
+        timeout=300,
+        env=CPU_ENV,
+    )
+    out = result.stdout
+    peer = re.search(r"Keras' step on DDP: ([\d.]+) ms$", out, re.M)
+    base = re.search(r"DataParallel: ([\d.]+) ms, ([\d.]+)x it$", out, re.M)
+    assert peer is not None and base is not None, out
+    peer_ms, (base_ms, ratio) = float(peer[1]), map(float, base.groups())
+    assert peer_ms > 0 and abs(ratio - base_ms / peer_ms) <= 0.001 + (
+        ratio * 0.0005 * (1 / base_ms + 1 / peer_ms)
+    ), out
+    for part in ("nothing", "generator_check"):
+        freed = re.search(
+            rf"{part} freed: ([\d.]+) ms, [\d.]+x; saves (-?\d+) us", out
+        )
+        assert freed is not None, out
+        saved = (base_ms - float(freed[1])) * 1e3
+        assert abs(saved - int(freed[2])) <= 1.5, out
+    # The freed parts left the model on its local rows.
+    assert "still on the local rows after all: True" in out, out
+
+
+def test_a_freed_part_is_restored_after_its_block():
+    import random
+
+    sys.path.insert(0, str(BENCHMARKS))
+    import bench_step_parts
+
+    from keras.src.backend.torch.distributed.core import generator_states
+
+    take, advanced = generator_states.take, generator_states.advanced
+    with bench_step_parts.freed("generator_check"):
+        assert generator_states.take is not take
+        assert generator_states.advanced(generator_states.take()) is False
+    assert generator_states.take is take
+    assert generator_states.advanced is advanced
+    # Restored also when the block raises.
+    with pytest.raises(RuntimeError), bench_step_parts.freed("python_state"):
+        assert generator_states.random is not random
+        raise RuntimeError("left by an error")
+    assert generator_states.random is random
+
+
 def test_bench_call_agreement_prints_the_step_and_read_costs():
     result = run_torchrun(
         BENCHMARKS / "bench_call_agreement.py",
