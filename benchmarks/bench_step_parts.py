@@ -59,6 +59,11 @@ PARTS = {
         "dropout's mask drawn by position (here a private generator's)",
         [(_DIST + "core.random_draws", "keep_mask", "_private_mask")],
     ),
+    "plain_rows_off": (
+        "Keras' train step on plain rows turned off: the batch and outputs "
+        "as DTensors again (what it saves is this, negated)",
+        [(_DIST + "data_parallel.row_boundary", "plain_rows", "_declined")],
+    ),
     "sdpa_switch": (
         "math SDPA for the step, the backends back for the local rows",
         [
@@ -113,6 +118,8 @@ def _stand_in(name, original):
         return contextlib.nullcontext
     if name == "_none":
         return lambda: None
+    if name == "_declined":
+        return lambda *args: None
     raise ValueError(f"Unknown stand-in {name}.")
 
 

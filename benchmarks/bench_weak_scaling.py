@@ -257,6 +257,11 @@ PHASES = (
         "keras.src.backend.torch.distributed.inputs.data_input",
         "distribute_global_batch",
     ),
+    (
+        "the batch cut to rows",
+        "keras.src.backend.torch.distributed.data_parallel.row_boundary",
+        "plain_rows",
+    ),
     ("model calls", "keras.src.layers.layer", "Layer.__call__"),
     ("loss (Keras)", "keras.src.trainers.trainer", "Trainer._compute_loss"),
     (

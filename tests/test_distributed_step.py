@@ -40,10 +40,12 @@ ALLOWED_MODULE_STATE = {
     ("layer_call", "_replication_held"),
     ("layer_call", "_implicit_replication"),
     # Mirror torch's process-wide SDPA flags: the backends enabled outside
-    # the step's math SDPA on a CPU mesh, and the open local-rows calls
-    # that take them back.
+    # the step's math SDPA on a CPU mesh, the open local-rows calls that
+    # take them back, and whether a step on plain rows left math SDPA to
+    # the calls on DTensors within it.
     ("layer_call", "_outer_sdpa_backends"),
     ("layer_call", "_plain_kernels_depth"),
+    ("layer_call", "_math_within"),
     # Per thread: the depth of the layer calls a thread makes.
     ("layer_call", "_calls"),
     # Per layer, weakly: the probe's verdicts on calls outside a step (a
@@ -284,8 +286,8 @@ def _lazy_model_steps(setting):
     call = local_rows._call_locally
 
     def counting(name, function):
-        def counted(*args):
-            result = function(*args)
+        def counted(*args, **kwargs):
+            result = function(*args, **kwargs)
             counts[name] += 1 if name != "local" else result is not None
             return result
 

@@ -24,8 +24,8 @@ def _counting_local_calls(function, *args):
     calls = []
     call = local_rows._call_locally
 
-    def counting_call(*call_args):
-        outputs = call(*call_args)
+    def counting_call(*call_args, **call_kwargs):
+        outputs = call(*call_args, **call_kwargs)
         calls.append(outputs is not None)
         return outputs
 

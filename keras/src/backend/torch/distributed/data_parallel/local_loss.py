@@ -52,8 +52,6 @@ def local_compiled_loss(
     """The step's loss from local tensors as `(local tensor, placements)`: a
     partial sum if `y_pred`'s rows are a local-rows call's, else replicated;
     `None` if it may differ. `local_weight(v)`: a weight's local value."""
-    from keras.src import ops
-
     entry = _single_compiled_loss(model, y, y_pred)
     if entry is None or y is None or get_keras_mask(y_pred) is not None:
         return None
@@ -62,15 +60,47 @@ def local_compiled_loss(
     )
     if local_y_pred is None:
         return None
-    mesh = y_pred.device_mesh
+    weight = None if sample_weight is None else sample_weight.to_local()
+    share = _share(
+        model,
+        entry,
+        (y.to_local(), local_y_pred, weight),
+        (y_pred.shape[0], y_pred.device_mesh, placements),
+        local_weight,
+    )
+    return None if share is None else (share, placements)
+
+
+def rows_compiled_loss(model, y, y_pred, sample_weight, batch, local_weight):
+    """The step's loss as this process' plain term of the sum over `batch`
+    (`coupled_layers.Batch`), from its plain rows, or `None` if it may
+    differ. `local_weight(v)`: a weight's local value."""
+    entry = _single_compiled_loss(model, y, y_pred)
+    given = [x for x in (y, y_pred, sample_weight) if x is not None]
+    if (
+        entry is None
+        or y is None
+        or get_keras_mask(y_pred) is not None
+        or any(isinstance(x, DTensor) for x in given)
+        or any(x.shape[:1] != (batch.local_rows,) for x in given)
+    ):
+        return None
+    where = (batch.global_rows, batch.mesh, [Partial()])
+    return _share(model, entry, (y, y_pred, sample_weight), where, local_weight)
+
+
+def _share(model, entry, rows, where, local_weight):
+    """The loss of `entry` (plus the model's other losses) on local `rows`,
+    `(y, y_pred, sample_weight)`, `where` `(global rows, mesh, placements)`
+    says how processes' values make the loss; `None` if it may differ."""
+    from keras.src import ops
+
+    global_rows, mesh, placements = where
     others = _other_losses(model, mesh, placements, local_weight)
     if others is None:
         return None
     with runtime.distribution_suspended():
-        weight = None if sample_weight is None else sample_weight.to_local()
-        share = _loss_share(
-            entry.loss, y.to_local(), local_y_pred, weight, y_pred.shape[0]
-        )
+        share = _loss_share(entry.loss, *rows, global_rows)
         if share is None:
             return None
         share = ops.cast(share, model._compile_loss.dtype)
@@ -82,7 +112,7 @@ def local_compiled_loss(
                 for value, scale in others
             ]
             share = ops.add(share, ops.sum(parts))
-    return share, placements
+    return share
 
 
 def _other_losses(model, mesh, placements, local_weight):

@@ -27,7 +27,11 @@ def compiled_metrics(rows, tracker, inputs, added=False):
     rows' sums if not yet."""
     model = rows.model
     # Checked already where `added` (the hot path): not again.
-    metrics, batch = (None, None) if added else _summing_metrics(model, inputs)
+    metrics, batch = (None, None)
+    if not added:
+        metrics, batch = _summing_metrics(
+            model, inputs, rows.plain_batch(inputs)
+        )
     check, reads = metrics and rows.metrics_on_rows is None, tracker.variables
     variables = metrics.variables if metrics else []
     if check:
@@ -56,7 +60,8 @@ def add_with_gradients(rows, inputs, defer):
     `inputs` were handed to `defer` (`OverlappedReduction.defer`: summed with
     the gradients' last bucket; a test step's `DeferredSums.defer`: with the
     loss tracker's; no collective of their own)."""
-    metrics, batch = _summing_metrics(rows.model, inputs)
+    batch = rows.plain_batch(inputs)
+    metrics, batch = _summing_metrics(rows.model, inputs, batch)
     if not (metrics and rows.metrics_on_rows):
         return False
     n, parts = batch.mesh.size(), _row_sums(metrics, inputs, batch.mesh)
@@ -70,10 +75,11 @@ def add_with_gradients(rows, inputs, defer):
     )
 
 
-def _summing_metrics(model, inputs):
+def _summing_metrics(model, inputs, batch=None):
     """`(model's compiled metrics, the Batch of inputs)` if Keras'
     `compute_metrics` only adds to the metrics (each a `Mean` of values),
-    replicated on the batch's mesh; else `(None, None)`."""
+    replicated on the batch's mesh; else `(None, None)`. `batch`: of plain
+    rows (default: of DTensors)."""
     metrics = model._compile_metrics
     if metrics is None:
         return None, None
@@ -92,7 +98,7 @@ def _summing_metrics(model, inputs):
         or not all(type(m).update_state in adding for m in metrics.metrics)
     ):
         return None, None
-    batch = coupled_layers.batch_of(inputs)
+    batch = batch or coupled_layers.batch_of(inputs)
     values = [v.value for v in metrics.variables]
     # A mask on the predictions weighs the metrics (the rows' do not keep it).
     masked = any(get_keras_mask(x) is not None for x in tree.flatten(inputs[1]))

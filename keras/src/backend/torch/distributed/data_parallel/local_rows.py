@@ -20,6 +20,7 @@ from keras.src.backend.torch.distributed.data_parallel import batch_coupling
 from keras.src.backend.torch.distributed.data_parallel import coupled_layers
 from keras.src.backend.torch.distributed.data_parallel import local_loss
 from keras.src.backend.torch.distributed.data_parallel import local_metrics
+from keras.src.backend.torch.distributed.data_parallel import row_boundary
 from keras.src.backend.torch.distributed.dtensor_gaps import fallback
 from keras.src.backend.torch.distributed.training import layer_call
 from keras.src.backend.torch.distributed.training.step import running_step
@@ -42,6 +43,10 @@ class StepRows:
         self.verdicts, self._variables, self._outputs = {}, (None, None), []
         # Whether compiled metrics update on the rows (`None`: not checked).
         self.metrics_on_rows = None
+        # Whether a step may run on plain rows (`row_boundary`: the step
+        # before did, or took every path that does), and the running one's
+        # `Batch` if it does.
+        self.boundary, self.batch = False, None
 
     def may_run_locally(self, mesh):
         """Whether the model may be called on the local rows of `mesh`."""
@@ -70,13 +75,62 @@ class StepRows:
             self.model, y, y_pred, sample_weight, local, weight
         )
 
+    def take_plain_rows(self, data, distribution):
+        """`data`, the global batch, as this process' plain rows for a step
+        of Keras' own train step where the step before ran on the rows
+        (`row_boundary`), setting `batch`; else `None`."""
+        mesh = distribution.device_mesh.backend_mesh
+        if not (
+            self.boundary
+            and self.may_run_locally(mesh)
+            and row_boundary.keras_own_steps(self.model)
+        ):
+            return None
+        cut = row_boundary.plain_rows(data, distribution)
+        if cut is None:
+            return None
+        data, self.batch = cut
+        return data
+
+    def as_global(self, values):
+        """`row_boundary.as_global` of `values` in a step on plain rows: no
+        later step runs on them."""
+        self.boundary = False
+        return row_boundary.as_global(values, self.batch)
+
+    def global_counts(self, tracker):
+        """`row_boundary.global_counts` of the running step's batch."""
+        return row_boundary.global_counts(tracker, self.batch)
+
+    def global_updates(self, metrics):
+        """`row_boundary.global_updates` of the running step's batch."""
+        self.boundary = False
+        return row_boundary.global_updates(metrics, self.batch)
+
+    def plain_batch(self, values):
+        """The running step's `Batch` of plain rows if `values` hold no
+        `DTensor`, else `None`."""
+        leaves = structures.flatten(values)
+        if self.batch is None or any(isinstance(x, DTensor) for x in leaves):
+            return None
+        return self.batch
+
+    def rows_loss(self, y, y_pred, sample_weight, step):
+        """`local_loss.rows_compiled_loss` of a step on plain rows, or
+        `None`."""
+        weight = functools.partial(local_weight, step=step)
+        return local_loss.rows_compiled_loss(
+            self.model, y, y_pred, sample_weight, self.batch, weight
+        )
+
     # The compiled metrics' update on the rows (`local_metrics`).
     compiled_metrics = local_metrics.compiled_metrics
     add_metrics = local_metrics.add_with_gradients
 
     def finish(self):
-        """Forgets the running step's outputs."""
+        """Forgets the running step's outputs and batch."""
         self._outputs.clear()
+        self.batch = None
 
 
 def call(call_function, layer, args, kwargs, through):
@@ -84,6 +138,8 @@ def call(call_function, layer, args, kwargs, through):
     are DTensor's, else `None` (`through(args, kwargs)`: the DTensor call)."""
     step, inputs = running_step(layer), (args, kwargs)
     rows = None if step is None else step.rows
+    if rows is not None and rows.batch is not None and layer is step.model:
+        return _plain_rows_call(call_function, layer, inputs, through, step)
     batch = coupled_layers.batch_of(inputs)
     if batch is None or (rows is not None and rows.runs_through_dtensor):
         return None
@@ -107,6 +163,30 @@ def call(call_function, layer, args, kwargs, through):
         if rows is not None and not verdict.per_sample:
             rows.runs_through_dtensor = True
         runtime.log_debug("%s: %s", layer.name, verdict)
+    return outputs
+
+
+def _plain_rows_call(call_function, layer, inputs, through, step):
+    """The model's call in a step on plain rows (`row_boundary`): its plain
+    outputs on the rows, or `through` DTensor on the global batch."""
+    rows, batch = step.rows, step.rows.batch
+    verdict = rows.verdicts.get(bool(inputs[1].get("training")))
+    variables = rows.local_variables(batch.mesh)
+    outputs = None
+    if (
+        verdict is not None
+        and verdict.per_sample
+        and variables is not None
+        and not rows.runs_through_dtensor
+    ):
+        on_rows = functools.partial(
+            _on_rows, call_function, layer, inputs, batch
+        )
+        outputs = _call_locally(
+            on_rows, layer, batch, variables, verdict, step, plain=True
+        )
+    if outputs is None:
+        outputs = through(*rows.as_global(inputs))
     return outputs
 
 
@@ -237,9 +317,10 @@ def _checking_call(on_rows, mapping, coupled, rows, after):
     return (None if all(map(same, rows, leaves)) else _DIFFERS), plan
 
 
-def _call_locally(on_rows, layer, batch, variables, verdict, step):
-    """Calls `layer` on the local rows (`on_rows`); `None`, keeping nothing,
-    if it must run through DTensor after all."""
+def _call_locally(on_rows, layer, batch, variables, verdict, step, plain=False):
+    """Calls `layer` on the local rows (`on_rows`), its outputs the global
+    batch's (`plain`: the rows' as they are); `None`, keeping nothing, if it
+    must run through DTensor after all."""
     mapping = [(v, local_weight(v, step)) for v in variables]
     # A call dropped below must leave the generators as it found them.
     rng_states = generator_states.take()
@@ -274,6 +355,8 @@ def _call_locally(on_rows, layer, batch, variables, verdict, step):
         for variable, value in updated:
             variable.value.to_local().copy_(value)
     coupled_layers.keep_losses(layer, scope.losses)
+    if plain:
+        return outputs
 
     def to_global(x):
         output = coupled_layers.with_mask(coupled_layers.sharded, x, batch)

@@ -33,6 +33,8 @@ _replication_depth, _replication_held, _implicit_replication = 0, False, None
 # outermost `replicated_plain_tensors` that made a CPU mesh use math SDPA
 # (`None`: it did not), and the depth of `plain_tensor_kernels`.
 _outer_sdpa_backends, _plain_kernels_depth = None, 0
+# Whether the outermost entry left math SDPA to the entries within it.
+_math_within = False
 _calls = threading.local()  # `_call_global` depth, per thread as Keras' calls.
 
 
@@ -205,21 +207,30 @@ def _whole_gradient(placements, axes, grad):
 
 
 @contextlib.contextmanager
-def replicated_plain_tensors():
+def replicated_plain_tensors(math_sdpa=True):
     """Treats plain tensors as replicated global values (outermost entry acts);
     CPU meshes use math SDPA: DTensor has no rule for the CPU flash kernel
-    (again inside `plain_tensor_kernels`, for a call on DTensors there)."""
-    global _replication_depth, _outer_sdpa_backends
+    (again inside `plain_tensor_kernels`, for a call on DTensors there). With
+    `math_sdpa=False` (a step of plain tensors) only entries within switch."""
+    global _replication_depth, _outer_sdpa_backends, _math_within
     _replication_depth += 1
     try:
         if _replication_depth > 1:
-            with _math_sdpa() if _plain_kernels_depth else _no_context():
+            within = _plain_kernels_depth or _math_within
+            with _math_sdpa() if within else _no_context():
                 yield
             return
         _update_implicit_replication()
         mesh = runtime.current_distribution().device_mesh.backend_mesh
         if mesh.device_type != "cpu":
             yield
+            return
+        if not math_sdpa:
+            _math_within = True
+            try:
+                yield
+            finally:
+                _math_within = False
             return
         _outer_sdpa_backends = _enabled_sdpa_backends()
         try:

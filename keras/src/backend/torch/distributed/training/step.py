@@ -112,8 +112,10 @@ class DistributedStep:
             if reason is not None:
                 compiled_step.warn_eager(reason)
                 self._distributed_function, self._unchecked = eager, False
-        data = data_input.distribute_global_batch(data, distribution)
-        with layer_call.replicated_plain_tensors():
+        rows = self._plain_rows(data, distribution)
+        data = rows or data_input.distribute_global_batch(data, distribution)
+        # On plain rows, calls on DTensors within (a fallback) take math SDPA.
+        with layer_call.replicated_plain_tensors(math_sdpa=rows is None):
             function = self._distributed_function
             if function is eager or not compiled_step.evenly_sharded(data):
                 return self._eager_step(data, distribution)
@@ -125,6 +127,17 @@ class DistributedStep:
             except compiled_step.CompileFailed:
                 self._distributed_function = eager
                 return self._eager_step(data, distribution)
+
+    def _plain_rows(self, data, distribution):
+        """`data` as this process' plain rows where this eager train step
+        takes them (`StepRows.take_plain_rows`), else `None`."""
+        if not (
+            self.rows is not None
+            and self._overlaps_reduction
+            and self._distributed_function is self.eager_step_function
+        ):
+            return None
+        return self.rows.take_plain_rows(data, distribution)
 
     def _eager_step(self, data, distribution):
         """Runs an eager step, DTensor's refusals computed on global values
@@ -157,23 +170,51 @@ class DistributedStep:
         """Keeps the loss' inputs, `(y, y_pred, sample_weight)`, for the
         metrics, whose sums on the rows join the gradients' where they can."""
         reduction, rows = self._reduction, self.rows
+        if rows is not None and rows.batch is not None:
+            if rows.plain_batch(inputs) is None:  # The model's call was not.
+                inputs = rows.as_global(inputs)
         added = reduction and rows and rows.add_metrics(inputs, reduction.defer)
         self._metric_inputs = (inputs, bool(added))
 
     def local_compiled_loss(self, y, y_pred, sample_weight):
-        """See `local_loss` (the hook). A sum over the batch is this process'
-        plain term where the step sums it (with the gradients; a test step
-        with its metrics) and no optimizer scales it by a variable: its
-        backward needs no DTensor."""
-        from keras.src.optimizers.base_optimizer import BaseOptimizer
-
-        rows, optimizer = self.rows, self.model.optimizer
+        """See `local_loss` (the hook)."""
+        rows = self.rows
+        if rows is not None and rows.batch is not None:
+            return self._plain_rows_loss(y, y_pred, sample_weight)
         loss = rows and rows.compiled_loss(y, y_pred, sample_weight, self)
         if loss is None:
             if self._fallback_on is not None:
                 self._fallback_on()  # Keras computes it through DTensor.
             return None
-        (share, placements), mesh = loss, y_pred.device_mesh
+        return self._loss_of_share(*loss, y_pred.device_mesh)
+
+    def _plain_rows_loss(self, y, y_pred, sample_weight):
+        """The compiled loss of a step on plain rows (`row_boundary`): from the
+        rows, else Keras' on the global batch's DTensors of them."""
+        rows = self.rows
+        share = rows.rows_loss(y, y_pred, sample_weight, self)
+        if share is not None:
+            return self._loss_of_share(share, [Partial()], rows.batch.mesh)
+        y, y_pred, sample_weight = rows.as_global((y, y_pred, sample_weight))
+        loss = rows.compiled_loss(y, y_pred, sample_weight, self)
+        if loss is not None:
+            return self._loss_of_share(*loss, y_pred.device_mesh)
+        if self._fallback_on is not None:
+            self._fallback_on()
+        return self.model._compute_loss(
+            y=y,
+            y_pred=y_pred,
+            sample_weight=sample_weight,
+            training=self.kind == "train",
+        )
+
+    def _loss_of_share(self, share, placements, mesh):
+        """The loss of this process' `share` of it: the plain term where the
+        step sums it (with the gradients) and no optimizer scales it by a
+        variable (its backward then needs no DTensor), else a DTensor."""
+        from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+        optimizer = self.model.optimizer
         scales = getattr(type(optimizer), "scale_loss", None)
         if (
             placements == [Partial()]
@@ -243,7 +284,17 @@ def local_metric_state(model, metric, value=None):
     defer = getattr(step._reduction, "defer", None)
     term = step._loss_term
     mesh = term[1] if term is not None and value is term[0] else None
-    return local_state.local_metric_state(metric, defer, value, mesh)
+    context = local_state.local_metric_state(metric, defer, value, mesh)
+    if step.rows is None or step.rows.batch is None:
+        return context
+    return _within(step.rows.global_counts(metric), context)
+
+
+@contextlib.contextmanager
+def _within(outer, context):
+    """`context` entered within `outer`, yielding what `context` yields."""
+    with outer, context as value:
+        yield value
 
 
 def local_metric_reads(model, metric):
@@ -256,6 +307,16 @@ def local_metric_reads(model, metric):
     if step._reduction is not None:
         step._reduction.flush()  # The step's deferred sums, before reads.
     kept, step._metric_inputs = step._metric_inputs, None
-    if kept is None or step.rows is None:
+    rows = step.rows
+    if kept is None or rows is None:
         return local_state.local_reads(metric.variables)
-    return step.rows.compiled_metrics(metric, *kept)
+    context = rows.compiled_metrics(metric, *kept)
+    compiled, added = model._compile_metrics, kept[1]
+    # Whether every reader of the batch took local rows: the next step may
+    # run on plain rows (not after a step on them that could not).
+    took_rows = step._loss_term is not None and (added or compiled is None)
+    plain = rows.batch is not None
+    rows.boundary = took_rows and (rows.boundary or not plain)
+    if not plain or added or compiled is None:
+        return context
+    return _within(rows.global_updates(compiled), context)
