@@ -1,7 +1,8 @@
-"""Keras' own train step on each process' plain rows (`row_boundary`).
+"""Keras' own train and test steps on each process' plain rows
+(`row_boundary`).
 
-Once a `DataParallel` train step has found that every reader of its batch
-takes local rows (the model's call, the compiled loss, the compiled
+Once a `DataParallel` train or test step has found that every reader of its
+batch takes local rows (the model's call, the compiled loss, the compiled
 metrics), the next steps cut the global batch to each process' rows before
 the step and keep the model's outputs as they are, without their `DTensor`s.
 A reader that cannot take the rows in such a step gets the global batch's
@@ -67,7 +68,8 @@ class _Disturbance:
     decline the rows, once)."""
 
     def __init__(self, kind, drawing_layer):
-        self.kind, self.layer, self.step, self.plain = kind, drawing_layer, 0, 0
+        self.kind, self.layer, self.step = kind, drawing_layer, 0
+        self.plain = {"train": 0, "test": 0}
 
     def __enter__(self):
         from keras.src.backend.torch.distributed.data_parallel import local_loss
@@ -82,12 +84,13 @@ class _Disturbance:
             (local_rows.StepRows, "add_metrics", add_metrics),
         ]
 
-        def counted(rows, data, distribution):
-            self.step += 1
+        def counted(rows, data, distribution, kind):
+            if kind == "train":
+                self.step += 1
             if self.kind == "draw" and self.step == DISTURBED_STEP:
                 self.layer.draws = True
-            taken = take(rows, data, distribution)
-            self.plain += taken is not None
+            taken = take(rows, data, distribution, kind)
+            self.plain[kind] += taken is not None
             return taken
 
         def declined(name, original):
@@ -111,8 +114,8 @@ class _Disturbance:
 
 def _run(setting, kind="none", variant="arrays"):
     """Fits `variant`'s model under `setting` on arrays (`"loader"`: a torch
-    `DataLoader`), then evaluates it: its numbers, and the train steps taken
-    on plain rows (with `kind`'s disturbance)."""
+    `DataLoader`), then evaluates it: its numbers, and the train and test
+    steps taken on plain rows (with `kind`'s disturbance)."""
     import contextlib
 
     import numpy as np
@@ -140,11 +143,13 @@ def _run(setting, kind="none", variant="arrays"):
         data = dict(x=loader)
     with disturbance:
         history = model.fit(**data, epochs=EPOCHS, shuffle=False, verbose=0)
-    result = pm.fit_result(model, history)
-    result["metric_state"] = {
-        v.path: np.array(v.numpy()) for v in model.metrics_variables
-    }
-    result["evaluate"] = model.evaluate(x, y, batch_size=BATCH, verbose=0)
+        result = pm.fit_result(model, history)
+        result["metric_state"] = {
+            v.path: np.array(v.numpy()) for v in model.metrics_variables
+        }
+        result["evaluate"] = model.evaluate(
+            x, y, sample_weight=weights, batch_size=BATCH, verbose=0
+        )
     plain = getattr(disturbance, "plain", None)
     return result, plain
 
@@ -170,7 +175,11 @@ def _check(per_rank, kinds, expected_plain):
                     _run, "single", "none", variant
                 )[0]
             pm.assert_close(result, references[model], what)
-            assert plain == expected_plain[(kind, variant)], (what, plain)
+            # The train steps as expected; evaluate's 4 test steps on plain
+            # rows from the third, but with the batch size fixed.
+            test_steps = 0 if variant == "fixed_batch" else 2
+            expected = {"train": expected_plain[(kind, variant)]}
+            assert plain == dict(expected, test=test_steps), (what, plain)
     pm.assert_ranks_agree([[r for r, _ in results] for results in per_rank])
 
 

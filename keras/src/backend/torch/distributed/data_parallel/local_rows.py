@@ -75,15 +75,15 @@ class StepRows:
             self.model, y, y_pred, sample_weight, local, weight
         )
 
-    def take_plain_rows(self, data, distribution):
+    def take_plain_rows(self, data, distribution, kind):
         """`data`, the global batch, as this process' plain rows for a step
-        of Keras' own train step where the step before ran on the rows
-        (`row_boundary`), setting `batch`; else `None`."""
+        of Keras' own train or test step (`kind`) where the step before ran
+        on the rows (`row_boundary`), setting `batch`; else `None`."""
         mesh = distribution.device_mesh.backend_mesh
         if not (
             self.boundary
             and self.may_run_locally(mesh)
-            and row_boundary.keras_own_steps(self.model)
+            and row_boundary.keras_own_steps(self.model, kind)
         ):
             return None
         cut = row_boundary.plain_rows(data, distribution)

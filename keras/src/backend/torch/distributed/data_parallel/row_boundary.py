@@ -1,11 +1,12 @@
-"""Keras' own train step on each process' plain rows: the global batch cut to
-this process' rows before the step, the model called on them and its outputs
-kept as they are, without the batch's and outputs' `DTensor`s. Taken where the
-step before found that every reader of the batch takes local rows (the
-model's call on its rows, the compiled loss as this process' term, the
-compiled metrics' sums with the gradients); a reader that cannot take them in
-a later step gets the global batch's `DTensor`s of them (`as_global`), and the
-steps after go through `DTensor`s again."""
+"""Keras' own train and test steps on each process' plain rows: the batch
+cut to this process' rows before the step, the model called on them and its
+outputs kept as they are, without the batch's and outputs' `DTensor`s. Taken
+where the step before found that every reader of the batch takes local rows
+(the model's call on its rows, the compiled loss as this process' term, the
+compiled metrics' sums reduced with the gradients or the loss tracker's); a
+reader that cannot take them in a later step gets the global batch's
+`DTensor`s of them (`as_global`), and the steps after go through `DTensor`s
+again."""
 
 import contextlib
 
@@ -17,14 +18,16 @@ from keras.src.backend.torch.distributed.core.runtime import Shard
 from keras.src.backend.torch.distributed.data_parallel import coupled_layers
 
 
-def keras_own_steps(model):
-    """Whether `model` reads its batch only through Keras' own train step,
-    loss and metrics (each reading the batch through the step's hooks)."""
+def keras_own_steps(model, step_kind):
+    """Whether `model` reads its batch only through Keras' own train or test
+    step (`step_kind`), loss and metrics (each reading the batch through the
+    step's hooks)."""
     from keras.src.models.model import Model
 
-    kind = type(model)
+    kind, name = type(model), f"{step_kind}_step"
     return (
-        kind.train_step is Model.train_step
+        step_kind in ("train", "test")
+        and getattr(kind, name) is getattr(Model, name)
         and kind.compute_loss is Model.compute_loss
         and kind._compute_loss is Model._compute_loss
         and kind.compute_metrics is Model.compute_metrics

@@ -129,15 +129,17 @@ class DistributedStep:
                 return self._eager_step(data, distribution)
 
     def _plain_rows(self, data, distribution):
-        """`data` as this process' plain rows where this eager train step
-        takes them (`StepRows.take_plain_rows`), else `None`."""
+        """`data` as this process' plain rows where this eager train or test
+        step takes them (`StepRows.take_plain_rows`), else `None`."""
+        mesh = distribution.device_mesh.backend_mesh
         if not (
             self.rows is not None
-            and self._overlaps_reduction
+            and (self._overlaps_reduction or self._defers_sums)
+            and mesh.ndim == 1
             and self._distributed_function is self.eager_step_function
         ):
             return None
-        return self.rows.take_plain_rows(data, distribution)
+        return self.rows.take_plain_rows(data, distribution, self.kind)
 
     def _eager_step(self, data, distribution):
         """Runs an eager step, DTensor's refusals computed on global values
