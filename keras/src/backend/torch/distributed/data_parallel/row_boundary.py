@@ -11,6 +11,7 @@ again."""
 import contextlib
 
 from keras.src.backend.torch.distributed.core import collectives
+from keras.src.backend.torch.distributed.core import layouts
 from keras.src.backend.torch.distributed.core import structures
 from keras.src.backend.torch.distributed.core.runtime import DTensor
 from keras.src.backend.torch.distributed.core.runtime import Replicate
@@ -86,8 +87,11 @@ def _cut(data, leaves, mesh):
         or any(int(x.shape[0]) != global_rows for x in leaves)
     ):
         return None
-    local_rows = global_rows // size
-    start = local_rows * mesh.get_coordinate()[0]
+    # Where `distribute_global_batch` would place this process' rows.
+    start, stop = layouts.chunk_bounds(
+        global_rows, size, mesh.get_coordinate()[0]
+    )
+    local_rows = stop - start
     placements = (Shard(0),) if size > 1 else (Replicate(),)
     batch = coupled_layers.Batch(
         mesh, global_rows, local_rows, placements, start
