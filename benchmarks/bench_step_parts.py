@@ -96,8 +96,8 @@ def _stand_in(name, original):
     if name == "_never":
         return lambda *args, **kwargs: False
     if name == "_no_keys":
-        return lambda states, torch_keys=0, python_draws=False: original(
-            states, 0, python_draws
+        return lambda states, keyed=None, python_draws=False: original(
+            states, None, python_draws
         )
     if name == "_fixed_python":
         state = random.getstate()

@@ -11,6 +11,7 @@ each process' share.
 """
 
 import random
+import struct
 
 import numpy as np
 import pytest
@@ -138,9 +139,20 @@ def test_no_distribution_draws_as_upstream():
         # 624 words: the position wraps to where it was, the key renewed.
         lambda: np.random.bytes(624 * 4),
         lambda: random.random(),
+        # 624 words: Python's position wraps to where it was.
+        lambda: random.getrandbits(624 * 32),
+        lambda: random.seed(5),
         lambda: torch.rand(1),
     ],
-    ids=["numpy", "numpy-normal", "numpy-624-words", "python", "torch"],
+    ids=[
+        "numpy",
+        "numpy-normal",
+        "numpy-624-words",
+        "python",
+        "python-624-words",
+        "python-reseeded",
+        "torch",
+    ],
 )
 def test_a_global_draw_is_seen_and_undone(draw):
     """A draw from a global generator between `take` and `advanced` is
@@ -163,6 +175,50 @@ def test_a_cached_gaussian_taken_alone_is_seen():
     assert not generator_states.advanced(states)
     np.random.standard_normal()
     assert generator_states.advanced(states)
+
+
+def test_python_state_read_from_memory_is_its_state():
+    """On CPython, Python's state is read from its generator's memory: the
+    words `random.getstate()` gives, a cached Gaussian seen, and a state so
+    read restores the generator exactly."""
+    import sys
+
+    random.seed(3)
+    states = generator_states.take()
+    python = states["python"]
+    if sys.implementation.name != "cpython":
+        assert python == random.getstate()
+        return
+    assert isinstance(python, generator_states.PythonMemory)
+    words = random.getstate()[1]
+    assert python.words == struct.pack("=i624I", words[-1], *words[:-1])
+    random.gauss(0, 1)  # Draws two, caches the second.
+    cached = generator_states.take()
+    random.gauss(0, 1)  # From the cache: the words stay.
+    assert cached["python"].words == generator_states.take()["python"].words
+    assert generator_states.advanced(cached)
+    expected = [random.random() for _ in range(700)]
+    generator_states.restore(states)
+    random.gauss(0, 1), random.gauss(0, 1)
+    assert [random.random() for _ in range(700)] == expected
+
+
+def test_python_state_taken_whole_where_memory_is_not_read(monkeypatch):
+    """A global generator whose memory is not a `random.Random`'s (another
+    class) is read through `getstate`, its draws seen and undone."""
+
+    class Other(random.Random):
+        pass
+
+    other = Other(4)
+    monkeypatch.setattr(random, "getstate", other.getstate)
+    monkeypatch.setattr(random, "setstate", other.setstate)
+    states = generator_states.take()
+    assert states["python"] == other.getstate()
+    other.random()
+    assert generator_states.advanced(states)
+    generator_states.restore(states)
+    assert not generator_states.advanced(states)
 
 
 def test_numpy_state_read_in_full_only_after_a_draw(monkeypatch):

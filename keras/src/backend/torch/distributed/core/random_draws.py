@@ -5,6 +5,7 @@ under a distribution, `uniform`, `normal`, `randint` and `dropout` give element
 import contextlib
 import dataclasses
 import math
+import sys
 import threading
 
 import torch
@@ -20,6 +21,9 @@ _GAMMA = 0x9E3779B97F4A7C15 - (1 << 64)
 _MIX_1 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _MIX_2 = 0x94D049BB133111EB - (1 << 64)
 _MASK = (1 << 64) - 1
+# The bit offsets of a counter's two 24-bit halves (`draw_halves`).
+_HALVES = (8, 40)
+_HALF_MASK = (1 << 24) - 1
 
 
 class _State(threading.local):
@@ -122,8 +126,13 @@ def mix_int(z):
 
 
 def random_bits(key, index):
-    """64 random bits (int64) per flat position of `index` (overwritten)."""
-    return mix(index.add_(1).mul_(_GAMMA).add_(key))
+    """64 random bits (int64) per flat position of `index` (overwritten):
+    the mix of `key + (index + 1) * _GAMMA`."""
+    if isinstance(key, torch.Tensor):
+        first = key + _GAMMA  # A 0-d int64 op: wraps as the elements do.
+    else:
+        first = ((key + _GAMMA + (1 << 63)) & _MASK) - (1 << 63)
+    return mix(index.mul_(_GAMMA).add_(first))
 
 
 def positions(global_shape, offsets, local_shape, device):
@@ -137,29 +146,58 @@ def positions(global_shape, offsets, local_shape, device):
     return index.expand(tuple(local_shape)).contiguous()
 
 
-def draw_pairs(key, box, device, pair):
-    """Values of `box` (`(global_shape, offsets, local_shape)`): element `p`
-    takes counter `p >> 1`, whose 24-bit halves `pair` makes two values."""
+def _span(box):
+    """`(first position, count)` of `box` if its positions are one range (it
+    is whole but for its first dimension), else `None`."""
     global_shape, offsets, local_shape = box
-    count = math.prod(local_shape)
-    # Whole but for its first dimension: one range of positions.
-    rows = tuple(global_shape[1:]) == tuple(local_shape[1:])
-    rows = rows and not any(offsets[1:])
-    if rows:
-        start = offsets[0] * math.prod(global_shape[1:]) if offsets else 0
-        stop = (start + count + 1) >> 1
-        counters = torch.arange(start >> 1, stop, device=device)
-    else:
-        index = positions(global_shape, offsets, local_shape, device)
+    if tuple(global_shape[1:]) != tuple(local_shape[1:]) or any(offsets[1:]):
+        return None
+    start = offsets[0] * math.prod(global_shape[1:]) if offsets else 0
+    return start, math.prod(local_shape)
+
+
+def _counters(start, count, device):
+    """The counters of the positions `[start, start + count)`."""
+    return torch.arange(start >> 1, (start + count + 1) >> 1, device=device)
+
+
+def draw_halves(key, box, device):
+    """24-bit integers of `box` (`(global_shape, offsets, local_shape)`) by
+    position: element `p` takes bits 8-31 of counter `p >> 1`'s
+    `random_bits` if `p` is even, bits 40-63 if odd."""
+    span = _span(box)
+    if span is None or sys.byteorder != "little":
+        index = positions(*box, device)
+        shifts = (index & 1).mul_(_HALVES[1] - _HALVES[0]).add_(_HALVES[0])
+        bits = random_bits(key, index.bitwise_right_shift_(1))
+        return bits.bitwise_right_shift_(shifts).bitwise_and_(_HALF_MASK)
+    start, count = span
+    bits = random_bits(key, _counters(start, count, device))
+    # Little-endian int64 as int32 words: each counter's low word, then its
+    # high word, so the even position's, then the odd one's (in bits 8-31).
+    words = bits.view(torch.int32)[start & 1 : (start & 1) + count]
+    halves = words.bitwise_right_shift(_HALVES[0]).bitwise_and_(_HALF_MASK)
+    return halves.view(tuple(box[2]))
+
+
+def draw_pairs(key, box, device, pair):
+    """Values of `box` by position as `draw_halves` takes its integers, the
+    two halves of a counter made two values by `pair(low, high)`."""
+    span = _span(box)
+    if span is None:
+        index = positions(*box, device)
         is_odd = (index & 1).bool()
-        counters = index.bitwise_right_shift_(1)
-    bits = random_bits(key, counters)
-    low = torch.bitwise_right_shift(bits, 8).bitwise_and_(0xFFFFFF)
-    even, odd = pair(low, bits.bitwise_right_shift_(40).bitwise_and_(0xFFFFFF))
-    if not rows:
+        bits = random_bits(key, index.bitwise_right_shift_(1))
+    else:
+        start, count = span
+        bits = random_bits(key, _counters(start, count, device))
+    low = torch.bitwise_right_shift(bits, _HALVES[0]).bitwise_and_(_HALF_MASK)
+    high = bits.bitwise_right_shift_(_HALVES[1]).bitwise_and_(_HALF_MASK)
+    even, odd = pair(low, high)
+    if span is None:
         return torch.where(is_odd, odd, even)
     both = torch.stack((even, odd), dim=-1).view(-1)
-    return both[start & 1 : (start & 1) + count].view(tuple(local_shape))
+    return both[start & 1 : (start & 1) + count].view(tuple(box[2]))
 
 
 def unit_uniform(key, box, device, dtype):
@@ -168,15 +206,13 @@ def unit_uniform(key, box, device, dtype):
         index = positions(*box, device)
         bits = random_bits(key, index).bitwise_right_shift_(11)
         return bits.bitwise_and_((1 << 53) - 1).to(torch.float64) * 2.0**-53
-    return draw_pairs(
-        key, box, device, lambda *halves: [h.float() * 2.0**-24 for h in halves]
-    )
+    return draw_halves(key, box, device).float().mul_(2.0**-24)
 
 
 def keep_mask(key, box, device, keep):
-    """Booleans by position, each true with probability `keep`."""
-    threshold = keep * 2.0**24
-    return draw_pairs(key, box, device, lambda *h: [x < threshold for x in h])
+    """Booleans by position, each true with probability `keep`: a uniform of
+    `draw_halves`' 24 bits below `keep`, compared as integers."""
+    return draw_halves(key, box, device) < math.ceil(float(keep) * 2**24)
 
 
 def standard_normal(key, box, device, dtype):

@@ -325,17 +325,18 @@ def _call_locally(on_rows, layer, batch, variables, verdict, step, plain=False):
     # A call dropped below must leave the generators as it found them.
     rng_states = generator_states.take()
     plan = verdict.draws.following()
-    key = None
+    key = keyed = None
     if verdict.draws.unseeded:
         # The probe's call took an unseeded key: agreed during the call.
-        key, plan.unseeded = random_draws.start_key(), 1
+        key = random_draws.start_key()
+        keyed = generator_states.torch_state()
     outputs, scope, _, updated, why = on_rows(
         mapping, plan, verdict.coupled, key
     )
     if why is None and plan.broken:
         why = "a random draw of another shape than the probe's"
     if why is None and generator_states.advanced(
-        rng_states, plan.unseeded, plan.python_draws
+        rng_states, keyed, plan.python_draws
     ):
         why = "a draw from a global generator"
     # Uneven row counts: processes may see different outcomes (draws,
