@@ -176,7 +176,7 @@ def draw_halves(key, box, device):
     # Little-endian int64 as int32 words: each counter's low word, then its
     # high word, so the even position's, then the odd one's (in bits 8-31).
     words = bits.view(torch.int32)[start & 1 : (start & 1) + count]
-    halves = words.bitwise_right_shift(_HALVES[0]).bitwise_and_(_HALF_MASK)
+    halves = words.bitwise_right_shift_(_HALVES[0]).bitwise_and_(_HALF_MASK)
     return halves.view(tuple(box[2]))
 
 
