@@ -50,10 +50,7 @@ PARTS = {
     ),
     "unseeded_key": (
         "an unseeded call's key from process 0 (drawn, broadcast, counted)",
-        [
-            (_DIST + "core.random_draws", "start_key", "_fixed_key"),
-            (_DIST + "core.generator_states", "advanced", "_no_keys"),
-        ],
+        [(_DIST + "core.random_draws", "start_key", "_fixed_key")],
     ),
     "position_mask": (
         "dropout's mask drawn by position (here a private generator's)",
@@ -95,10 +92,6 @@ def _stand_in(name, original):
         return lambda: states
     if name == "_never":
         return lambda *args, **kwargs: False
-    if name == "_no_keys":
-        return lambda states, keyed=None, python_draws=False: original(
-            states, None, python_draws
-        )
     if name == "_fixed_python":
         state = random.getstate()
         methods = {

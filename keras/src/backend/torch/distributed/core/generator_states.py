@@ -29,18 +29,13 @@ def take():
     """The states of the global generators (torch's as bytes: compared in a
     fraction of `torch.equal`'s time)."""
     states = {
-        "cpu": torch_state(),
+        "cpu": _bytes(torch.get_rng_state()),
         "python": _python_state(),
         "numpy": _numpy_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states["cuda"] = [_bytes(x) for x in torch.cuda.get_rng_state_all()]
     return states
-
-
-def torch_state():
-    """The state of torch's CPU generator, as bytes."""
-    return _bytes(torch.get_rng_state())
 
 
 def _bytes(state):
@@ -162,16 +157,13 @@ def torch_key():
     return torch.randint(0, 2**62, (), dtype=torch.int64)
 
 
-def advanced(states, keyed=None, python_draws=False):
+def advanced(states, python_draws=False):
     """Whether a random op drew from a global generator since `states` (of
-    `take`), but the keys that left torch's CPU generator at `keyed` (of
-    `torch_state`) and, if `python_draws`, Python's/NumPy's draws."""
-    now, expected = take(), dict(states)
-    if keyed is not None:
-        expected["cpu"] = keyed
+    `take`), but, if `python_draws`, Python's/NumPy's."""
+    now = take()
     if python_draws:
         now["python"], now["numpy"] = states["python"], states["numpy"]
-    return differ(expected, now)
+    return differ(states, now)
 
 
 def python_advanced(before, after):

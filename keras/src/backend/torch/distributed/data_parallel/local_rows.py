@@ -322,22 +322,19 @@ def _call_locally(on_rows, layer, batch, variables, verdict, step, plain=False):
     batch's (`plain`: the rows' as they are); `None`, keeping nothing, if it
     must run through DTensor after all."""
     mapping = [(v, local_weight(v, step)) for v in variables]
+    plan, key = verdict.draws.following(), None
+    if verdict.draws.unseeded:
+        # The probe's call took an unseeded key: agreed during the call (a
+        # call dropped below leaves it drawn, alike on every process).
+        key = random_draws.start_key()
     # A call dropped below must leave the generators as it found them.
     rng_states = generator_states.take()
-    plan = verdict.draws.following()
-    key = keyed = None
-    if verdict.draws.unseeded:
-        # The probe's call took an unseeded key: agreed during the call.
-        key = random_draws.start_key()
-        keyed = generator_states.torch_state()
     outputs, scope, _, updated, why = on_rows(
         mapping, plan, verdict.coupled, key
     )
     if why is None and plan.broken:
         why = "a random draw of another shape than the probe's"
-    if why is None and generator_states.advanced(
-        rng_states, keyed, plan.python_draws
-    ):
+    if why is None and generator_states.advanced(rng_states, plan.python_draws):
         why = "a draw from a global generator"
     # Uneven row counts: processes may see different outcomes (draws,
     # coupled layers, outputs of another rank on a single row).
