@@ -71,9 +71,9 @@ def _python_layout(generator):
     """Whether `generator` is a `random.Random` of CPython holding its state
     as `_PYTHON_FORMAT` describes, checked on a fresh one before and after a
     draw."""
-    if sys.implementation.name != "cpython" or type(generator) is not (
-        random.Random
-    ):
+    if sys.implementation.name != "cpython":
+        return False
+    if type(generator) is not random.Random:
         return False
     fresh = random.Random(0)
 

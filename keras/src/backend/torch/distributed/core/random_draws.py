@@ -1,6 +1,8 @@
-"""Random draws by position, so each process draws only its part of one value:
-under a distribution, `uniform`, `normal`, `randint` and `dropout` give element
-`index` SplitMix64's mix of `key + (index + 1) * _GAMMA` (as JAX partitions)."""
+"""Random draws by position, so each process draws only its part of one value
+(as JAX partitions): under a distribution, `uniform`, `normal`, `randint` and
+`dropout` give element `p` 24 bits of counter `p >> 1`'s SplitMix64 output,
+the mix of `key + (p >> 1) * _GAMMA + _GAMMA` (a float64 draw: 53 bits of
+counter `p`'s)."""
 
 import contextlib
 import dataclasses
