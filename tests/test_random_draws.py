@@ -91,6 +91,18 @@ def test_any_part_is_that_part_of_the_whole(draw):
         assert torch.equal(part, whole[where]), (offsets, local_shape)
 
 
+def test_rows_as_int32_words_are_the_per_position_halves(monkeypatch):
+    """A range of positions read as the counters' int32 words (little-endian)
+    gives the halves the per-position path (any byte order) gives."""
+    import sys
+
+    box = ((1000, 30, 7), (3, 0, 0), (500, 30, 7))
+    words = random_draws.draw_halves(torch.tensor(7), box, "cpu")
+    monkeypatch.setattr(sys, "byteorder", "big")
+    per_position = random_draws.draw_halves(torch.tensor(7), box, "cpu")
+    assert torch.equal(words.long(), per_position.long())
+
+
 def test_moments():
     """Uniform, normal and Bernoulli numbers with their distributions'
     moments (within 6 standard errors of a million draws)."""

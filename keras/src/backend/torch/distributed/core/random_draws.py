@@ -163,18 +163,29 @@ def _counters(start, count, device):
     return torch.arange(start >> 1, (start + count + 1) >> 1, device=device)
 
 
+def _counter_bits(key, box, device, ranges=True):
+    """`(span, parity, bits)`: `random_bits` of the counters of `box`'s
+    positions, one per pair where the box is one range (`span` of `_span`,
+    if `ranges`), else one per position (`parity`: the positions' `p & 1`)."""
+    span = _span(box) if ranges else None
+    if span is None:
+        index = positions(*box, device)
+        parity = index & 1
+        return span, parity, random_bits(key, index.bitwise_right_shift_(1))
+    return span, None, random_bits(key, _counters(*span, device))
+
+
 def draw_halves(key, box, device):
     """24-bit integers of `box` (`(global_shape, offsets, local_shape)`) by
     position: element `p` takes bits 8-31 of counter `p >> 1`'s
     `random_bits` if `p` is even, bits 40-63 if odd."""
-    span = _span(box)
-    if span is None or sys.byteorder != "little":
-        index = positions(*box, device)
-        shifts = (index & 1).mul_(_HALVES[1] - _HALVES[0]).add_(_HALVES[0])
-        bits = random_bits(key, index.bitwise_right_shift_(1))
+    # A range's words are read as int32 pairs only in little-endian order.
+    little = sys.byteorder == "little"
+    span, parity, bits = _counter_bits(key, box, device, ranges=little)
+    if span is None:
+        shifts = parity.mul_(_HALVES[1] - _HALVES[0]).add_(_HALVES[0])
         return bits.bitwise_right_shift_(shifts).bitwise_and_(_HALF_MASK)
     start, count = span
-    bits = random_bits(key, _counters(start, count, device))
     # Little-endian int64 as int32 words: each counter's low word, then its
     # high word, so the even position's, then the odd one's (in bits 8-31).
     words = bits.view(torch.int32)[start & 1 : (start & 1) + count]
@@ -185,19 +196,13 @@ def draw_halves(key, box, device):
 def draw_pairs(key, box, device, pair):
     """Values of `box` by position as `draw_halves` takes its integers, the
     two halves of a counter made two values by `pair(low, high)`."""
-    span = _span(box)
-    if span is None:
-        index = positions(*box, device)
-        is_odd = (index & 1).bool()
-        bits = random_bits(key, index.bitwise_right_shift_(1))
-    else:
-        start, count = span
-        bits = random_bits(key, _counters(start, count, device))
+    span, parity, bits = _counter_bits(key, box, device)
     low = torch.bitwise_right_shift(bits, _HALVES[0]).bitwise_and_(_HALF_MASK)
     high = bits.bitwise_right_shift_(_HALVES[1]).bitwise_and_(_HALF_MASK)
     even, odd = pair(low, high)
     if span is None:
-        return torch.where(is_odd, odd, even)
+        return torch.where(parity.bool(), odd, even)
+    start, count = span
     both = torch.stack((even, odd), dim=-1).view(-1)
     return both[start & 1 : (start & 1) + count].view(tuple(box[2]))
 
