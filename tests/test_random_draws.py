@@ -58,6 +58,42 @@ def test_key_mix_is_the_tensor_mix():
     assert torch.equal(as_int, as_tensor)
 
 
+def _tensor_key(seed):
+    """The key of `draw_seed`'s values, mixed as tensors."""
+    seed = seed.long()
+    return int(random_draws.mix(seed[0] * random_draws._GAMMA + seed[1]))
+
+
+def test_seed_key_advances_a_seed_generator_as_draw_seed():
+    """A key of a `SeedGenerator` is the mix of what `draw_seed` gives, and
+    leaves the state as `draw_seed` does: in a stateless scope (the local
+    rows), outside one, and through a subclass' own `next`."""
+    import keras
+    from keras.src.backend.common.stateless_scope import StatelessScope
+    from keras.src.random.seed_generator import draw_seed
+
+    class Doubling(keras.random.SeedGenerator):
+        def next(self, ordered=True):
+            value = self.state.value * 1
+            self.state.assign(value * 2 + 1)
+            return value
+
+    for kind in (keras.random.SeedGenerator, Doubling):
+        ours, theirs = kind(11), kind(11)
+        for _ in range(3):
+            assert random_draws.seed_key(ours) == _tensor_key(draw_seed(theirs))
+            assert ours.state.value.tolist() == theirs.state.value.tolist()
+        with StatelessScope(
+            state_mapping=[(ours.state, ours.state.value.clone())]
+        ) as scope:
+            key = random_draws.seed_key(ours)
+            stepped = scope.get_current_value(ours.state).tolist()
+        assert key == _tensor_key(draw_seed(theirs))
+        assert stepped == theirs.state.value.tolist()
+        assert ours.state.value.tolist() != stepped  # The scope kept it.
+    assert random_draws.seed_key(5) == _tensor_key(draw_seed(5))
+
+
 _BOXES = [
     ((3, 0, 0), (500, 30, 7)),  # rows from an odd position
     ((1, 0, 0), (3, 30, 7)),
@@ -325,7 +361,10 @@ def _draws_body(rank, world_size, mesh_shape):
     """Draws of `keras.random` under a distribution, and what was drawn."""
     import keras
 
-    torch.manual_seed(rank)  # Unseeded draws must still agree.
+    # Unseeded draws must still agree: torch's keys and an unseeded seed
+    # generator's state are process 0's.
+    torch.manual_seed(rank)
+    random.seed(rank)
     distribution = _distribution(mesh_shape)
     keras.distribution.set_distribution(distribution)
     numpy = keras.ops.convert_to_numpy
@@ -359,7 +398,8 @@ def _draws_body(rank, world_size, mesh_shape):
         spatial = keras.random.dropout(x, 0.5, noise_shape=(None, 1), seed=5)
     finally:
         random_draws.random_bits = random_bits
-    out["model"], out["broadcasts"] = _unseeded_model_draws(x)
+    model_draws = _unseeded_model_draws(x)
+    out["model"], out["broadcasts"], out["layers_broadcasts"] = model_draws
     out["local_rows"] = int(seeded.to_local().shape[0])
     out["dropout"] = numpy(seeded)
     out["unseeded"] = numpy(unseeded)
@@ -369,13 +409,29 @@ def _draws_body(rank, world_size, mesh_shape):
 
 
 def _unseeded_model_draws(x):
-    """A model of three unseeded dropouts called twice on `x`: the second
-    call's values, and the broadcasts it made (started at the call, each
-    `async_op`, its key waited for at the first draw)."""
+    """Models of unseeded dropouts called twice on `x`: the values and the
+    broadcasts (each `async_op` or not) of the second call of two `Dropout`
+    layers and a dropout without a seed, and the broadcasts of the second
+    call of the two layers alone. The layers key from their generators'
+    states, made from process 0's; a dropout without a seed from process
+    0's torch key, started at the call and waited for at its draw."""
     import keras
 
-    model = keras.Sequential([keras.layers.Dropout(0.5) for _ in range(3)])
-    model(x, training=True)  # The first call checks the local rows.
+    class TorchKeyedDropout(keras.layers.Layer):
+        def call(self, inputs):
+            return keras.random.dropout(inputs, 0.5)
+
+    dropout = keras.layers.Dropout
+    model = keras.Sequential([dropout(0.5), dropout(0.5), TorchKeyedDropout()])
+    outputs, calls = _second_call(model, x)
+    _, layers_calls = _second_call(keras.Sequential(model.layers[:2]), x)
+    return keras.ops.convert_to_numpy(outputs), calls, layers_calls
+
+
+def _second_call(model, x):
+    """`model`'s second call on `x` (the first checks the local rows) and the
+    broadcasts it made."""
+    model(x, training=True)
     broadcast, calls = torch.distributed.broadcast, []
 
     def counting(*args, **kwargs):
@@ -387,7 +443,7 @@ def _unseeded_model_draws(x):
         outputs = model(x, training=True)
     finally:
         torch.distributed.broadcast = broadcast
-    return keras.ops.convert_to_numpy(outputs), calls
+    return outputs, calls
 
 
 @pytest.fixture(scope="module")
@@ -416,12 +472,14 @@ def test_same_numbers_on_any_mesh(world_size, mesh_shape, one_process):
             result["unseeded"], one_process["unseeded"]
         )
         np.testing.assert_array_equal(result["spatial"], one_process["spatial"])
-        # A model's unseeded draws: one key from process 0 for the call.
+        # A model's unseeded draws: its layers' keys from their generators,
+        # one key from process 0's torch generator for the call.
         np.testing.assert_array_equal(result["model"], one_process["model"])
         # On a 1-D mesh, the local rows: the key agreed during the call;
         # through DTensor on the (2, 2) mesh, at the first draw.
         started = len(mesh_shape) == 1
         assert result["broadcasts"] == [started], result["broadcasts"]
+        assert result["layers_broadcasts"] == [], result["layers_broadcasts"]
         # The seeded dropout's mask: this process' rows (8 / parts), one
         # counter for two elements.
         assert result["local_rows"] == 8 // batch_parts

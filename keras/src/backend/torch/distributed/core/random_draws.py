@@ -236,10 +236,32 @@ def standard_normal(key, box, device, dtype):
 
 def seed_key(seed):
     """The int64 key of Keras' `seed` (advancing a seed generator)."""
+    from keras.src.random.seed_generator import SeedGenerator
     from keras.src.random.seed_generator import draw_seed
 
-    seed = draw_seed(seed)
-    seed = (seed.to_local() if isinstance(seed, DTensor) else seed).long()
+    upstream_next = getattr(type(seed), "next", None) is SeedGenerator.next
+    state = seed.state if upstream_next else None
+    value = None if state is None else state.value
+    if state is None or isinstance(value, DTensor):
+        value = draw_seed(seed)
+        return _key(value.to_local() if isinstance(value, DTensor) else value)
+    # `SeedGenerator.next` on plain state (local rows, or no distribution):
+    # the same step, without its NumPy increment converted each call (a
+    # third of the key's time). The key is read before the state changes.
+    key = _key(value)
+    increment = torch.tensor([0, 1], dtype=value.dtype, device=value.device)
+    state.assign(value + increment)
+    return key
+
+
+def _key(seed):
+    """The int64 key of a seed's two values (a tensor of `draw_seed`)."""
+    if seed.device.type == "cpu" and not torch.compiler.is_compiling():
+        # As Python integers: a dozen ops on 0-d tensors take ten times as
+        # long (on a device, reading the seed would wait for it).
+        first, second = seed.tolist()
+        return mix_int(first * _GAMMA + second)
+    seed = seed.long()
     return mix(seed[0] * _GAMMA + seed[1])
 
 
@@ -331,15 +353,10 @@ def randint(shape, minval, maxval, dtype, seed):
 
 def dropout(inputs, rate, noise_shape, seed):
     """`keras.random.dropout`, its mask drawn by position (a `DTensor`'s for
-    its local part); an unseeded `seed` keys from torch's global generator."""
-    from keras.src.random.seed_generator import SeedGenerator
-
-    unseeded = seed is None or (
-        isinstance(seed, SeedGenerator) and seed._initial_seed is None
-    )
+    its local part), keyed as `torch_keyed` says."""
     is_dtensor = isinstance(inputs, DTensor)
     device = (inputs.to_local() if is_dtensor else inputs).device
-    key = unseeded_key() if unseeded else seed_key(seed)
+    key = unseeded_key() if torch_keyed(seed) else seed_key(seed)
     shape = tuple(inputs.shape)
     if noise_shape is not None:
         shape = tuple(
@@ -362,6 +379,23 @@ def dropout(inputs, rate, noise_shape, seed):
         ]
         scale = layouts.dtensor_from_local(scale, mesh, placements, shape=shape)
     return inputs * scale  # One product as torch's dropout: so is its gradient.
+
+
+def torch_keyed(seed):
+    """Whether a dropout of `seed` keys from torch's global generator: none
+    given, or an unseeded `SeedGenerator` whose state each process made on
+    its own. One made under a distribution holds process 0's state
+    (`variables.distribute_variable`) and keys from it, as every other draw
+    and as JAX's unseeded layers do: without a collective."""
+    from keras.src.random.seed_generator import SeedGenerator
+
+    if seed is None:
+        return True
+    return (
+        isinstance(seed, SeedGenerator)
+        and seed._initial_seed is None
+        and not isinstance(seed.state._value, DTensor)
+    )
 
 
 def _device():
