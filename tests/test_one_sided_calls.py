@@ -1,7 +1,8 @@
 """A collective call made on some processes only stops them, clearly.
 
 Each scenario of `tests/one_sided_call_scenario.py` runs under torchrun on
-2 and 4 processes; the scenarios of one world size run at once. Without
+2 processes, the one that stops every process also on 4; the scenarios of
+one world size run at once. Without
 the call agreement, process 0's read pairs with another collective (it
 returns another collective's data, or the job aborts), or waits until the
 transport gives up.
@@ -70,7 +71,9 @@ SCENARIOS = {
         "read_while_busy": {"timeout": 5},
         "read_everywhere": {},
     },
-    4: {"read_then_fit": {}, "callback_read": {}, "read_everywhere": {}},
+    # Every process stopping, with more than one that did not read: a
+    # callback's read and the reads everywhere are the same calls as on 2.
+    4: {"read_then_fit": {}},
 }
 
 
@@ -128,8 +131,8 @@ def test_a_read_on_one_process_then_fit_everywhere(runs):
         assert read in message, message
 
 
-def test_a_read_in_a_callback_on_one_process_during_fit(runs):
-    nproc, results = runs
+def test_a_read_in_a_callback_on_one_process_during_fit():
+    nproc, results = _runs(2)
     result, raised, done = results["callback_read"]
     assert result.returncode != 0 and not done, _failure(result)
     assert 0 in raised, _failure(result)
@@ -161,8 +164,8 @@ def test_a_read_while_the_others_compute_waits_for_the_timeout():
     assert "KERAS_DISTRIBUTION_TIMEOUT" in message, message
 
 
-def test_reads_on_every_process_return_the_global_values(runs):
-    nproc, results = runs
+def test_reads_on_every_process_return_the_global_values():
+    nproc, results = _runs(2)
     result, raised, done = results["read_everywhere"]
     assert result.returncode == 0 and not raised, _failure(result)
     assert done == set(range(nproc)), _failure(result)
