@@ -3,7 +3,7 @@
 unchanged and with Keras' own step on DDP, in the same processes.
 
     torchrun --nproc_per_node=2 benchmarks/bench_step_parts.py \\
-        --model mlp_dropout --parts generator_check unseeded_key \\
+        --model mlp_dropout --parts generator_check seed_key \\
         --rounds 30
 
 A part is made free by swapping the library functions doing it for
@@ -49,8 +49,13 @@ PARTS = {
         [(_DIST + "core.generator_states", "random", "_fixed_python")],
     ),
     "unseeded_key": (
-        "an unseeded call's key from process 0 (drawn, broadcast, counted)",
+        "a call's key from process 0's torch generator, for dropouts keyed "
+        "by it (drawn, broadcast, counted)",
         [(_DIST + "core.random_draws", "start_key", "_fixed_key")],
+    ),
+    "seed_key": (
+        "a draw's key from its seed generator (its state read and stepped)",
+        [(_DIST + "core.random_draws", "seed_key", "_fixed_seed_key")],
     ),
     "position_mask": (
         "dropout's mask drawn by position (here a private generator's)",
@@ -102,6 +107,8 @@ def _stand_in(name, original):
     if name == "_fixed_key":
         key = torch.tensor(0x5DEECE66D, dtype=torch.int64)
         return lambda: (key, None)
+    if name == "_fixed_seed_key":
+        return lambda seed: 0x5DEECE66D
     if name == "_private_mask":
         generator = torch.Generator().manual_seed(0)
         return lambda key, box, device, keep: (
