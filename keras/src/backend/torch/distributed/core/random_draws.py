@@ -245,9 +245,10 @@ def seed_key(seed):
     if state is None or isinstance(value, DTensor):
         value = draw_seed(seed)
         return _key(value.to_local() if isinstance(value, DTensor) else value)
-    # `SeedGenerator.next` on plain state (local rows, or no distribution):
-    # the same step, without its NumPy increment converted each call (a
-    # third of the key's time). The key is read before the state changes.
+    # `SeedGenerator.next` on plain state (the local rows, or a generator
+    # made outside the distribution): the same step, without the NumPy
+    # increment `next` converts each call. The key is read before the state
+    # changes.
     key = _key(value)
     increment = torch.tensor([0, 1], dtype=value.dtype, device=value.device)
     state.assign(value + increment)
@@ -257,8 +258,8 @@ def seed_key(seed):
 def _key(seed):
     """The int64 key of a seed's two values (a tensor of `draw_seed`)."""
     if seed.device.type == "cpu" and not torch.compiler.is_compiling():
-        # As Python integers: a dozen ops on 0-d tensors take ten times as
-        # long (on a device, reading the seed would wait for it).
+        # As Python integers, where a dozen ops on 0-d tensors would each
+        # pay torch's dispatch (on a device, reading the seed would wait).
         first, second = seed.tolist()
         return mix_int(first * _GAMMA + second)
     seed = seed.long()
