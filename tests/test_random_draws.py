@@ -365,6 +365,8 @@ def _draws_body(rank, world_size, mesh_shape):
     # generator's state are process 0's.
     torch.manual_seed(rank)
     random.seed(rank)
+    # Made before the distribution: its generator's state is this process'.
+    early = keras.layers.Dropout(0.5)
     distribution = _distribution(mesh_shape)
     keras.distribution.set_distribution(distribution)
     numpy = keras.ops.convert_to_numpy
@@ -398,6 +400,12 @@ def _draws_body(rank, world_size, mesh_shape):
         spatial = keras.random.dropout(x, 0.5, noise_shape=(None, 1), seed=5)
     finally:
         random_draws.random_bits = random_bits
+    late = keras.layers.Dropout(0.5)
+    out["torch_keyed"] = [
+        random_draws.torch_keyed(layer.seed_generator)
+        for layer in (early, late)
+    ]
+    out["early"] = numpy(early(x, training=True))
     model_draws = _unseeded_model_draws(x)
     out["model"], out["broadcasts"], out["layers_broadcasts"] = model_draws
     out["local_rows"] = int(seeded.to_local().shape[0])
@@ -472,6 +480,10 @@ def test_same_numbers_on_any_mesh(world_size, mesh_shape, one_process):
             result["unseeded"], one_process["unseeded"]
         )
         np.testing.assert_array_equal(result["spatial"], one_process["spatial"])
+        # A layer made before the distribution keys from process 0's torch
+        # generator; one made under it, from its own generator's state.
+        assert result["torch_keyed"] == [True, False]
+        np.testing.assert_array_equal(result["early"], one_process["early"])
         # A model's unseeded draws: its layers' keys from their generators,
         # one key from process 0's torch generator for the call.
         np.testing.assert_array_equal(result["model"], one_process["model"])
