@@ -120,6 +120,56 @@ def test_models_drawing_random_numbers_run_on_local_rows():
         assert evaluate_calls == 2, evaluate_calls
 
 
+def _unseeded_draw_body(rank, world_size):
+    """A fit of a model with a user's noise layer drawing `keras.random`
+    without a seed: its result, verdict and calls on the local rows."""
+    import numpy as np
+
+    import keras
+    from tests import distributions
+
+    class Noise(keras.layers.Layer):
+        def call(self, x, training=False):
+            if not training:
+                return x
+            return x + 0.1 * keras.random.normal(keras.ops.shape(x))
+
+    def fit():
+        distributions.use_setting("dp")
+        keras.utils.set_random_seed(pm.SEED)
+        inputs = keras.Input((8,))
+        outputs = keras.layers.Dense(2)(Noise()(keras.layers.Dense(8)(inputs)))
+        model = keras.Model(inputs, outputs)
+        model.compile(optimizer="sgd", loss="mse")
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(16, 8)).astype("float32")
+        y = rng.normal(size=(16, 2)).astype("float32")
+        history = model.fit(
+            x, y, batch_size=8, epochs=2, shuffle=False, verbose=0
+        )
+        verdict = distributions.call_verdict(model, "train", training=True)
+        result = {
+            "loss": history.history["loss"],
+            "weights": [np.array(w) for w in model.get_weights()],
+        }
+        return result, verdict.per_sample, verdict.reason
+
+    return _counting_local_calls(fit)
+
+
+def test_a_draw_without_a_seed_runs_the_model_through_dtensor():
+    # Keras' global seed generator keys the draw: a variable outside the
+    # model, which the local rows do not assign. The numbers stay one
+    # process' under the same distribution.
+    (one_process,) = run_on_ranks(_unseeded_draw_body, world_size=1)
+    for (result, per_sample, reason), calls in run_on_ranks(
+        _unseeded_draw_body, world_size=2
+    ):
+        assert not per_sample and calls == 0, (reason, calls)
+        assert "assigns a variable outside the model" in reason, reason
+        pm.assert_close(result, one_process[0][0])
+
+
 def _fit_functional(rank, build, rows, y_shape, batch_size):
     """Fits `keras.Model(*build(keras, ops))` on `rows` rows in batches of
     `batch_size` (under `DataParallel` if `rank` is given)."""
