@@ -335,29 +335,29 @@ def _draw_box(shape):
 
 def uniform(shape, minval, maxval, dtype, seed):
     """`keras.random.uniform`, drawn by position."""
-    values = unit_uniform(seed_key(seed), _draw_box(shape), _device(), dtype)
+    values = unit_uniform(draw_key(seed), _draw_box(shape), _device(), dtype)
     return (values * (maxval - minval) + minval).to(dtype)
 
 
 def normal(shape, mean, stddev, dtype, seed):
     """`keras.random.normal`, drawn by position (Box-Muller)."""
-    values = standard_normal(seed_key(seed), _draw_box(shape), _device(), dtype)
+    values = standard_normal(draw_key(seed), _draw_box(shape), _device(), dtype)
     return (values * stddev + mean).to(dtype)
 
 
 def randint(shape, minval, maxval, dtype, seed):
     """`keras.random.randint`, drawn by position."""
     box = _draw_box(shape)
-    values = unit_uniform(seed_key(seed), box, _device(), torch.float64)
+    values = unit_uniform(draw_key(seed), box, _device(), torch.float64)
     return (values * (maxval - minval)).floor_().add_(minval).to(dtype)
 
 
 def dropout(inputs, rate, noise_shape, seed):
     """`keras.random.dropout`, its mask drawn by position (a `DTensor`'s for
-    its local part), keyed as `torch_keyed` says."""
+    its local part), keyed by `draw_key`."""
     is_dtensor = isinstance(inputs, DTensor)
     device = (inputs.to_local() if is_dtensor else inputs).device
-    key = unseeded_key() if torch_keyed(seed) else seed_key(seed)
+    key = draw_key(seed)
     shape = tuple(inputs.shape)
     if noise_shape is not None:
         shape = tuple(
@@ -382,16 +382,24 @@ def dropout(inputs, rate, noise_shape, seed):
     return inputs * scale  # One product as torch's dropout: so is its gradient.
 
 
+def draw_key(seed):
+    """The key of a draw of `seed`: process 0's torch key where
+    `torch_keyed(seed)`, else `seed_key(seed)`."""
+    return unseeded_key() if torch_keyed(seed) else seed_key(seed)
+
+
 def torch_keyed(seed):
-    """Whether a dropout of `seed` keys from torch's global generator: none
-    given, or an unseeded `SeedGenerator` whose state each process made on
-    its own. One made under a distribution holds process 0's state
-    (`variables.distribute_variable`) and keys from it, as every other draw
-    and as JAX's unseeded layers do: without a collective."""
+    """Whether a draw of `seed` keys from process 0's torch generator: none
+    given, in a layer call (one key a call, `one_key_per_call`; outside one,
+    Keras' global seed generator, a variable outside any model, keys it), or
+    an unseeded `SeedGenerator` whose state each process made on its own. One
+    made under a distribution holds process 0's state
+    (`variables.distribute_variable`) and keys from it, as JAX's unseeded
+    layers do: without a collective."""
     from keras.src.random.seed_generator import SeedGenerator
 
     if seed is None:
-        return True
+        return _state.keys is not None
     return (
         isinstance(seed, SeedGenerator)
         and seed._initial_seed is None
