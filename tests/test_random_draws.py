@@ -45,6 +45,37 @@ def test_bits_are_splitmix64():
     assert int(first) & _MASK == 0xE220A8397B1DCDAF
 
 
+def test_range_bits_are_splitmix64_in_numpy_and_torch(monkeypatch):
+    """A range of counters mixed in NumPy (a key of Python integers on the
+    CPU, below ATen's grain or on one thread) or by torch's ops (a tensor
+    key, or more counters than the grain on several threads) gives
+    SplitMix64's bits."""
+    mixed = []
+    numpy_bits = random_draws._numpy_bits
+
+    def counting(*args):
+        mixed.append(args[2])
+        return numpy_bits(*args)
+
+    monkeypatch.setattr(random_draws, "_numpy_bits", counting)
+    for key in (0, 123456789, -(1 << 63), (1 << 63) - 1, -98765):
+        for first, count in ((0, 1), (5, 37), (1 << 40, 100)):
+            expected = [
+                _splitmix64(key & _MASK, first + i) for i in range(count)
+            ]
+            for k in (key, torch.tensor(key)):
+                got = random_draws.range_bits(k, first, count, "cpu")
+                assert [int(b) & _MASK for b in got] == expected, (k, first)
+    assert len(mixed) == 15  # The keys of Python integers.
+    grain = random_draws._ONE_THREAD_ELEMENTS
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    wide = random_draws.range_bits(-98765, 3, grain, "cpu")
+    assert len(mixed) == 15  # By torch's ops, on two threads.
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert torch.equal(random_draws.range_bits(-98765, 3, grain, "cpu"), wide)
+    assert mixed[-1] == grain
+
+
 def test_key_mix_is_the_tensor_mix():
     """A key mixed as Python integers is the tensor mix of the same int64,
     and a key of either kind draws the same bits."""
@@ -103,10 +134,11 @@ _BOXES = [
 ]
 
 
+@pytest.mark.parametrize("key", [7, torch.tensor(7)], ids=["int", "tensor"])
 @pytest.mark.parametrize("draw", ["uniform", "normal", "keep", "uniform64"])
-def test_any_part_is_that_part_of_the_whole(draw):
-    """A box of a draw has the values of the same box of the whole draw."""
-    key = torch.tensor(7)
+def test_any_part_is_that_part_of_the_whole(draw, key):
+    """A box of a draw has the values of the same box of the whole draw, its
+    counters mixed in NumPy (a key of Python integers) or by torch's ops."""
     shape = (1000, 30, 7)
 
     def drawn(offsets, local_shape):
@@ -137,6 +169,54 @@ def test_rows_as_int32_words_are_the_per_position_halves(monkeypatch):
     monkeypatch.setattr(sys, "byteorder", "big")
     per_position = random_draws.draw_halves(torch.tensor(7), box, "cpu")
     assert torch.equal(words.long(), per_position.long())
+
+
+@pytest.mark.parametrize("byteorder", ["little", "big"])
+@pytest.mark.parametrize("keep", [0.7, 1 - 2.0**-40, 2.0**-40])
+def test_keep_mask_is_a_word_of_splitmix64_below_keep(
+    byteorder, keep, monkeypatch
+):
+    """Dropout keeps position `p` where the low (even `p`) or high (odd `p`)
+    32 bits of counter `p >> 1`'s SplitMix64 output, read as a signed word,
+    plus 2**31 are below `keep * 2**32`: a range (read as int32 words) and
+    per position alike, near 0 and 1."""
+    import math
+    import sys
+
+    monkeypatch.setattr(sys, "byteorder", byteorder)
+    shape, offsets, local_shape = (40, 9), (3, 0), (21, 9)
+    mask = random_draws.keep_mask(
+        11, (shape, offsets, local_shape), "cpu", keep
+    )
+    limit = math.ceil(keep * 2**32)
+    expected = []
+    for row in range(offsets[0], offsets[0] + local_shape[0]):
+        for p in range(row * shape[1], (row + 1) * shape[1]):
+            word = _splitmix64(11, p >> 1) >> (32 * (p & 1)) & 0xFFFFFFFF
+            signed = word - (1 << 32) if word >> 31 else word
+            expected.append(signed + (1 << 31) < limit)
+    assert mask.flatten().tolist() == expected
+
+
+def test_dropout_keeps_booleans_for_backward():
+    """Dropout's product keeps only its mask (one byte an element, as torch's
+    dropout) for backward; its values and gradient are the mask's over
+    `keep`."""
+    x = torch.randn(8, 16, requires_grad=True)
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = random_draws.dropout(x, 0.25, None, 3)
+    assert [t.dtype for t in saved] == [torch.bool]
+    mask = saved[0]
+    assert 0 < int(mask.sum()) < mask.numel()
+    torch.testing.assert_close(y, torch.where(mask, x / 0.75, 0.0))
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, mask / 0.75)
 
 
 def test_moments():
@@ -384,13 +464,13 @@ def _draws_body(rank, world_size, mesh_shape):
         torch.tensor(x), distribution.get_data_layout(x.shape)
     )
     drawn = []
-    random_bits = random_draws.random_bits
+    range_bits = random_draws.range_bits
 
-    def counting(key, index):
-        drawn.append(index.numel())
-        return random_bits(key, index)
+    def counting(key, first, count, device):
+        drawn.append(count)
+        return range_bits(key, first, count, device)
 
-    random_draws.random_bits = counting
+    random_draws.range_bits = counting
     try:
         seeded = keras.random.dropout(
             x, 0.5, seed=keras.random.SeedGenerator(3)
@@ -399,7 +479,7 @@ def _draws_body(rank, world_size, mesh_shape):
         unseeded = keras.random.dropout(x, 0.5)
         spatial = keras.random.dropout(x, 0.5, noise_shape=(None, 1), seed=5)
     finally:
-        random_draws.random_bits = random_bits
+        random_draws.range_bits = range_bits
     late = keras.layers.Dropout(0.5)
     out["torch_keyed"] = [
         random_draws.torch_keyed(layer.seed_generator)

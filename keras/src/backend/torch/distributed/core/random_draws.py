@@ -1,8 +1,9 @@
 """Random draws by position, so each process draws only its part of one value
-(as JAX partitions): under a distribution, `uniform`, `normal`, `randint` and
-`dropout` give element `p` 24 bits of counter `p >> 1`'s SplitMix64 output,
-the mix of `key + (p >> 1) * _GAMMA + _GAMMA` (a float64 draw: 53 bits of
-counter `p`'s)."""
+(as JAX partitions): under a distribution, element `p` of a draw takes one
+32-bit word of counter `p >> 1`'s SplitMix64 output, the mix of
+`key + (p >> 1) * _GAMMA + _GAMMA` (`uniform` and `normal` 24 of its bits,
+`dropout` all 32); a float64 draw and `randint` take 53 bits of counter
+`p`'s."""
 
 import contextlib
 import dataclasses
@@ -10,6 +11,7 @@ import math
 import sys
 import threading
 
+import numpy as np
 import torch
 
 from keras.src.backend.torch.distributed.core import generator_states
@@ -26,6 +28,17 @@ _MASK = (1 << 64) - 1
 # The bit offsets of a counter's two 24-bit halves (`draw_halves`).
 _HALVES = (8, 40)
 _HALF_MASK = (1 << 24) - 1
+# `SeedGenerator.next`'s step of a state, by dtype and device (`seed_key`).
+_INCREMENTS = {}
+# Below this many elements a torch op on the CPU runs on one thread (ATen's
+# parallel grain): counters of a range fewer than this are mixed in NumPy.
+_ONE_THREAD_ELEMENTS = 32768
+# `mix`'s constants as NumPy uint64 (`_numpy_bits`): `(shift, factor)`s.
+_NUMPY_GAMMA = np.uint64(_GAMMA & _MASK)
+_NUMPY_ROUNDS = tuple(
+    (np.uint64(bits), None if factor is None else np.uint64(factor & _MASK))
+    for bits, factor in ((30, _MIX_1), (27, _MIX_2), (31, None))
+)
 
 
 class _State(threading.local):
@@ -158,9 +171,35 @@ def _span(box):
     return start, math.prod(local_shape)
 
 
-def _counters(start, count, device):
-    """The counters of the positions `[start, start + count)`."""
-    return torch.arange(start >> 1, (start + count + 1) >> 1, device=device)
+def range_bits(key, first, count, device):
+    """`random_bits` of the counters `[first, first + count)`: mixed in NumPy
+    where torch would run on one thread (a CPU key of Python integers, fewer
+    counters than ATen's grain or one thread), with its unsigned shifts and
+    its smaller cost an op; else by torch's ops."""
+    if (
+        isinstance(key, int)
+        and torch.device(device).type == "cpu"
+        and (count < _ONE_THREAD_ELEMENTS or torch.get_num_threads() == 1)
+        and not torch.compiler.is_compiling()
+    ):
+        return torch.from_numpy(_numpy_bits(key, first, count))
+    index = torch.arange(first, first + count, device=device)
+    return random_bits(key, index)
+
+
+def _numpy_bits(key, first, count):
+    """`random_bits` of the counters `[first, first + count)` as NumPy int64:
+    SplitMix64 in uint64, which wraps and shifts as its definition does."""
+    z = np.arange(first + 1, first + count + 1, dtype=np.uint64)
+    z *= _NUMPY_GAMMA
+    z += np.uint64(key & _MASK)
+    shifted = np.empty_like(z)
+    for bits, factor in _NUMPY_ROUNDS:
+        np.right_shift(z, bits, out=shifted)
+        z ^= shifted
+        if factor is not None:
+            z *= factor
+    return z.view(np.int64)
 
 
 def _counter_bits(key, box, device, ranges=True):
@@ -172,25 +211,33 @@ def _counter_bits(key, box, device, ranges=True):
         index = positions(*box, device)
         parity = index & 1
         return span, parity, random_bits(key, index.bitwise_right_shift_(1))
-    return span, None, random_bits(key, _counters(*span, device))
+    start, count = span
+    first, end = start >> 1, (start + count + 1) >> 1
+    return span, None, range_bits(key, first, end - first, device)
 
 
-def draw_halves(key, box, device):
-    """24-bit integers of `box` (`(global_shape, offsets, local_shape)`) by
-    position: element `p` takes bits 8-31 of counter `p >> 1`'s
-    `random_bits` if `p` is even, bits 40-63 if odd."""
+def draw_words(key, box, device):
+    """Signed 32-bit words of `box` (`(global_shape, offsets, local_shape)`) by
+    position: element `p` takes the low word of counter `p >> 1`'s
+    `random_bits` if `p` is even, the high word if odd."""
     # A range's words are read as int32 pairs only in little-endian order.
     little = sys.byteorder == "little"
     span, parity, bits = _counter_bits(key, box, device, ranges=little)
     if span is None:
-        shifts = parity.mul_(_HALVES[1] - _HALVES[0]).add_(_HALVES[0])
-        return bits.bitwise_right_shift_(shifts).bitwise_and_(_HALF_MASK)
+        # Sign-extended as int64: the low word from bits shifted up first.
+        shifts = parity.bitwise_xor_(1).mul_(32)
+        return bits.bitwise_left_shift_(shifts).bitwise_right_shift_(32)
     start, count = span
     # Little-endian int64 as int32 words: each counter's low word, then its
-    # high word, so the even position's, then the odd one's (in bits 8-31).
+    # high word, so the even position's, then the odd one's.
     words = bits.view(torch.int32)[start & 1 : (start & 1) + count]
-    halves = words.bitwise_right_shift_(_HALVES[0]).bitwise_and_(_HALF_MASK)
-    return halves.view(tuple(box[2]))
+    return words.view(tuple(box[2]))
+
+
+def draw_halves(key, box, device):
+    """24-bit integers of `box` by position: bits 8-31 of `draw_words`."""
+    words = draw_words(key, box, device)
+    return words.bitwise_right_shift_(_HALVES[0]).bitwise_and_(_HALF_MASK)
 
 
 def draw_pairs(key, box, device, pair):
@@ -210,16 +257,22 @@ def draw_pairs(key, box, device, pair):
 def unit_uniform(key, box, device, dtype):
     """Uniforms in [0, 1) by position: 53 bits for float64, else 24 bits."""
     if dtype == torch.float64:
-        index = positions(*box, device)
-        bits = random_bits(key, index).bitwise_right_shift_(11)
+        span = _span(box)
+        if span is None:
+            bits = random_bits(key, positions(*box, device))
+        else:
+            bits = range_bits(key, *span, device).view(tuple(box[2]))
+        bits = bits.bitwise_right_shift_(11)
         return bits.bitwise_and_((1 << 53) - 1).to(torch.float64) * 2.0**-53
     return draw_halves(key, box, device).float().mul_(2.0**-24)
 
 
 def keep_mask(key, box, device, keep):
-    """Booleans by position, each true with probability `keep`: a uniform of
-    `draw_halves`' 24 bits below `keep`, compared as integers."""
-    return draw_halves(key, box, device) < math.ceil(float(keep) * 2**24)
+    """Booleans by position, each true with probability `keep` (in (0, 1)):
+    `draw_words`' word plus 2**31 (uniform in [0, 2**32)) below
+    `keep * 2**32`, compared on the signed word itself."""
+    limit = math.ceil(float(keep) * 2**32) - 2**31 - 1
+    return draw_words(key, box, device) <= limit
 
 
 def standard_normal(key, box, device, dtype):
@@ -250,9 +303,20 @@ def seed_key(seed):
     # increment `next` converts each call. The key is read before the state
     # changes.
     key = _key(value)
-    increment = torch.tensor([0, 1], dtype=value.dtype, device=value.device)
-    state.assign(value + increment)
+    state.assign(value + _increment(value.dtype, value.device))
     return key
+
+
+def _increment(dtype, device):
+    """The tensor `[0, 1]` of `dtype` on `device`, made once (but in a graph
+    being compiled, whose tensors are its own)."""
+    if torch.compiler.is_compiling():
+        return torch.tensor([0, 1], dtype=dtype, device=device)
+    increment = _INCREMENTS.get((dtype, device))
+    if increment is None:
+        increment = torch.tensor([0, 1], dtype=dtype, device=device)
+        _INCREMENTS[(dtype, device)] = increment
+    return increment
 
 
 def _key(seed):
@@ -372,14 +436,16 @@ def dropout(inputs, rate, noise_shape, seed):
     else:
         box = _draw_box(shape)
     keep = 1.0 - rate
-    scale = keep_mask(key, box, device, keep).to(inputs.dtype).mul_(1 / keep)
+    mask = keep_mask(key, box, device, keep)
     if is_dtensor:
         placements = [
             Replicate() if p.is_shard() and shape[p.dim] == 1 else p
             for p in layouts.reduced_placements(placements)
         ]
-        scale = layouts.dtensor_from_local(scale, mesh, placements, shape=shape)
-    return inputs * scale  # One product as torch's dropout: so is its gradient.
+        mask = layouts.dtensor_from_local(mask, mesh, placements, shape=shape)
+    # Each kept value is `inputs * (1 / keep)` as in torch's dropout (a
+    # dropped one `inputs * 0`); backward keeps the booleans, not a scale.
+    return inputs * mask * (1 / keep)
 
 
 def draw_key(seed):
