@@ -174,8 +174,8 @@ def _span(box):
 def range_bits(key, first, count, device):
     """`random_bits` of the counters `[first, first + count)`: mixed in NumPy
     where torch would run on one thread (a CPU key of Python integers, fewer
-    counters than ATen's grain or one thread), with its unsigned shifts and
-    its smaller cost an op; else by torch's ops."""
+    counters than ATen's grain or one thread), whose uint64 shifts are
+    logical and whose ops cost less each; else by torch's ops."""
     if (
         isinstance(key, int)
         and torch.device(device).type == "cpu"
