@@ -24,6 +24,9 @@ from keras.src.backend.torch.distributed.core.runtime import Replicate
 _GAMMA = 0x9E3779B97F4A7C15 - (1 << 64)
 _MIX_1 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _MIX_2 = 0x94D049BB133111EB - (1 << 64)
+# SplitMix64's output function: `z ^= z >> shift` (logical), then `z *=
+# factor` but in the last round.
+_ROUNDS = ((30, _MIX_1), (27, _MIX_2), (31, None))
 _MASK = (1 << 64) - 1
 # The bit offsets of a counter's two 24-bit halves (`draw_halves`).
 _HALVES = (8, 40)
@@ -37,7 +40,7 @@ _ONE_THREAD_ELEMENTS = 32768
 _NUMPY_GAMMA = np.uint64(_GAMMA & _MASK)
 _NUMPY_ROUNDS = tuple(
     (np.uint64(bits), None if factor is None else np.uint64(factor & _MASK))
-    for bits, factor in ((30, _MIX_1), (27, _MIX_2), (31, None))
+    for bits, factor in _ROUNDS
 )
 
 
@@ -123,7 +126,7 @@ def _setting(name, value):
 def mix(z):
     """SplitMix64's output function of int64 values, in place on `z`."""
     shifted = torch.empty_like(z)
-    for bits, factor in ((30, _MIX_1), (27, _MIX_2), (31, None)):
+    for bits, factor in _ROUNDS:
         # A logical shift: torch's `>>` of int64 extends the sign.
         torch.bitwise_right_shift(z, bits, out=shifted)
         z.bitwise_xor_(shifted.bitwise_and_((1 << (64 - bits)) - 1))
@@ -135,8 +138,10 @@ def mix(z):
 def mix_int(z):
     """`mix` of one int64 value as Python integers (a key: no tensor ops)."""
     z &= _MASK
-    for bits, factor in ((30, _MIX_1), (27, _MIX_2), (31, 1)):
-        z = ((z ^ (z >> bits)) * factor) & _MASK
+    for bits, factor in _ROUNDS:
+        z ^= z >> bits
+        if factor is not None:
+            z = (z * factor) & _MASK
     return z - (1 << 64) if z >> 63 else z
 
 
