@@ -612,3 +612,49 @@ def test_attention_on_local_rows_runs_one_process_kernels():
             assert kernels["flash_attention_for_cpu"] >= 8, kernels
             assert kernels["attention_math"] <= 5, kernels
         pm.assert_ranks_agree([result for result, _ in per_rank])
+
+
+def _mixed_fit(rank=None, world_size=None):
+    """Losses and float32 weights of an MLP fitted under `mixed_bfloat16`
+    (the layers compute in bfloat16 on float32 weights), under
+    `DataParallel` where ranks are given, and the local calls it made."""
+    import keras
+    from tests import distributions
+
+    setting = "single" if rank is None else "dp"
+    distributions.use_setting(setting, layout_rules=pm.LAYOUT_RULES["mlp"])
+    keras.mixed_precision.set_dtype_policy("mixed_bfloat16")
+    try:
+        model = pm.build_model("mlp")
+        x, y = pm.make_data("mlp", num_samples=24)
+        history, calls = _counting_local_calls(
+            lambda: model.fit(
+                x, y, batch_size=8, epochs=2, shuffle=False, verbose=0
+            )
+        )
+        dtypes = sorted({str(v.dtype) for v in model.trainable_weights})
+        weights = [keras.ops.convert_to_numpy(v) for v in model.weights]
+        return history.history["loss"], weights, dtypes, calls
+    finally:
+        keras.mixed_precision.set_dtype_policy("float32")
+
+
+def test_mixed_precision_on_local_rows_trains_as_one_process():
+    # The local rows map each weight to its float32 tensor, the gradient's
+    # leaf; each layer's read casts it to bfloat16 as it would in one
+    # process. bfloat16 sums in another order: its rounding bounds the match.
+    import numpy as np
+
+    per_rank = run_on_ranks(_mixed_fit, world_size=2)
+    losses, weights, dtypes, _ = pm.run_single(_mixed_fit)
+    assert dtypes == ["float32"]
+    for rank, (rank_losses, rank_weights, rank_dtypes, calls) in enumerate(
+        per_rank
+    ):
+        assert rank_dtypes == dtypes, rank
+        assert calls >= 5, (rank, calls)
+        np.testing.assert_allclose(rank_losses, losses, rtol=2e-2)
+        for actual, expected in zip(rank_weights, weights):
+            np.testing.assert_allclose(actual, expected, rtol=0, atol=2e-2)
+    for actual, expected in zip(per_rank[1][1], per_rank[0][1]):
+        np.testing.assert_array_equal(actual, expected)

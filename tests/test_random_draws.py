@@ -16,6 +16,7 @@ import struct
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from keras.src.backend.torch.distributed.core import generator_states
 from keras.src.backend.torch.distributed.core import random_draws
@@ -198,11 +199,8 @@ def test_keep_mask_is_a_word_of_splitmix64_below_keep(
     assert mask.flatten().tolist() == expected
 
 
-def test_dropout_keeps_booleans_for_backward():
-    """Dropout's product keeps only its mask (one byte an element, as torch's
-    dropout) for backward; its values and gradient are the mask's over
-    `keep`."""
-    x = torch.randn(8, 16, requires_grad=True)
+def _saved_for_backward(function):
+    """`(what autograd saves in function(), its result)`."""
     saved = []
 
     def pack(tensor):
@@ -210,13 +208,33 @@ def test_dropout_keeps_booleans_for_backward():
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = random_draws.dropout(x, 0.25, None, 3)
-    assert [t.dtype for t in saved] == [torch.bool]
-    mask = saved[0]
+        result = function()
+    return saved, result
+
+
+def test_dropout_saves_what_torchs_dropout_saves():
+    """Dropout's product saves for backward what torch's own dropout saves
+    on the device: on the CPU one tensor of the inputs' dtype, the mask over
+    `keep`; where torch fuses dropout (an accelerator) the booleans alone.
+    Either way its values and gradient are the mask's over `keep`."""
+    x = torch.randn(8, 16, requires_grad=True)
+    torch_saved, _ = _saved_for_backward(lambda: F.dropout(x, 0.25, True))
+    saved, y = _saved_for_backward(
+        lambda: random_draws.dropout(x, 0.25, None, 3)
+    )
+    assert [t.dtype for t in saved] == [t.dtype for t in torch_saved]
+    assert [t.dtype for t in saved] == [torch.float32]
+    mask = saved[0] != 0
     assert 0 < int(mask.sum()) < mask.numel()
+    torch.testing.assert_close(saved[0], mask / 0.75, rtol=0, atol=0)
     torch.testing.assert_close(y, torch.where(mask, x / 0.75, 0.0))
     y.sum().backward()
     torch.testing.assert_close(x.grad, mask / 0.75)
+    fused, fused_y = _saved_for_backward(
+        lambda: random_draws.masked_product(x, mask, 0.75, torch.device("cuda"))
+    )
+    assert [t.dtype for t in fused] == [torch.bool]
+    torch.testing.assert_close(fused_y, y, rtol=0, atol=0)
 
 
 def test_moments():

@@ -12,15 +12,19 @@ import torch
 
 # NumPy's MT19937 state in memory: 624 words, then the next word's position.
 _MT_BYTES = 624 * 4 + 4
-# `[bit generator, whether its memory is read as MT19937's]`, checked once.
-_LAYOUT = [None, False]
+# `[bit generator, a view of its state's memory if it holds MT19937's
+# layout (else `None`)]`, checked once; the view lives as the generator.
+_LAYOUT = [None, None]
+_GET_BIT_GENERATOR = getattr(np.random, "get_bit_generator", None)
 # NumPy's global state as last read in full: `[its memory, its state]`.
 _LAST_NUMPY = [None, None]
 # CPython's `random.Random` after its object header: the next word's
 # position, then 624 words.
 _PYTHON_FORMAT = "=i624I"
-# `[Python's global generator, whether its memory is read so]`, checked once.
-_PYTHON_LAYOUT = [None, False]
+_PYTHON_BYTES = struct.calcsize(_PYTHON_FORMAT)
+# `[Python's global generator, a view of its memory if it holds that layout
+# (else `None`)]`, checked once.
+_PYTHON_LAYOUT = [None, None]
 # Python's global state as read from memory, in place of `random.getstate()`.
 PythonMemory = collections.namedtuple("PythonMemory", ["words", "gauss_next"])
 
@@ -29,11 +33,11 @@ def take():
     """The states of the global generators (torch's as bytes: compared in a
     fraction of `torch.equal`'s time)."""
     states = {
-        "cpu": _bytes(torch.get_rng_state()),
+        "cpu": _bytes(torch.default_generator.get_state()),
         "python": _python_state(),
         "numpy": _numpy_state(),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # Only then can CUDA's have drawn.
         states["cuda"] = [_bytes(x) for x in torch.cuda.get_rng_state_all()]
     return states
 
@@ -54,17 +58,27 @@ def _python_state():
     (building 625 integers)."""
     generator = random.getstate.__self__
     if generator is not _PYTHON_LAYOUT[0]:
-        _PYTHON_LAYOUT[:] = [generator, _python_layout(generator)]
-    if not _PYTHON_LAYOUT[1]:
+        view = None
+        if _python_layout(generator):
+            address = id(generator) + object.__basicsize__
+            view = _memory_view(address, _PYTHON_BYTES)
+        _PYTHON_LAYOUT[:] = [generator, view]
+    if _PYTHON_LAYOUT[1] is None:
         return random.getstate()
-    return PythonMemory(_python_memory(generator), generator.gauss_next)
+    return PythonMemory(_PYTHON_LAYOUT[1].tobytes(), generator.gauss_next)
+
+
+def _memory_view(address, size):
+    """A view of `size` bytes of memory at `address` (an object's, which must
+    outlive it), read by `tobytes` in a fraction of `ctypes.string_at`'s
+    time."""
+    return memoryview((ctypes.c_char * size).from_address(address)).cast("B")
 
 
 def _python_memory(generator):
     """The bytes of `generator`'s Mersenne Twister after its object header
     (`id` is the object's address in CPython)."""
-    size = struct.calcsize(_PYTHON_FORMAT)
-    return ctypes.string_at(id(generator) + object.__basicsize__, size)
+    return ctypes.string_at(id(generator) + object.__basicsize__, _PYTHON_BYTES)
 
 
 def _python_layout(generator):
@@ -114,15 +128,17 @@ def _numpy_state():
 def _numpy_memory():
     """The bytes of NumPy's global MT19937 state, or `None` if its memory
     does not hold the layout `_MT_BYTES` describes."""
-    get_bit_generator = getattr(np.random, "get_bit_generator", None)
-    bits = get_bit_generator and get_bit_generator()
+    bits = _GET_BIT_GENERATOR and _GET_BIT_GENERATOR()
     if bits is None:
         return None
     if bits is not _LAYOUT[0]:
-        _LAYOUT[:] = [bits, _mt19937_layout(bits)]
-    if not _LAYOUT[1]:
+        view = None
+        if _mt19937_layout(bits):
+            view = _memory_view(bits.ctypes.state_address, _MT_BYTES)
+        _LAYOUT[:] = [bits, view]
+    if _LAYOUT[1] is None:
         return None
-    return ctypes.string_at(bits.ctypes.state_address, _MT_BYTES)
+    return _LAYOUT[1].tobytes()
 
 
 def _mt19937_layout(global_bits):

@@ -41,7 +41,16 @@ def local_value(x):
 def replicated_local(x):
     """The local tensor of replicated `DTensor` `x` (kept: a `DTensor`'s local
     tensor and placements never change), or `None` if `x` is not."""
+    return replicated_locals([x])[0]
+
+
+def replicated_locals(values):
+    """`replicated_local` of each of `values`."""
     compiling = torch.compiler.is_compiling()  # Dynamo would guard the cache.
+    return [_replicated_local(x, compiling) for x in values]
+
+
+def _replicated_local(x, compiling):
     kept = None if compiling else _REPLICATED_LOCALS.get(id(x))
     if kept is not None and kept[0]() is x:
         return kept[1]
@@ -61,7 +70,8 @@ def local_reads(variables):
     """Runs the block with `variables` on local tensors (same storage) if all
     are replicated, yielding whether: reads skip DTensor, writes go through."""
     values = [(v, v._value) for v in variables if isinstance(v._value, DTensor)]
-    swapped = [(v, x, replicated_local(x)) for v, x in values]
+    locals_ = replicated_locals([x for _, x in values])
+    swapped = [(v, x, local) for (v, x), local in zip(values, locals_)]
     local = all(plain is not None for _, _, plain in swapped)
     swapped = swapped if local else []
     for variable, _, value in swapped:
@@ -122,7 +132,7 @@ def _on_local_term(metric, states, local_term, mesh, defer):
     """Runs a `Mean`'s update on `local_term` of a partial sum over `mesh`,
     yielding it: `total` enters as its share of a partial sum (as DTensor
     partitions it) and leaves as one, handed to `defer`; `count` reads none."""
-    locals_ = [replicated_local(x) for x in states]
+    locals_ = replicated_locals(states)
     with torch.no_grad():
         entered = [
             local / mesh.size() if v is metric.total else local

@@ -14,6 +14,7 @@ import threading
 import numpy as np
 import torch
 
+from keras.src.backend.common.stateless_scope import get_stateless_scope
 from keras.src.backend.torch.distributed.core import generator_states
 from keras.src.backend.torch.distributed.core import layouts
 from keras.src.backend.torch.distributed.core import runtime
@@ -299,16 +300,26 @@ def seed_key(seed):
 
     upstream_next = getattr(type(seed), "next", None) is SeedGenerator.next
     state = seed.state if upstream_next else None
-    value = None if state is None else state.value
+    scope, value = get_stateless_scope(), None
+    if state is not None and scope is not None:
+        # The local rows' plain state (an integer: `.value` casts none).
+        value = scope.get_current_value(state)
+    if state is not None and value is None:
+        value = state.value
     if state is None or isinstance(value, DTensor):
         value = draw_seed(seed)
         return _key(value.to_local() if isinstance(value, DTensor) else value)
     # `SeedGenerator.next` on plain state (the local rows, or a generator
     # made outside the distribution): the same step, without the NumPy
     # increment `next` converts each call. The key is read before the state
-    # changes.
+    # changes; the new state, of the state's dtype and shape, is the scope's
+    # update as `assign` would add it.
     key = _key(value)
-    state.assign(value + _increment(value.dtype, value.device))
+    value = value + _increment(value.dtype, value.device)
+    if scope is None:
+        state.assign(value)
+    else:
+        scope.add_update((state, value))
     return key
 
 
@@ -448,8 +459,15 @@ def dropout(inputs, rate, noise_shape, seed):
             for p in layouts.reduced_placements(placements)
         ]
         mask = layouts.dtensor_from_local(mask, mesh, placements, shape=shape)
-    # Each kept value is `inputs * (1 / keep)` as in torch's dropout (a
-    # dropped one `inputs * 0`); backward keeps the booleans, not a scale.
+    return masked_product(inputs, mask, keep, device)
+
+
+def masked_product(inputs, mask, keep, device):
+    """`inputs * mask / keep` (a kept value `inputs * (1 / keep)`), saving for
+    backward what torch's dropout saves on `device`: the booleans where it
+    fuses dropout, else the scale (on the CPU: one op in backward)."""
+    if device.type == "cpu":
+        return inputs * mask.to(inputs.dtype).mul_(1 / keep)
     return inputs * mask * (1 / keep)
 
 

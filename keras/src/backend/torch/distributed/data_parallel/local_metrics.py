@@ -36,7 +36,7 @@ def compiled_metrics(rows, tracker, inputs, added=False):
     variables = metrics.variables if metrics else []
     if check:
         sums = gradients.reduce_parts(_row_sums(metrics, inputs, batch.mesh))
-        before = [local_state.replicated_local(v.value) for v in variables]
+        before = local_state.replicated_locals([v.value for v in variables])
         before = [x.clone() for x in before]
     if added:
         metrics = model._compile_metrics
@@ -65,7 +65,9 @@ def add_with_gradients(rows, inputs, defer):
     if not (metrics and rows.metrics_on_rows):
         return False
     n, parts = batch.mesh.size(), _row_sums(metrics, inputs, batch.mesh)
-    locals_ = [local_state.replicated_local(v.value) for v in metrics.variables]
+    locals_ = local_state.replicated_locals(
+        [v.value for v in metrics.variables]
+    )
     # Each enters as its share of the sum, as DTensor partitions it.
     return all(
         [

@@ -387,8 +387,9 @@ def classification_final(model):
 
 def local_weight(variable, step):
     """A replicated weight's local value, its gradient a partial sum (the
-    step's plain leaf in Keras' own train step)."""
-    value = variable.value
+    step's plain leaf in Keras' own train step); the variable's own tensor,
+    which the layers' reads through the stateless scope autocast."""
+    value = variable._value
     if not value.requires_grad:
         return value.to_local()
     leaf = None if step is None else step.local_leaf(variable, value)
