@@ -29,7 +29,7 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import torch  # noqa: E402
 
-from keras.src.backend.torch.distributed.core import random_draws  # noqa: E402
+from keras.src.backend.torch.distributed.core import counter_draws  # noqa: E402
 
 
 def parse_args():
@@ -70,8 +70,12 @@ def _measures(size, device):
     box = ((size,), (0,), (size,))
 
     def ours_dropout():
-        mask = random_draws.keep_mask(key, box, device, 0.9)
-        return torch.where(mask, x / 0.9, torch.zeros_like(x))
+        # The factor `random_draws.dropout` multiplies by on this device.
+        if device.type == "cpu":
+            factor = counter_draws.keep_scale(key, box, device, 0.9, x.dtype)
+        else:
+            factor = counter_draws.keep_mask(key, box, device, 0.9)
+        return counter_draws.masked_product(x, factor, 0.9)
 
     return [
         (
@@ -81,12 +85,12 @@ def _measures(size, device):
         ),
         (
             "uniform",
-            lambda: random_draws.unit_uniform(key, box, device, torch.float32),
+            lambda: counter_draws.unit_uniform(key, box, device, torch.float32),
             lambda: torch.rand(size, device=device),
         ),
         (
             "normal",
-            lambda: random_draws.standard_normal(
+            lambda: counter_draws.standard_normal(
                 key, box, device, torch.float32
             ),
             lambda: torch.randn(size, device=device),

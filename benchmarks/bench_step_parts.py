@@ -59,7 +59,10 @@ PARTS = {
     ),
     "position_mask": (
         "dropout's mask drawn by position (here a private generator's)",
-        [(_DIST + "core.random_draws", "keep_mask", "_private_mask")],
+        [
+            (_DIST + "core.counter_draws", "keep_mask", "_private_mask"),
+            (_DIST + "core.counter_draws", "keep_scale", "_private_scale"),
+        ],
     ),
     "plain_rows_off": (
         "Keras' train step on plain rows turned off: the batch and outputs "
@@ -113,6 +116,13 @@ def _stand_in(name, original):
         generator = torch.Generator().manual_seed(0)
         return lambda key, box, device, keep: (
             torch.rand(tuple(box[2]), generator=generator).to(device) < keep
+        )
+    if name == "_private_scale":
+        generator = torch.Generator().manual_seed(0)
+        return lambda key, box, device, keep, dtype: (
+            (torch.rand(tuple(box[2]), generator=generator).to(device) < keep)
+            .to(dtype)
+            .mul_(1 / keep)
         )
     if name == "_no_context":
         return contextlib.nullcontext

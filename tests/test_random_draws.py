@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from keras.src.backend.torch.distributed.core import counter_draws
 from keras.src.backend.torch.distributed.core import generator_states
 from keras.src.backend.torch.distributed.core import random_draws
 from tests.harness import run_on_ranks
@@ -38,12 +39,26 @@ def test_bits_are_splitmix64():
     for key in (0, 1, 123456789, (1 << 63) + 5):
         signed = key - (1 << 64) if key >= 1 << 63 else key
         index = torch.arange(50, dtype=torch.int64) * 1_000_003
-        bits = random_draws.random_bits(torch.tensor(signed), index.clone())
+        bits = counter_draws.random_bits(torch.tensor(signed), index.clone())
         got = [int(b) & _MASK for b in bits]
         assert got == [_splitmix64(key, int(i)) for i in index], key
     # The generator's published first output for seed 0.
-    first = random_draws.random_bits(torch.tensor(0), torch.tensor([0]))
+    first = counter_draws.random_bits(torch.tensor(0), torch.tensor([0]))
     assert int(first) & _MASK == 0xE220A8397B1DCDAF
+
+
+def _numpy_mixes(monkeypatch):
+    """The numbers of counters `counter_draws` mixes in NumPy, call by call,
+    from now on in the test."""
+    mixed = []
+    numpy_bits = counter_draws._numpy_bits
+
+    def counting(*args):
+        mixed.append(args[2])
+        return numpy_bits(*args)
+
+    monkeypatch.setattr(counter_draws, "_numpy_bits", counting)
+    return mixed
 
 
 def test_range_bits_are_splitmix64_in_numpy_and_torch(monkeypatch):
@@ -51,29 +66,22 @@ def test_range_bits_are_splitmix64_in_numpy_and_torch(monkeypatch):
     CPU, below ATen's grain or on one thread) or by torch's ops (a tensor
     key, or more counters than the grain on several threads) gives
     SplitMix64's bits."""
-    mixed = []
-    numpy_bits = random_draws._numpy_bits
-
-    def counting(*args):
-        mixed.append(args[2])
-        return numpy_bits(*args)
-
-    monkeypatch.setattr(random_draws, "_numpy_bits", counting)
+    mixed = _numpy_mixes(monkeypatch)
     for key in (0, 123456789, -(1 << 63), (1 << 63) - 1, -98765):
         for first, count in ((0, 1), (5, 37), (1 << 40, 100)):
             expected = [
                 _splitmix64(key & _MASK, first + i) for i in range(count)
             ]
             for k in (key, torch.tensor(key)):
-                got = random_draws.range_bits(k, first, count, "cpu")
+                got = counter_draws.range_bits(k, first, count, "cpu")
                 assert [int(b) & _MASK for b in got] == expected, (k, first)
     assert len(mixed) == 15  # The keys of Python integers.
-    grain = random_draws._ONE_THREAD_ELEMENTS
+    grain = counter_draws._ONE_THREAD_ELEMENTS
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    wide = random_draws.range_bits(-98765, 3, grain, "cpu")
+    wide = counter_draws.range_bits(-98765, 3, grain, "cpu")
     assert len(mixed) == 15  # By torch's ops, on two threads.
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    assert torch.equal(random_draws.range_bits(-98765, 3, grain, "cpu"), wide)
+    assert torch.equal(counter_draws.range_bits(-98765, 3, grain, "cpu"), wide)
     assert mixed[-1] == grain
 
 
@@ -82,18 +90,18 @@ def test_key_mix_is_the_tensor_mix():
     and a key of either kind draws the same bits."""
     values = [0, 1, -1, 123456789, -(1 << 63), (1 << 63) - 1]
     values += [random.Random(7).getrandbits(64) - (1 << 63) for _ in range(50)]
-    tensor_mix = random_draws.mix(torch.tensor(values, dtype=torch.int64))
-    assert [random_draws.mix_int(v) for v in values] == tensor_mix.tolist()
+    tensor_mix = counter_draws.mix(torch.tensor(values, dtype=torch.int64))
+    assert [counter_draws.mix_int(v) for v in values] == tensor_mix.tolist()
     index = torch.arange(20, dtype=torch.int64)
-    as_int = random_draws.random_bits(-12345, index.clone())
-    as_tensor = random_draws.random_bits(torch.tensor(-12345), index.clone())
+    as_int = counter_draws.random_bits(-12345, index.clone())
+    as_tensor = counter_draws.random_bits(torch.tensor(-12345), index.clone())
     assert torch.equal(as_int, as_tensor)
 
 
 def _tensor_key(seed):
     """The key of `draw_seed`'s values, mixed as tensors."""
     seed = seed.long()
-    return int(random_draws.mix(seed[0] * random_draws._GAMMA + seed[1]))
+    return int(counter_draws.mix(seed[0] * counter_draws.GAMMA + seed[1]))
 
 
 def test_seed_key_advances_a_seed_generator_as_draw_seed():
@@ -145,12 +153,12 @@ def test_any_part_is_that_part_of_the_whole(draw, key):
     def drawn(offsets, local_shape):
         box = (shape, offsets, local_shape)
         if draw == "uniform":
-            return random_draws.unit_uniform(key, box, "cpu", torch.float32)
+            return counter_draws.unit_uniform(key, box, "cpu", torch.float32)
         if draw == "uniform64":
-            return random_draws.unit_uniform(key, box, "cpu", torch.float64)
+            return counter_draws.unit_uniform(key, box, "cpu", torch.float64)
         if draw == "normal":
-            return random_draws.standard_normal(key, box, "cpu", torch.float32)
-        return random_draws.keep_mask(key, box, "cpu", 0.7)
+            return counter_draws.standard_normal(key, box, "cpu", torch.float32)
+        return counter_draws.keep_mask(key, box, "cpu", 0.7)
 
     whole = drawn((0, 0, 0), shape)
     assert tuple(whole.shape) == shape
@@ -166,9 +174,9 @@ def test_rows_as_int32_words_are_the_per_position_halves(monkeypatch):
     import sys
 
     box = ((1000, 30, 7), (3, 0, 0), (500, 30, 7))
-    words = random_draws.draw_halves(torch.tensor(7), box, "cpu")
+    words = counter_draws.draw_halves(torch.tensor(7), box, "cpu")
     monkeypatch.setattr(sys, "byteorder", "big")
-    per_position = random_draws.draw_halves(torch.tensor(7), box, "cpu")
+    per_position = counter_draws.draw_halves(torch.tensor(7), box, "cpu")
     assert torch.equal(words.long(), per_position.long())
 
 
@@ -186,7 +194,7 @@ def test_keep_mask_is_a_word_of_splitmix64_below_keep(
 
     monkeypatch.setattr(sys, "byteorder", byteorder)
     shape, offsets, local_shape = (40, 9), (3, 0), (21, 9)
-    mask = random_draws.keep_mask(
+    mask = counter_draws.keep_mask(
         11, (shape, offsets, local_shape), "cpu", keep
     )
     limit = math.ceil(keep * 2**32)
@@ -197,6 +205,38 @@ def test_keep_mask_is_a_word_of_splitmix64_below_keep(
             signed = word - (1 << 32) if word >> 31 else word
             expected.append(signed + (1 << 31) < limit)
     assert mask.flatten().tolist() == expected
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_keep_scale_is_the_mask_over_keep(threads, monkeypatch):
+    """Dropout's CPU factor is `keep_mask` over `keep` in the inputs' dtype,
+    bit for bit: compared and scaled in NumPy (float32 and float64, words of
+    a range mixed in NumPy), else by torch's ops (other dtypes, a box that
+    is no range, counters past ATen's grain on several threads)."""
+    mixed = _numpy_mixes(monkeypatch)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    grain = counter_draws._ONE_THREAD_ELEMENTS
+    boxes = [
+        ((40, 9), (3, 0), (21, 9)),  # rows from an odd position
+        ((40, 9), (3, 2), (21, 5)),  # no range: per position
+        ((4, grain), (1, 0), (2, grain)),  # past the grain
+    ]
+    for keep in (0.9, 0.75, 1 / 3, 1 - 2.0**-40):
+        for dtype in (torch.float32, torch.float64, torch.bfloat16):
+            for box in boxes:
+                scale = counter_draws.keep_scale(11, box, "cpu", keep, dtype)
+                mask = counter_draws.keep_mask(11, box, "cpu", keep)
+                expected = mask.to(dtype).mul_(1 / keep)
+                assert scale.dtype == dtype and scale.shape == mask.shape
+                assert torch.equal(scale, expected), (keep, dtype, box)
+                assert torch.equal(scale != 0, mask)
+    # Each range's counters (a scale's and its mask's, any dtype) mixed in
+    # NumPy below the grain, past it on one thread only.
+    start, count = 3 * 9, 21 * 9
+    counters = (start + count + 1) // 2 - start // 2
+    below = 4 * 3 * 2 * counters
+    past = 4 * 3 * 2 * grain if threads == 1 else 0
+    assert sum(mixed) == below + past, (sum(mixed), threads)
 
 
 def _saved_for_backward(function):
@@ -231,7 +271,7 @@ def test_dropout_saves_what_torchs_dropout_saves():
     y.sum().backward()
     torch.testing.assert_close(x.grad, mask / 0.75)
     fused, fused_y = _saved_for_backward(
-        lambda: random_draws.masked_product(x, mask, 0.75, torch.device("cuda"))
+        lambda: counter_draws.masked_product(x, mask, 0.75)
     )
     assert [t.dtype for t in fused] == [torch.bool]
     torch.testing.assert_close(fused_y, y, rtol=0, atol=0)
@@ -244,21 +284,23 @@ def test_moments():
     box = ((n,), (0,), (n,))
     bound = 6 / n**0.5
     for dtype in (torch.float32, torch.float64):
-        u = random_draws.unit_uniform(torch.tensor(3), box, "cpu", dtype)
+        u = counter_draws.unit_uniform(torch.tensor(3), box, "cpu", dtype)
         assert u.dtype == dtype
         assert 0 <= float(u.min()) and float(u.max()) < 1
         assert abs(float(u.mean()) - 0.5) < bound * 0.29
         assert abs(float(u.var()) - 1 / 12) < bound * 0.09
-    z = random_draws.standard_normal(torch.tensor(4), box, "cpu", torch.float32)
+    z = counter_draws.standard_normal(
+        torch.tensor(4), box, "cpu", torch.float32
+    )
     assert abs(float(z.mean())) < bound
     assert abs(float(z.std()) - 1) < bound
     # Neighbours (a pair of one counter's bits) are not correlated.
     assert abs(float((z[1:] * z[:-1]).mean())) < bound
     assert abs(float((z.abs() > 2).float().mean()) - 0.0455) < 0.002
-    mask = random_draws.keep_mask(torch.tensor(5), box, "cpu", 0.9)
+    mask = counter_draws.keep_mask(torch.tensor(5), box, "cpu", 0.9)
     assert abs(float(mask.float().mean()) - 0.9) < bound * 0.3
     # Different keys, different numbers.
-    other = random_draws.standard_normal(
+    other = counter_draws.standard_normal(
         torch.tensor(5), box, "cpu", torch.float32
     )
     assert abs(float(torch.corrcoef(torch.stack([z, other]))[0, 1])) < bound
@@ -482,13 +524,14 @@ def _draws_body(rank, world_size, mesh_shape):
         torch.tensor(x), distribution.get_data_layout(x.shape)
     )
     drawn = []
-    range_bits = random_draws.range_bits
+    # The counters mixed (a key of Python integers: in NumPy).
+    numpy_bits = counter_draws._numpy_bits
 
-    def counting(key, first, count, device):
+    def counting(key, first, count):
         drawn.append(count)
-        return range_bits(key, first, count, device)
+        return numpy_bits(key, first, count)
 
-    random_draws.range_bits = counting
+    counter_draws._numpy_bits = counting
     try:
         seeded = keras.random.dropout(
             x, 0.5, seed=keras.random.SeedGenerator(3)
@@ -497,7 +540,7 @@ def _draws_body(rank, world_size, mesh_shape):
         unseeded = keras.random.dropout(x, 0.5)
         spatial = keras.random.dropout(x, 0.5, noise_shape=(None, 1), seed=5)
     finally:
-        random_draws.range_bits = range_bits
+        counter_draws._numpy_bits = numpy_bits
     late = keras.layers.Dropout(0.5)
     out["torch_keyed"] = [
         random_draws.torch_keyed(layer.seed_generator)
