@@ -238,11 +238,10 @@ def keep_mask(key, box, device, keep):
     """Booleans by position, each true with probability `keep` (in (0, 1)):
     `draw_words`' word plus 2**31 (uniform in [0, 2**32)) below
     `keep * 2**32`, compared on the signed word itself."""
-    words = _numpy_words(key, box, device)
-    if words is None:
+    kept = _numpy_kept(key, box, device, keep)
+    if kept is None:
         return draw_words(key, box, device) <= _keep_limit(keep)
-    kept = np.less_equal(words, _keep_limit(keep))
-    return torch.from_numpy(kept.reshape(box[2]))
+    return torch.from_numpy(kept)
 
 
 def keep_scale(key, box, device, keep, dtype):
@@ -251,12 +250,20 @@ def keep_scale(key, box, device, keep, dtype):
     are NumPy's (one op each where torch's would cost several times more on
     so few elements)."""
     numpy_dtype = _NUMPY_FLOATS.get(dtype)
-    words = None if numpy_dtype is None else _numpy_words(key, box, device)
-    if words is None:
+    kept = None if numpy_dtype is None else _numpy_kept(key, box, device, keep)
+    if kept is None:
         return keep_mask(key, box, device, keep).to(dtype).mul_(1 / keep)
-    kept = np.less_equal(words, _keep_limit(keep))
     scale = np.multiply(kept, numpy_dtype(1 / keep), dtype=numpy_dtype)
-    return torch.from_numpy(scale.reshape(box[2]))
+    return torch.from_numpy(scale)
+
+
+def _numpy_kept(key, box, device, keep):
+    """`keep_mask` as NumPy booleans of `box`'s shape where its words are
+    NumPy's (`_numpy_words`), else `None`."""
+    words = _numpy_words(key, box, device)
+    if words is None:
+        return None
+    return np.less_equal(words, _keep_limit(keep)).reshape(box[2])
 
 
 def _keep_limit(keep):

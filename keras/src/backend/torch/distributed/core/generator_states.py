@@ -58,10 +58,7 @@ def _python_state():
     (building 625 integers)."""
     generator = random.getstate.__self__
     if generator is not _PYTHON_LAYOUT[0]:
-        view = None
-        if _python_layout(generator):
-            address = id(generator) + object.__basicsize__
-            view = _memory_view(address, _PYTHON_BYTES)
+        view = _python_view(generator) if _python_layout(generator) else None
         _PYTHON_LAYOUT[:] = [generator, view]
     if _PYTHON_LAYOUT[1] is None:
         return random.getstate()
@@ -75,10 +72,10 @@ def _memory_view(address, size):
     return memoryview((ctypes.c_char * size).from_address(address)).cast("B")
 
 
-def _python_memory(generator):
-    """The bytes of `generator`'s Mersenne Twister after its object header
-    (`id` is the object's address in CPython)."""
-    return ctypes.string_at(id(generator) + object.__basicsize__, _PYTHON_BYTES)
+def _python_view(generator):
+    """A view of `generator`'s Mersenne Twister after its object header (`id`
+    is the object's address in CPython)."""
+    return _memory_view(id(generator) + object.__basicsize__, _PYTHON_BYTES)
 
 
 def _python_layout(generator):
@@ -94,7 +91,7 @@ def _python_layout(generator):
     def held():
         words = fresh.getstate()[1]
         expected = struct.pack(_PYTHON_FORMAT, words[-1], *words[:-1])
-        return _python_memory(fresh) == expected
+        return _python_view(fresh).tobytes() == expected
 
     first = held()
     fresh.random()
@@ -151,7 +148,7 @@ def _mt19937_layout(global_bits):
     def held():
         state = bits.state["state"]
         pos = int(state["pos"]).to_bytes(4, sys.byteorder, signed=True)
-        memory = ctypes.string_at(bits.ctypes.state_address, _MT_BYTES)
+        memory = _memory_view(bits.ctypes.state_address, _MT_BYTES).tobytes()
         return memory == state["key"].astype(np.uint32).tobytes() + pos
 
     first = held()
