@@ -72,17 +72,18 @@ def test_a_call_that_does_not_come_drops_what_was_gathered_for_it():
     assert log[-1] == ("drop_ahead", "b")
 
 
-def _distribution(device):
-    mesh = types.SimpleNamespace(devices=[device])
+def _distribution(device_type):
+    backend_mesh = types.SimpleNamespace(device_type=device_type)
+    mesh = types.SimpleNamespace(backend_mesh=backend_mesh)
     return types.SimpleNamespace(device_mesh=mesh)
 
 
 def test_gathering_ahead_is_chosen_by_device_unless_set(monkeypatch):
     monkeypatch.delenv(fsdp_schedule.GATHER_AHEAD_ENV, raising=False)
-    assert not fsdp_schedule.gathers_ahead(_distribution("cpu:0"))
-    assert fsdp_schedule.gathers_ahead(_distribution("cuda:0"))
+    assert not fsdp_schedule.gathers_ahead(_distribution("cpu"))
+    assert fsdp_schedule.gathers_ahead(_distribution("cuda"))
     monkeypatch.setenv(fsdp_schedule.GATHER_AHEAD_ENV, "1")
-    assert fsdp_schedule.gathers_ahead(_distribution("cpu:0"))
+    assert fsdp_schedule.gathers_ahead(_distribution("cpu"))
     monkeypatch.setenv(fsdp_schedule.GATHER_AHEAD_ENV, "yes")
     with pytest.raises(ValueError, match="must be '1'"):
-        fsdp_schedule.gathers_ahead(_distribution("cpu:0"))
+        fsdp_schedule.gathers_ahead(_distribution("cpu"))

@@ -9,9 +9,10 @@ _SCALARS = (int, float, str, type(None))
 def map_structure(function, data):
     """`tree.map_structure(function, data)`, dicts visited in sorted key order
     (the same on every process) and returned in theirs."""
-    if type(data) in (list, tuple):
-        return type(data)(map_structure(function, x) for x in data)
-    if type(data) is dict:
+    kind = type(data)
+    if kind is list or kind is tuple:
+        return kind([map_structure(function, x) for x in data])
+    if kind is dict:
         mapped = {k: map_structure(function, data[k]) for k in sorted(data)}
         return {k: mapped[k] for k in data}
     if hasattr(data, "shape") or isinstance(data, _SCALARS):
@@ -22,5 +23,20 @@ def map_structure(function, data):
 def flatten(data):
     """The leaves of `data`, in `map_structure`'s order."""
     leaves = []
-    map_structure(leaves.append, data)
+    _add_leaves(leaves, data)
     return leaves
+
+
+def _add_leaves(leaves, data):
+    """Appends the leaves of `data` to `leaves`, in `map_structure`'s order."""
+    kind = type(data)
+    if kind is list or kind is tuple:
+        for x in data:
+            _add_leaves(leaves, x)
+    elif kind is dict:
+        for key in sorted(data):
+            _add_leaves(leaves, data[key])
+    elif hasattr(data, "shape") or isinstance(data, _SCALARS):
+        leaves.append(data)
+    else:
+        tree.map_structure(leaves.append, data)

@@ -110,9 +110,8 @@ def recording():
 
 def record(layer, outputs):
     """`outputs` of a call of `layer`, recorded if `recording`."""
-    compiling = torch.compiler.is_compiling()
-    calls = None if compiling else getattr(_thread, "calls", None)
-    if calls is not None:
+    calls = getattr(_thread, "calls", None)
+    if calls is not None and not torch.compiler.is_compiling():
         leaves = [x for x in tree.flatten(outputs) if x is not None]
         calls.append((layer, leaves))
     return outputs

@@ -110,8 +110,10 @@ class StepRows:
     def plain_batch(self, values):
         """The running step's `Batch` of plain rows if `values` hold no
         `DTensor`, else `None`."""
+        if self.batch is None:
+            return None
         leaves = structures.flatten(values)
-        if self.batch is None or any(isinstance(x, DTensor) for x in leaves):
+        if any(isinstance(x, DTensor) for x in leaves):
             return None
         return self.batch
 
@@ -391,6 +393,6 @@ def local_weight(variable, step):
     which the layers' reads through the stateless scope autocast."""
     value = variable._value
     if not value.requires_grad:
-        return value.to_local()
+        return local_state.replicated_local(value)
     leaf = None if step is None else step.local_leaf(variable, value)
     return value.to_local(grad_placements=[Partial()]) if leaf is None else leaf

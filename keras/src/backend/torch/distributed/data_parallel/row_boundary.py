@@ -10,8 +10,10 @@ again."""
 
 import contextlib
 
-from keras.src.backend.torch.distributed.core import collectives
+import torch
+
 from keras.src.backend.torch.distributed.core import layouts
+from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.core import structures
 from keras.src.backend.torch.distributed.core.runtime import DTensor
 from keras.src.backend.torch.distributed.core.runtime import Replicate
@@ -96,11 +98,12 @@ def _cut(data, leaves, mesh):
     batch = coupled_layers.Batch(
         mesh, global_rows, local_rows, placements, start
     )
+    device = runtime.backend_core().get_device()
 
     def cut(x):
         if not _is_batch(x):
             return x
-        return collectives.as_local_tensor(x[start : start + local_rows])
+        return torch.as_tensor(x[start:stop], device=device)
 
     return structures.map_structure(cut, data), batch
 

@@ -6,8 +6,6 @@ import os
 import threading
 import weakref
 
-import numpy as np
-
 GATHER_AHEAD_ENV = "KERAS_DISTRIBUTION_GATHER_AHEAD"
 
 _running = threading.local()  # Per thread, as Keras' own state is.
@@ -38,8 +36,7 @@ def gathers_ahead(distribution):
     if GATHER_AHEAD_ENV in os.environ:
         meaning = "gathers the next layer's weights ahead"
         return env_choice(GATHER_AHEAD_ENV, "", ("1", "0"), meaning) == "1"
-    device = str(np.asarray(distribution.device_mesh.devices).flat[0])
-    return not device.lower().startswith("cpu")
+    return distribution.device_mesh.backend_mesh.device_type != "cpu"
 
 
 def step_schedule(step, distribution):

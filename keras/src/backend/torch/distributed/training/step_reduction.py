@@ -252,8 +252,10 @@ class OverlappedReduction:
 
     def wait_all(self, as_local):
         """Waits for the launches: `{id(variable): (gradient, reduced)}`."""
-        timeout = datetime.timedelta(seconds=health.current_timeout())
         reduced = {}
+        if not self.launched:
+            return reduced
+        timeout = datetime.timedelta(seconds=health.current_timeout())
         for bucket_index, (gradients, flat, work) in self.launched.items():
             work.wait(timeout)
             values, g0 = gradients_lib.views(flat, gradients), gradients[0]
