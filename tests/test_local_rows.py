@@ -170,6 +170,52 @@ def test_a_draw_without_a_seed_runs_on_local_rows_like_one_process():
         pm.assert_close(result, one_process[0][0])
 
 
+def _assigned_scale_fit(rank=None, world_size=None):
+    """Trains a model whose user layer scales by a weight without gradient,
+    which the user assigns between steps: `{losses, weights}`."""
+    import numpy as np
+
+    import keras
+    from tests import distributions
+
+    class Scale(keras.layers.Layer):
+        def build(self, input_shape):
+            self.scale = self.add_weight(
+                shape=(), initializer="ones", trainable=False
+            )
+
+        def call(self, x):
+            return x * self.scale
+
+    distributions.use_setting("dp" if rank is not None else "single")
+    keras.utils.set_random_seed(pm.SEED)
+    scale = Scale()
+    inputs = keras.Input((5,))
+    hidden = scale(keras.layers.Dense(4)(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(2)(hidden))
+    model.compile(optimizer="sgd", loss="mse")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 5)).astype("float32")
+    y = rng.normal(size=(8, 2)).astype("float32")
+    losses = []
+    for step in range(6):
+        if step == 3:
+            scale.scale.assign(3.0)
+        losses.append(float(model.train_on_batch(x, y)))
+    weights = [np.array(w.numpy()) for w in model.weights]
+    return {"losses": losses, "weights": weights}
+
+
+def test_a_weight_without_gradient_assigned_between_steps_is_read_anew():
+    # The call on the rows reads such a weight's local tensor kept across
+    # steps: an assignment between steps must reach it.
+    per_rank, reference = _counted_runs(_assigned_scale_fit)
+    assert reference["losses"][3] != reference["losses"][2]
+    for rank, (result, local_calls) in enumerate(per_rank):
+        pm.assert_close(result, reference, f"rank {rank}")
+        assert local_calls >= 5, local_calls
+
+
 def _fit_functional(rank, build, rows, y_shape, batch_size):
     """Fits `keras.Model(*build(keras, ops))` on `rows` rows in batches of
     `batch_size` (under `DataParallel` if `rank` is given)."""

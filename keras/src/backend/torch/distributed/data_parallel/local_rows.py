@@ -393,6 +393,7 @@ def local_weight(variable, step):
     which the layers' reads through the stateless scope autocast."""
     value = variable._value
     if not value.requires_grad:
+        # Kept across calls: `to_local` would run an autograd function.
         return local_state.replicated_local(value)
     leaf = None if step is None else step.local_leaf(variable, value)
     return value.to_local(grad_placements=[Partial()]) if leaf is None else leaf
