@@ -618,18 +618,26 @@ def _int_and_bool_variables_body(rank, world_size):
         )
         + 1
     )
+    # Replicated state takes a plain value whole (a metric's reset: a
+    # Python number).
+    replicated.assign(np.arange(4, dtype="int32") + 5)
+    flags.assign(np.array([False, True, True]))
+    total = keras.Variable(1.0, trainable=False, name="total")
+    total.assign(2.5)
     facts = {
         name: _variable_facts(variable)
         for name, variable in (
             ("steps", replicated),
             ("counts", sharded),
             ("flags", flags),
+            ("total", total),
         )
     }
     for name, variable in (
         ("steps", replicated),
         ("counts", sharded),
         ("flags", flags),
+        ("total", total),
     ):
         facts[name]["dtype"] = str(variable.value.dtype)
     return facts
@@ -638,9 +646,10 @@ def _int_and_bool_variables_body(rank, world_size):
 def test_integer_and_bool_variables():
     results = run_on_ranks(_int_and_bool_variables_body, world_size=2)
     expected = {
-        "steps": (np.arange(4), "torch.int32"),
+        "steps": (np.arange(4) + 5, "torch.int32"),
         "counts": (np.arange(6) * 10 + 1, "torch.int32"),
-        "flags": (np.array([True, False, True]), "torch.bool"),
+        "flags": (np.array([False, True, True]), "torch.bool"),
+        "total": (np.float32(2.5), "torch.float32"),
     }
     for rank, result in enumerate(results):
         for name, (value, dtype) in expected.items():

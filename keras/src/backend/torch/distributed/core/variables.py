@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 from keras.src.backend.torch.distributed.core import layouts
+from keras.src.backend.torch.distributed.core import local_state
 from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.core.runtime import DTensor
 from keras.src.backend.torch.distributed.health import agreement
@@ -116,8 +117,14 @@ def assign(target, value):
         target.copy_(to_global_value(value))
     elif target.requires_grad:
         target.copy_(match_layout(value, target))
-    else:
+    elif isinstance(value, DTensor):
         target.to_local().copy_(_local_part(value, target))
+    else:
+        # Replicated state (a metric's) is the value whole: no region cut.
+        local = local_state.replicated_local(target)
+        if local is None:
+            local, value = target.to_local(), _local_part(value, target)
+        local.copy_(torch.as_tensor(value, device=local.device))
 
 
 def _local_part(value, reference):
