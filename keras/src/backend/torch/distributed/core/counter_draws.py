@@ -171,6 +171,11 @@ def draw_words(key, box, device):
     words = _numpy_words(key, box, device)
     if words is not None:
         return torch.from_numpy(words.reshape(box[2]))
+    return _torch_words(key, box, device)
+
+
+def _torch_words(key, box, device):
+    """`draw_words` of `box` by torch's ops."""
     # A range's words are read as int32 pairs only in little-endian order.
     little = sys.byteorder == "little"
     span, parity, bits = _counter_bits(key, box, device, ranges=little)
@@ -240,7 +245,7 @@ def keep_mask(key, box, device, keep):
     `keep * 2**32`, compared on the signed word itself."""
     kept = _numpy_kept(key, box, device, keep)
     if kept is None:
-        return draw_words(key, box, device) <= _keep_limit(keep)
+        return _torch_words(key, box, device) <= _keep_limit(keep)
     return torch.from_numpy(kept)
 
 
@@ -250,11 +255,15 @@ def keep_scale(key, box, device, keep, dtype):
     are NumPy's (one op each where torch's would cost several times more on
     so few elements)."""
     numpy_dtype = _NUMPY_FLOATS.get(dtype)
-    kept = None if numpy_dtype is None else _numpy_kept(key, box, device, keep)
+    kept = _numpy_kept(key, box, device, keep)
     if kept is None:
-        return keep_mask(key, box, device, keep).to(dtype).mul_(1 / keep)
-    scale = np.multiply(kept, numpy_dtype(1 / keep), dtype=numpy_dtype)
-    return torch.from_numpy(scale)
+        mask = _torch_words(key, box, device) <= _keep_limit(keep)
+    elif numpy_dtype is None:
+        mask = torch.from_numpy(kept)
+    else:
+        scale = np.multiply(kept, numpy_dtype(1 / keep), dtype=numpy_dtype)
+        return torch.from_numpy(scale)
+    return mask.to(dtype).mul_(1 / keep)
 
 
 def _numpy_kept(key, box, device, keep):
