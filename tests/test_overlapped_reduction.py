@@ -150,12 +150,86 @@ def _reports_body(rank, world_size):
 
 def test_only_a_mesh_of_processes_reports_arriving_gradients():
     # On one process a bucket has no axis to reduce over: no gradient hook
-    # runs. On two, each of the 4 weights reports as it arrives.
+    # runs. On two, each of the 4 weights reports as it arrives but the
+    # last bucket's (the first layer's kernel), reduced after backward.
     (alone,) = run_on_ranks(_reports_body, world_size=1)
     per_rank = run_on_ranks(_reports_body, world_size=2)
     assert alone["reports"] == 0, alone
-    assert [r["reports"] for r in per_rank] == [4, 4], per_rank
+    assert [r["reports"] for r in per_rank] == [3, 3], per_rank
     assert per_rank[0]["loss"] == per_rank[1]["loss"]
+
+
+def _default_buckets_body(rank, world_size):
+    """The all-reduces of a local-rows train step with the default bucket
+    sizes on a CPU mesh, the arrivals reported, and the step's weights."""
+    import numpy as np
+    import torch.distributed as dist
+
+    import keras
+    from keras.src.backend.torch.distributed.training import step_reduction
+
+    distributions.use_setting("dp")
+    keras.utils.set_random_seed(1)
+    # 1.6 MiB of float32 gradients: DDP's first bucket (1 MiB) would split
+    # them in two.
+    model = keras.Sequential(
+        [
+            keras.Input((256,)),
+            keras.layers.Dense(512, activation="relu"),
+            keras.layers.Dense(512, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
+    model.compile(optimizer="adam", loss="mse")
+    rng = np.random.RandomState(0)
+    x = rng.rand(8, 256).astype("float32")
+    y = rng.rand(8, 10).astype("float32")
+    model.train_on_batch(x, y)  # The probe's.
+    reduction = step_reduction.OverlappedReduction
+    gradient_ready, all_reduce = reduction.gradient_ready, dist.all_reduce
+    events = []
+
+    def recording_ready(self, *args, **kwargs):
+        events.append("arrived")
+        return gradient_ready(self, *args, **kwargs)
+
+    def recording_all_reduce(tensor, *args, **kwargs):
+        events.append(("all_reduce", tensor.numel()))
+        return all_reduce(tensor, *args, **kwargs)
+
+    reduction.gradient_ready = recording_ready
+    dist.all_reduce = recording_all_reduce
+    try:
+        model.train_on_batch(x, y)
+    finally:
+        reduction.gradient_ready, dist.all_reduce = gradient_ready, all_reduce
+        keras.distribution.set_distribution(None)
+    weights = sum(int(np.prod(w.shape)) for w in model.trainable_weights)
+    return {"events": events, "weights": weights}
+
+
+def test_a_cpu_mesh_reduces_the_gradients_below_a_bucket_at_once():
+    # On CPUs gloo's all-reduce shares the cores with backward: no small
+    # first bucket, so gradients below one bucket take one collective (with
+    # the loss tracker's sum), after backward, and no arrival is reported.
+    per_rank = run_on_ranks(_default_buckets_body, world_size=2)
+    for result in per_rank:
+        (event,) = result["events"]
+        assert event[0] == "all_reduce", result
+        # The gradients and the tracker's total, one number.
+        assert event[1] == result["weights"] + 1, result
+
+
+def test_the_first_bucket_is_small_on_an_accelerator_only():
+    import types
+
+    from keras.src.backend.torch.distributed.training import gradients
+
+    cpu = types.SimpleNamespace(device_type="cpu")
+    cuda = types.SimpleNamespace(device_type="cuda")
+    assert gradients.first_bucket_bytes(cpu) == gradients.BUCKET_BYTES
+    assert gradients.first_bucket_bytes(cuda) == gradients.FIRST_BUCKET_BYTES
+    assert gradients.FIRST_BUCKET_BYTES < gradients.BUCKET_BYTES
 
 
 def _shared_layer_run():
@@ -207,12 +281,15 @@ def _uneven_buckets_body(rank, world_size):
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor import distribute_tensor
 
+    from keras.src.backend.torch.distributed.training import gradients
     from keras.src.backend.torch.distributed.training import step_reduction
 
     mesh = init_device_mesh("cpu", (world_size,))
     # Reversed: a small replicated weight, 3 rows of 2**17 floats (1.5 MiB)
     # sharded 2 / 1 rows, then 0.5 MiB replicated. By local bytes the first
-    # 1 MiB bucket would close after the sharded weight on process 0 only.
+    # 1 MiB bucket (a CPU mesh's first is as large as the others) would
+    # close after the sharded weight on process 0 only.
+    gradients.BUCKET_BYTES = 1024 * 1024
     values = (
         ("other", distribute_tensor(torch.zeros(2**17), mesh, [Replicate()])),
         ("sharded", distribute_tensor(torch.zeros(3, 2**17), mesh, [Shard(0)])),

@@ -13,7 +13,8 @@ from keras.src.backend.torch.distributed.core import runtime
 from keras.src.backend.torch.distributed.core.runtime import DTensor
 
 BUCKET_BYTES = 25 * 1024 * 1024
-# The first overlapped bucket is small, as DDP's: it starts early in backward.
+# The first overlapped bucket on an accelerator is small, as DDP's: it starts
+# early in backward (`first_bucket_bytes`).
 FIRST_BUCKET_BYTES = 1024 * 1024
 
 _GRADIENT_BUFFERS = weakref.WeakKeyDictionary()
@@ -24,11 +25,27 @@ def apply_gradients(apply_function, optimizer, grads, trainable_variables):
     and if all replicated on local tensors (no DTensor dispatch)."""
     if runtime.current_distribution() is None:
         return apply_function(grads, trainable_variables)
-    grads = reduce_gradients(grads, buffers=optimizer_buffers(optimizer))
     variables = trainable_variables or optimizer._trainable_variables
-    # Redistributed once here, not by every optimizer op reading them.
+    grads = list(grads)
+    # Plain gradients (a train step's, reduced) are neither.
+    plain = not any(isinstance(g, DTensor) for g in grads)
+    if not plain:
+        buffers = optimizer_buffers(optimizer)
+        grads = _laid_out(reduce_gradients(grads, buffers=buffers), variables)
+    state = list(optimizer.variables) + list(variables)
+    if optimizer.built and (plain or local_state.all_replicated(grads)):
+        with torch.no_grad(), local_state.local_reads(state) as local:
+            if local:
+                grads = [local_state.local_value(g) for g in grads]
+                return apply_function(grads, trainable_variables)
+    return apply_function(grads, trainable_variables)
+
+
+def _laid_out(grads, variables):
+    """`DTensor` `grads` redistributed as their variables, once here, not by
+    every optimizer op reading them."""
     values = [getattr(v, "value", v) for v in variables]
-    grads = [
+    return [
         layouts.redistribute(g, g.device_mesh, x.placements)
         if isinstance(g, DTensor)
         and isinstance(x, DTensor)
@@ -36,13 +53,6 @@ def apply_gradients(apply_function, optimizer, grads, trainable_variables):
         else g
         for g, x in zip(grads, values)
     ]
-    state = list(optimizer.variables) + list(variables)
-    if optimizer.built and local_state.all_replicated(grads):
-        with torch.no_grad(), local_state.local_reads(state) as local:
-            if local:
-                grads = [local_state.local_value(g) for g in grads]
-                return apply_function(grads, trainable_variables)
-    return apply_function(grads, trainable_variables)
 
 
 def optimizer_buffers(optimizer):
@@ -162,6 +172,18 @@ def reduce_op(placement):
     """The `ReduceOp` summing parts partial by `placement` (averages too)."""
     op = placement.reduce_op
     return getattr(dist.ReduceOp, "SUM" if op == "avg" else op.upper())
+
+
+def first_bucket_bytes(mesh):
+    """The first overlapped bucket's cap on `mesh`: DDP's small one on an
+    accelerator, whose all-reduce runs beside backward's kernels. On CPUs
+    gloo's all-reduce takes the cores backward computes on, so starting it
+    early overlaps little and the extra collective costs its whole latency:
+    there the first bucket is as large as the others (as DDP's is given a
+    `bucket_cap_mb`)."""
+    if mesh.device_type == "cpu":
+        return BUCKET_BYTES
+    return FIRST_BUCKET_BYTES
 
 
 def buckets(items, tensor, first_cap=None):

@@ -135,19 +135,21 @@ class DeferredSums:
 
 
 class KeptLeaves(dict):
-    """`{id(weight): (its replicated value, plain leaf)}` kept across steps,
-    each leaf hooked once to report to the running `reduction`."""
+    """`{id(weight): (its replicated value, plain leaf, launches)}` kept across
+    steps, a leaf whose bucket `launches` hooked once to report to the
+    running `reduction`."""
 
     reduction = None
 
-    def leaf(self, key, value):
-        """The leaf sharing `value`'s local storage, made anew for another."""
+    def leaf(self, key, value, launches):
+        """The leaf sharing `value`'s local storage, made anew for another
+        value or where its bucket now launches or no longer does."""
         kept = self.get(key)
-        if kept is None or kept[0] is not value:
+        if kept is None or kept[0] is not value or kept[2] != launches:
             with torch.no_grad():
                 leaf = value.to_local().detach().requires_grad_()
-            kept = self[key] = (value, leaf)
-            if _launches(value):
+            kept = self[key] = (value, leaf, launches)
+            if launches:
                 hook = functools.partial(self._ready, key)
                 leaf.register_post_accumulate_grad_hook(hook)
         return kept[1]
@@ -164,10 +166,13 @@ def _launches(value):
 
 
 def _reverse_buckets(variables):
-    """`variables` reversed in DDP's buckets, by global sizes (so all agree)."""
-    return gradients_lib.buckets(
-        variables[::-1], lambda v: v.value, gradients_lib.FIRST_BUCKET_BYTES
-    )
+    """`variables` reversed in DDP's buckets, by global sizes (so all agree),
+    the first capped by `first_bucket_bytes`."""
+    if not variables:
+        return []
+    mesh = variables[0].value.device_mesh
+    first = gradients_lib.first_bucket_bytes(mesh)
+    return gradients_lib.buckets(variables[::-1], lambda v: v.value, first)
 
 
 class OverlappedReduction:
@@ -197,7 +202,10 @@ class OverlappedReduction:
         key = id(variable)
         if key not in self.positions or key in self.leaf_of:
             return self.leaf_of.get(key)
-        leaf = self.leaf_of[key] = self.leaves.leaf(key, value)
+        # The last bucket is reduced after backward: no arrival to report.
+        launches = self.positions[key][0] < len(self.buckets) - 1
+        launches = launches and _launches(value)
+        leaf = self.leaf_of[key] = self.leaves.leaf(key, value, launches)
         return leaf
 
     def defer(self, local, value, mesh):
