@@ -8,10 +8,10 @@ For each model (the MLP and transformer blocks of `bench_step.py`, same
 shapes and flags), it prints:
 
 * a `torch.profiler` summary of one Keras `DataParallel` train step with
-  DDP's bucket sizes (first bucket 1 MiB, then 25 MiB, in reverse variable
-  order): when the backward pass ran and when each all-reduce started and
-  ended, relative to the step's start; an all-reduce that starts before
-  the backward pass ends overlaps it;
+  its bucket sizes (in reverse variable order, 25 MiB each; on a GPU the
+  first 1 MiB, as DDP's): when the backward pass ran and when each
+  all-reduce started and ended, relative to the step's start; an
+  all-reduce that starts before the backward pass ends overlaps it;
 * step times, interleaved as in `bench_step.py`: `keras_dp` (as shipped:
   buckets launched during the backward pass, per-sample models on local
   rows), `keras_dp_one_bucket` (every gradient in one bucket, reduced

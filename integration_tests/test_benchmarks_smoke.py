@@ -269,7 +269,10 @@ def test_bench_weak_scaling_prints_both_sides_and_the_path():
     assert floor is not None, out
     keras_alone, loop_alone, printed = map(float, floor.groups())
     expected = (ddp + keras_alone - loop_alone) / ddp
-    assert abs(printed - expected) <= 0.15 / ddp + 0.005, out
+    # Each time printed to 0.05 ms: Keras' and the loop's shift the floor
+    # by up to 0.1 / ddp, DDP's by up to |Keras - loop| * 0.05 / ddp**2.
+    slack = 0.1 / ddp + abs(keras_alone - loop_alone) * 0.05 / ddp**2
+    assert abs(printed - expected) <= slack + 0.005, out
     # The train step's parts, timed on both sides; the DP side reduces.
     parts = dict(
         (label.strip(), (float(a), float(b)))
